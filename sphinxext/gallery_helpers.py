@@ -7,10 +7,11 @@
   matplotlib settings, warning filters) leaks into the next one. Before a page
   it also records which PyTorch and which device produced its figures, and
   arms a per-tutorial time limit.
-* ``PeakMemory``: the memory figure Sphinx-Gallery prints under each page.
-  With CUDA it is ``torch.cuda.max_memory_allocated``; on CPU, where PyTorch
-  keeps no allocator statistics, it is the peak resident set size of the build
-  process while the page ran, sampled every few milliseconds.
+* ``PeakMemory``: the memory figure Sphinx-Gallery prints under each page
+  (it subtracts the reading taken just before the page starts). With CUDA it
+  is ``torch.cuda.max_memory_allocated``; on CPU, where PyTorch keeps no
+  allocator statistics, it is the peak resident set size of the build
+  process, sampled every 5 ms.
 * ``add_environment_stamp``: puts that record at the top of each page.
 * ``write_landing_cards``: the landing page's card grid, one card per
   tutorial, generated so that no tutorial can be left off it.
@@ -76,7 +77,8 @@ def describe_device() -> dict:
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         info["device"] = f"CPU, {cores} cores"
-        info["memory"] = "peak resident set size of the build process while the page ran"
+        info["memory"] = ("peak growth of the build process's resident memory (RSS) "
+                          "while the page ran, sampled every 5 ms")
     return info
 
 
@@ -109,8 +111,11 @@ def _restore_state() -> None:
     torch.set_float32_matmul_precision(_baseline["matmul_precision"])
     torch.use_deterministic_algorithms(False)
     torch._dynamo.reset()
-    torch._dynamo.config.load_config(_baseline["dynamo_config"])
-    torch._inductor.config.load_config(_baseline["inductor_config"])
+    with warnings.catch_warnings():
+        # Loading a saved config also sets its deprecated keys, which warns.
+        warnings.simplefilter("ignore", FutureWarning)
+        torch._dynamo.config.load_config(_baseline["dynamo_config"])
+        torch._inductor.config.load_config(_baseline["inductor_config"])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -1,0 +1,66 @@
+"""Build a copy of the site (or a fixture site) in a temporary folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+# What a site needs besides its tutorials.
+SITE_FILES = [
+    "conf.py",
+    "index.rst",
+    "requirements-tutorials.txt",
+    ".pyspelling.yml",
+    "spelling_wordlist.txt",
+]
+SITE_DIRS = ["sphinxext", "_static"]
+
+
+@dataclass
+class Build:
+    src: Path
+    out: Path
+    returncode: int
+    log: str
+    seconds: float
+
+    @property
+    def html(self) -> Path:
+        return self.out / "html"
+
+
+def make_site(dst: Path, tutorials: list[Path] | None = None) -> Path:
+    """A copy of the real site in ``dst``, with the given tutorial files
+    (default: the real ones)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in SITE_FILES:
+        shutil.copy2(REPO / name, dst / name)
+    for name in SITE_DIRS:
+        shutil.copytree(REPO / name, dst / name, dirs_exist_ok=True)
+    tut = dst / "tutorials"
+    tut.mkdir(exist_ok=True)
+    shutil.copy2(REPO / "tutorials" / "GALLERY_HEADER.rst", tut)
+    sources = tutorials if tutorials is not None else sorted((REPO / "tutorials").glob("*.py"))
+    for path in sources:
+        shutil.copy2(path, tut / path.name)
+    return dst
+
+
+def build(src: Path, *extra: str, env: dict | None = None) -> Build:
+    """Run the same strict sphinx-build as ``make html``."""
+    out = src / "_build"
+    cmd = [sys.executable, "-m", "sphinx", "-M", "html", str(src), str(out),
+           "-W", "--keep-going", "-n", *extra]
+    full_env = {**os.environ, "GALLERY_PATTERN": "", **(env or {})}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=src, env=full_env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    return Build(src, out, proc.returncode, proc.stdout + proc.stderr, seconds)

@@ -1,0 +1,108 @@
+"""Checks on the real site, built once per session from a clean copy."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from pages import download_links, external_resources, run_seconds, soup
+from sitebuild import REPO, build
+
+STEMS = sorted(p.stem for p in (REPO / "tutorials").glob("*.py"))
+
+
+def test_there_are_tutorials():
+    assert "ragged_batches_intro" in STEMS
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_page_has_output_and_run_time(real_site, stem):
+    page = soup(real_site.html / "auto_tutorials" / f"{stem}.html")
+    outputs = page.select("div.sphx-glr-script-out")
+    assert outputs, f"{stem}: no rendered output blocks"
+    assert all(o.get_text(strip=True) for o in outputs), f"{stem}: an empty output block"
+    assert run_seconds(page) > 0, f"{stem}: run time is zero, so its code did not run"
+
+
+def test_junit_records_every_tutorial_as_passing(real_site):
+    tree = ET.parse(real_site.html / "sphinx-gallery" / "junit-results.xml")
+    cases = {Path(c.get("file") or c.get("name")).stem: c for c in tree.iter("testcase")}
+    assert set(cases) == set(STEMS)
+    for stem, case in cases.items():
+        assert float(case.get("time")) > 0, f"{stem}: JUnit time is zero"
+        assert not list(case), f"{stem}: JUnit records a failure or skip"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_downloads_exist_and_notebook_is_valid(real_site, stem):
+    html = real_site.html / "auto_tutorials" / f"{stem}.html"
+    links = download_links(soup(html))
+    assert set(links) == {".py", ".ipynb"}, f"{stem}: download links {links}"
+    for suffix, href in links.items():
+        target = (html.parent / href).resolve()
+        assert target.is_file(), f"{stem}: {href} does not exist"
+        assert target.name == stem + suffix
+    nb = nbformat.read((html.parent / links[".ipynb"]).resolve(), as_version=4)
+    nbformat.validate(nb)
+    first_code = next(c for c in nb.cells if c.cell_type == "code")
+    pins = [ln.strip() for ln in (REPO / "requirements-tutorials.txt").read_text().splitlines()
+            if ln.strip() and not ln.startswith("#")]
+    assert first_code.source.strip() == "%pip install " + " ".join(pins)
+
+
+def test_landing_page_links_every_tutorial_with_a_thumbnail(real_site):
+    page = soup(real_site.html / "index.html")
+    cards = page.select(".tutorial-card")
+    linked = {}
+    for card in cards:
+        a = card.find("a", href=True) or card.find_parent("a", href=True)
+        href = card.get("href") if card.name == "a" else (a["href"] if a else None)
+        if href is None:
+            a = card.select_one("a[href]")
+            href = a["href"] if a else None
+        assert href, "a card without a link"
+        img = card.find("img")
+        assert img is not None and (real_site.html / img["src"]).is_file(), f"card {href}: no thumbnail"
+        linked[Path(href.split("#")[0]).stem] = card.get_text(" ", strip=True)
+    assert set(linked) == set(STEMS), f"cards {sorted(linked)} vs tutorials {STEMS}"
+    assert all(len(text) > 40 for text in linked.values()), "a card without a description"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_environment_stamp(real_site, stem):
+    page = soup(real_site.html / "auto_tutorials" / f"{stem}.html")
+    stamp = page.select_one(".build-stamp")
+    assert stamp is not None, f"{stem}: no environment stamp"
+    text = stamp.get_text(" ", strip=True)
+    assert f"PyTorch {torch.__version__}" in text
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU,"
+    assert device in text, text
+
+
+def test_no_third_party_resources(real_site):
+    offenders = {}
+    for path in real_site.html.rglob("*.html"):
+        found = external_resources(soup(path))
+        if found:
+            offenders[str(path.relative_to(real_site.html))] = found
+    assert not offenders, offenders
+    for css in real_site.html.rglob("*.css"):
+        text = css.read_text(errors="replace")
+        assert not re.search(r"(@import|url\()\s*['\"]?(https?:)?//", text), f"{css} loads a remote resource"
+
+
+def test_second_build_executes_nothing(real_site):
+    again = build(real_site.src)
+    assert again.returncode == 0, again.log[-5000:]
+    m = re.search(r"successfully executed (\d+) out of (\d+) file", again.log)
+    assert m, again.log[-3000:]
+    assert int(m.group(1)) == 0, "a tutorial re-ran although nothing changed"
+    skipped = re.search(r"after excluding (\d+) file", again.log)
+    assert skipped and int(skipped.group(1)) == len(STEMS)
+    assert again.seconds < 60, f"no-change rebuild took {again.seconds:.1f} s"
+    print(f"no-change rebuild: {again.seconds:.1f} s")

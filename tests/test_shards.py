@@ -1,0 +1,120 @@
+"""The shard planner and merger that the GPU workflow calls."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+
+import pytest
+
+from pages import soup
+from sitebuild import FIXTURES, REPO, build, make_site
+
+sys.path.insert(0, str(REPO / "scripts"))
+import shards  # noqa: E402
+
+DUR = {
+    "a": {"seconds": 300}, "b": {"seconds": 200}, "c": {"seconds": 200},
+    "d": {"seconds": 100}, "e": {"seconds": 100, "needs_gpu": True},
+}
+
+
+def test_plan_balances_longest_first():
+    p = shards.plan(list(DUR), DUR, shards=2)
+    assert sorted(s for sh in p for s in sh["tutorials"]) == sorted(DUR)
+    loads = sorted(sh["seconds"] for sh in p)
+    assert loads == [400.0, 500.0]  # LPT: a+d | b+c+e or a+e | b+c+d ...
+    assert max(loads) - min(loads) <= 100
+
+
+def test_plan_is_reproducible():
+    assert shards.plan(list(DUR), DUR, 3) == shards.plan(list(reversed(DUR)), DUR, 3)
+
+
+def test_gpu_tutorials_only_on_gpu_shards():
+    p = shards.plan(list(DUR), DUR, shards=3, gpu_shards=1)
+    gpu = [sh for sh in p if sh["runner"] == "gpu"]
+    assert len(gpu) == 1 and "e" in gpu[0]["tutorials"]
+    assert all("e" not in sh["tutorials"] for sh in p if sh["runner"] == "cpu")
+
+
+def test_gpu_tutorial_without_gpu_shard_is_an_error():
+    with pytest.raises(ValueError, match="need a GPU"):
+        shards.plan(list(DUR), DUR, shards=2, gpu_shards=0)
+
+
+def test_unknown_tutorial_counts_as_the_longest_known():
+    p = shards.plan(["new", "a", "d"], {"a": {"seconds": 300}, "d": {"seconds": 10}}, 2)
+    by = {s: sh["index"] for sh in p for s in sh["tutorials"]}
+    assert by["new"] != by["a"]
+
+
+def test_more_shards_than_tutorials_leaves_empty_shards_matching_nothing():
+    p = shards.plan(["a"], DUR, shards=3)
+    empty = [sh for sh in p if not sh["tutorials"]]
+    assert len(empty) == 2
+    assert all(re.search(sh["pattern"], "/x/tutorials/a.py") is None for sh in empty)
+
+
+def test_pattern_selects_exactly_its_files():
+    pat = shards.pattern_for(["ragged_intro", "b"])
+    assert re.search(pat, "/site/tutorials/ragged_intro.py")
+    assert re.search(pat, "/site/tutorials/b.py")
+    assert not re.search(pat, "/site/tutorials/ab.py")
+    assert not re.search(pat, "/site/tutorials/ragged_intro_2.py")
+
+
+def test_record_reads_junit_and_rejects_zero_time(tmp_path):
+    junit = tmp_path / "j.xml"
+    junit.write_text('<testsuite><testcase classname="x" file="tutorials/a.py" '
+                     'name="a" time="12.34"/></testsuite>')
+    out = tmp_path / "d.json"
+    data = shards.record(junit, out, needs_gpu=["a"])
+    assert data["tutorials"]["a"] == {"seconds": 12.3, "needs_gpu": True}
+    assert json.loads(out.read_text()) == data
+    junit.write_text('<testsuite><testcase file="tutorials/a.py" name="a" time="0"/></testsuite>')
+    with pytest.raises(ValueError, match="no run time"):
+        shards.record(junit, out, [])
+
+
+def test_durations_file_covers_every_tutorial():
+    recorded = shards.load_durations(REPO / ".github" / "tutorial-durations.json")
+    stems = {p.stem for p in (REPO / "tutorials").glob("*.py")}
+    assert stems <= set(recorded), f"no recorded duration for {sorted(stems - set(recorded))}"
+
+
+def _pages(html):
+    return {str(p.relative_to(html)) for p in html.rglob("*.html")}
+
+
+def test_two_shards_merge_into_the_single_build(tmp_path, fixture_site):
+    tutorials = sorted((FIXTURES / "tutorials").glob("*.py"))
+    stems = [p.stem for p in tutorials]
+    p = shards.plan(stems, {}, shards=2)
+    assert all(len(sh["tutorials"]) == 1 for sh in p)
+    shard_dirs = []
+    for sh in p:
+        site = make_site(tmp_path / f"shard{sh['index']}", tutorials=tutorials)
+        result = build(site, env={"GALLERY_PATTERN": sh["pattern"]})
+        assert result.returncode == 0, result.log[-5000:]
+        assert "successfully executed 1 out of 1 file" in result.log
+        shard_dirs.append(site / "auto_tutorials")
+
+    merged = make_site(tmp_path / "merged", tutorials=tutorials)
+    assert shards.merge(shard_dirs, p, merged / "auto_tutorials") == sorted(stems)
+    final = build(merged)
+    assert final.returncode == 0, final.log[-5000:]
+    assert re.search(r"successfully executed 0 out of 0 file", final.log), final.log[-3000:]
+    assert _pages(final.html) == _pages(fixture_site.html)
+    for stem in stems:
+        page = soup(final.html / "auto_tutorials" / f"{stem}.html")
+        assert page.select("div.sphx-glr-script-out"), f"{stem}: merged page lost its output"
+
+
+def test_merge_refuses_a_shard_that_did_not_execute(tmp_path):
+    empty = tmp_path / "shard0"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="did not execute"):
+        shards.merge([empty], [{"index": 0, "tutorials": ["a"]}], tmp_path / "out")

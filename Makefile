@@ -46,6 +46,7 @@ check-aspell:
 
 html: $(STAMP)
 	GALLERY_PATTERN='$(GALLERY_PATTERN)' $(SPHINXBUILD) -M html . $(BUILDDIR) $(STRICT) $(SPHINXOPTS)
+	$(BIN)/python scripts/validate_build.py . --pattern '$(GALLERY_PATTERN)'
 
 html-noplot: $(STAMP)
 	$(SPHINXBUILD) -M html . $(BUILDDIR) $(STRICT) -D plot_gallery=0 $(SPHINXOPTS)

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import ast
+import atexit
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import platform
 import random
 import re
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -41,6 +43,23 @@ TIME_LIMIT_ENV = "TUTORIAL_TIME_LIMIT_S"
 DEFAULT_TIME_LIMIT_S = 900
 
 _baseline: dict = {}
+# The tutorial being executed, if any: set before it runs, cleared after.
+_running: list[str] = []
+
+
+def _exit_guard() -> None:
+    """If the interpreter exits while a tutorial is running, that tutorial
+    called ``sys.exit`` (or ``exit()``) and took the whole build down with it,
+    and Sphinx would report success. Turn that into a failure that names it."""
+    if _running:
+        sys.stdout.flush()
+        print(f"\nerror: the tutorial {_running[-1]} ended the build half-way "
+              "(it called sys.exit or raised SystemExit); the site is incomplete.",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+atexit.register(_exit_guard)
 
 
 class TutorialTimeout(Exception):
@@ -149,6 +168,7 @@ def reset_state(gallery_conf, fname, when):
     if when == "before":
         _restore_state()
         if fname is not None:
+            _running[:] = [str(Path(GALLERY_SRC) / fname)]
             path = stamp_path(gallery_conf["src_dir"], fname)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(describe_device(), indent=1, sort_keys=True) + "\n")
@@ -156,6 +176,7 @@ def reset_state(gallery_conf, fname, when):
             signal.alarm(_time_limit_s())
     else:
         signal.alarm(0)
+        _running.clear()
         _restore_state()
 
 

@@ -54,13 +54,21 @@ def make_site(dst: Path, tutorials: list[Path] | None = None) -> Path:
     return dst
 
 
-def build(src: Path, *extra: str, env: dict | None = None) -> Build:
-    """Run the same strict sphinx-build as ``make html``."""
+def build(src: Path, *extra: str, env: dict | None = None, validate: bool = True) -> Build:
+    """Run what ``make html`` runs: the strict sphinx-build, then (when the
+    tutorials were executed) the check that each of them ran to the end."""
     out = src / "_build"
     cmd = [sys.executable, "-m", "sphinx", "-M", "html", str(src), str(out),
            "-W", "--keep-going", "-n", *extra]
     full_env = {**os.environ, "GALLERY_PATTERN": "", **(env or {})}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=src, env=full_env, capture_output=True, text=True)
+    returncode, log = proc.returncode, proc.stdout + proc.stderr
+    if validate and returncode == 0 and "plot_gallery=0" not in extra:
+        check = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "validate_build.py"), str(src),
+             "--pattern", full_env["GALLERY_PATTERN"]],
+            capture_output=True, text=True)
+        returncode, log = check.returncode, log + check.stdout + check.stderr
     seconds = time.perf_counter() - start
-    return Build(src, out, proc.returncode, proc.stdout + proc.stderr, seconds)
+    return Build(src, out, returncode, log, seconds)

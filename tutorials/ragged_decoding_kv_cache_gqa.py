@@ -469,7 +469,7 @@ import time
 import torch.utils.benchmark as benchmark
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-flex = torch.compile(flex_attention)  # one compiled callable for the whole page
+flex = torch.compile(flex_attention, dynamic=False)  # static shapes, see below
 
 
 def timeit(fn, min_run_time=MIN_RUN_TIME):

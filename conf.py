@@ -47,6 +47,9 @@ html_theme = "pydata_sphinx_theme"
 html_title = project
 html_static_path = ["_static"]
 html_css_files = ["site.css"]
+html_favicon = "_static/favicon.svg"
+# The theme warns in the console when no colour mode is set.
+html_context = {"default_mode": "auto"}
 html_last_updated_fmt = None
 html_show_sourcelink = False
 html_theme_options = {
@@ -112,6 +115,7 @@ copybutton_prompt_is_regexp = True
 
 def setup(app):
     app.connect("source-read", gallery_helpers.add_environment_stamp)
+    app.connect("source-read", gallery_helpers.strip_remote_assets)
     # After Sphinx-Gallery's own builder-inited handler (priority 500), so
     # that the thumbnails the cards point at exist.
     app.connect("builder-inited", gallery_helpers.write_landing_cards, priority=900)

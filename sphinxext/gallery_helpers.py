@@ -13,6 +13,7 @@
   allocator statistics, it is the peak resident set size of the build
   process, sampled every 5 ms.
 * ``add_environment_stamp``: puts that record at the top of each page.
+* ``strip_remote_assets``: keeps CDN scripts off the computation-times pages.
 * ``write_landing_cards``: the landing page's card grid, one card per
   tutorial, generated so that no tutorial can be left off it.
 """
@@ -253,6 +254,18 @@ def add_environment_stamp(app, docname, source):
         source[0] = note + content
     else:
         source[0] = content[: m.end()] + note + content[m.end():]
+
+
+_REMOTE_RAW = re.compile(r"^(?P<i>[ ]*)\.\. raw:: html\n(?:\n|(?P=i)[ ]+.*\n)*", re.M)
+
+
+def strip_remote_assets(app, docname, source):
+    """``source-read`` hook: Sphinx-Gallery's computation-times pages load
+    jQuery and DataTables from CDNs to make their table sortable. A page of
+    this site loads nothing from other hosts, so the plain table stays."""
+    if docname.endswith("sg_execution_times"):
+        source[0] = _REMOTE_RAW.sub(
+            lambda m: m.group(0) if "https://" not in m.group(0) else "", source[0])
 
 
 # --- landing page -----------------------------------------------------------

@@ -277,10 +277,12 @@ def padding_bound(q_lengths, kv_lengths, embed, causal):
 # %%
 # Benchmarking
 # ~~~~~~~~~~~~
-# ``benchmark`` times the first call (which includes compilation) on its
-# own, then hands the function to ``torch.utils.benchmark.Timer``, which
-# repeats it in blocks and reports the median and the interquartile range
-# (IQR), synchronizing CUDA for us. Peak memory is the most memory the call
+# ``compare`` times the first call of each function (which includes
+# compilation) on its own, then hands the functions to
+# ``torch.utils.benchmark.Timer``, which repeats each in blocks and
+# synchronizes CUDA for us. The functions take turns over a few rounds, so
+# that a busy machine slows all of them alike and their ratio stays fair; we
+# report the median and the interquartile range (IQR) of the block times. Peak memory is the most memory the call
 # holds on top of what was live before it:
 #
 # * on CUDA, ``torch.cuda.max_memory_allocated`` after
@@ -339,13 +341,23 @@ class Timing:
         return f"{self.median_ms:8.2f} ms (IQR {self.iqr_ms:5.2f})  peak {mem}"
 
 
-def benchmark(fn, run_time=RUN_TIME):
-    start = time.perf_counter()
-    fn()
-    _sync()
-    first = time.perf_counter() - start
-    m = Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=run_time)
-    return Timing(first, m.median * 1e3, m.iqr * 1e3, peak_memory_mb(fn))
+def compare(*fns, run_time=RUN_TIME, rounds=4):
+    """Time functions in interleaved rounds, so that they share the machine's load."""
+    first_calls = []
+    for fn in fns:
+        start = time.perf_counter()
+        fn()  # compiles, warms up
+        _sync()
+        first_calls.append(time.perf_counter() - start)
+    times = [[] for _ in fns]  # seconds per call, one entry per timed block
+    for _ in range(rounds):
+        for fn, ts in zip(fns, times):
+            ts += Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=run_time / rounds).times
+    results = []
+    for fn, first, ts in zip(fns, first_calls, times):
+        q1, median, q3 = np.percentile(ts, [25, 50, 75]) * 1e3
+        results.append(Timing(first, median, q3 - q1, peak_memory_mb(fn)))
+    return results
 
 
 # %%
@@ -466,7 +478,7 @@ HAS_BACKWARD = {
     "FlexAttention, document-causal mask": DEVICE == "cuda",  # no CPU backward
     "loop of dense SDPA": True,
 }
-candidate_ms = {}
+available = {}  # name -> attention function that ran and matched
 
 
 class _Collect(logging.Handler):
@@ -494,13 +506,15 @@ with torch.no_grad():
             print(f"{name:36s} not available: {str(err).splitlines()[0]}")
             print(" " * 37 + " ".join(why[:2]))
             continue
-        first = time.perf_counter() - start
         torch.testing.assert_close(out.values(), reference.values(), atol=1e-5, rtol=1e-4)
-        t = benchmark(lambda: fn(q, k, v, HEADS, True))
-        candidate_ms[name] = t.median_ms
-        print(f"{name:36s} {t}   first call {first:5.2f} s")
-sdpa_log.removeHandler(reasons)
-sdpa_log.propagate = True
+        print(f"{name:36s} matches the reference; first call {time.perf_counter() - start:5.2f} s")
+        available[name] = fn
+    sdpa_log.removeHandler(reasons)
+    sdpa_log.propagate = True
+    timings = compare(*(lambda fn=fn: fn(q, k, v, HEADS, True) for fn in available.values()))
+candidate_ms = {name: t.median_ms for name, t in zip(available, timings)}
+for name, t in zip(available, timings):
+    print(f"{name:36s} {t}")
 
 FORWARD_ATTENTION = min(candidate_ms, key=candidate_ms.get)
 TRAINING_ATTENTION = min((n for n in candidate_ms if HAS_BACKWARD[n]), key=candidate_ms.get)
@@ -597,8 +611,8 @@ def ragged_forward():
 
 
 with torch.no_grad():
+    t_pad, t_rag = compare(padded_forward, ragged_forward)  # first calls compile
     torch.testing.assert_close(ragged_forward().values(), padded_forward()[valid], atol=1e-5, rtol=1e-4)
-    t_pad, t_rag = benchmark(padded_forward), benchmark(ragged_forward)
 
 bound = padding_bound(lengths, lengths, EMBED, causal=True)
 speedup = t_pad.median_ms / t_rag.median_ms
@@ -664,8 +678,9 @@ for ours, theirs in PARAM_PAIRS.items():
     torch.testing.assert_close(ragged_params[ours].grad, ref_params[theirs].grad, atol=1e-4, rtol=1e-4)
 print(f"gradients match for all {len(PARAM_PAIRS)} parameters")
 
-t_pad_bwd = benchmark(lambda: loss_pad.backward(retain_graph=True))
-t_rag_bwd = benchmark(lambda: loss_rag.backward(retain_graph=True))
+t_pad_bwd, t_rag_bwd = compare(
+    lambda: loss_pad.backward(retain_graph=True), lambda: loss_rag.backward(retain_graph=True)
+)
 print(f"first forward with grad: padded {pad_first_fwd:5.2f} s, ragged {rag_first_fwd:5.2f} s")
 print(f"first backward:          padded {pad_first_bwd:5.2f} s, ragged {rag_first_bwd:5.2f} s")
 print(f"backward, padded {t_pad_bwd}")
@@ -701,13 +716,15 @@ def padded_forward_is_causal():
 
 with torch.no_grad():
     torch.testing.assert_close(padded_forward_is_causal()[valid], padded_forward()[valid], atol=1e-5, rtol=1e-4)
-    t_pad_causal = benchmark(padded_forward_is_causal)
+    t_pm, t_pc = compare(padded_forward, padded_forward_is_causal)
 loss_pc, pc_first_fwd, pc_first_bwd = first_calls(padded_forward_is_causal, padded_loss)
-t_pad_causal_bwd = benchmark(lambda: loss_pc.backward(retain_graph=True))
-print(f"padded, merged (B*H, S, S) mask: forward {t_pad.median_ms:7.2f} ms, backward {t_pad_bwd.median_ms:7.2f} ms")
-print(f"padded, is_causal only:          forward {t_pad_causal.median_ms:7.2f} ms, "
-      f"backward {t_pad_causal_bwd.median_ms:7.2f} ms")
-print(f"ragged:                          forward {t_rag.median_ms:7.2f} ms, backward {t_rag_bwd.median_ms:7.2f} ms")
+t_pm_bwd, t_pc_bwd = compare(
+    lambda: loss_pad.backward(retain_graph=True), lambda: loss_pc.backward(retain_graph=True)
+)
+print(f"padded, merged (B*H, S, S) mask: forward {t_pm.median_ms:7.2f} ms, backward {t_pm_bwd.median_ms:7.2f} ms")
+print(f"padded, is_causal only:          forward {t_pc.median_ms:7.2f} ms, backward {t_pc_bwd.median_ms:7.2f} ms")
+print(f"is_causal only / merged mask:    forward {t_pc.median_ms / t_pm.median_ms:.2f}, "
+      f"backward {t_pc_bwd.median_ms / t_pm_bwd.median_ms:.2f}")
 print(f"first backward, which compiles the backward graph: merged mask {pad_first_bwd:.2f} s, "
       f"is_causal {pc_first_bwd:.2f} s, ragged {rag_first_bwd:.2f} s")
 print(f"padded first backward / ragged steady backward: {pad_first_bwd * 1e3 / t_rag_bwd.median_ms:.0f}x "
@@ -782,8 +799,7 @@ with torch.no_grad():
     torch.testing.assert_close(
         compiled_gpt_layer(x).values(), padded_layer_forward()[valid], atol=1e-5, rtol=1e-4
     )
-    t_layer_pad = benchmark(padded_layer_forward)
-    t_layer_rag = benchmark(lambda: compiled_gpt_layer(x))
+    t_layer_pad, t_layer_rag = compare(padded_layer_forward, lambda: compiled_gpt_layer(x))
 print("GPT layer matches nn.TransformerEncoderLayer(norm_first=True) on every valid position")
 print(f"padded nn.TransformerEncoderLayer {t_layer_pad}")
 print(f"ragged GPTLayer                   {t_layer_rag}")
@@ -821,7 +837,7 @@ def ragged_cross():
 
 with torch.no_grad():
     torch.testing.assert_close(ragged_cross().values(), padded_cross()[q_valid], atol=1e-5, rtol=1e-4)
-    t_cross_pad, t_cross_rag = benchmark(padded_cross), benchmark(ragged_cross)
+    t_cross_pad, t_cross_rag = compare(padded_cross, ragged_cross)
 cross_bound = padding_bound(q_lengths, kv_lengths, EMBED, causal=False)
 cross_speedup = t_cross_pad.median_ms / t_cross_rag.median_ms
 print("cross-attention outputs match on every valid query")
@@ -1011,7 +1027,7 @@ def compare_packed(plain, packed, x, label):
         out_plain, out_packed = plain(x), packed(x)
         tol = dict(atol=1e-2, rtol=1e-2) if x.dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out_packed, out_plain, **tol)
-        t_plain, t_packed = benchmark(lambda: plain(x)), benchmark(lambda: packed(x))
+        t_plain, t_packed = compare(lambda: plain(x), lambda: packed(x))
     print(f"{label}, {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}")
     print(f"  three/two matmuls {t_plain}")
     print(f"  packed            {t_packed}")
@@ -1053,9 +1069,10 @@ for alpha in (1.1, 1.2, 1.35, 1.6):
     pad_a = ~valid_mask(lengths_a)
     causal_a = torch.ones(S_a, S_a, dtype=torch.bool, device=DEVICE).triu(1)
     with torch.no_grad():
-        t_p = benchmark(lambda: compiled_ref(xp_a, xp_a, xp_a, key_padding_mask=pad_a,
-                                             attn_mask=causal_a, need_weights=False))
-        t_r = benchmark(lambda: compiled_mha(x_a, is_causal=True))
+        t_p, t_r = compare(
+            lambda: compiled_ref(xp_a, xp_a, xp_a, key_padding_mask=pad_a, attn_mask=causal_a, need_weights=False),
+            lambda: compiled_mha(x_a, is_causal=True),
+        )
     b_a = padding_bound(lengths_a, lengths_a, EMBED, causal=True)
     points.append((alpha, b_a, t_p.median_ms / t_r.median_ms))
     print(f"alpha {alpha:4.2f}: {int(lengths_a.sum()):5d} tokens, longest {S_a:4d}, "

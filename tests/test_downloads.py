@@ -1,0 +1,75 @@
+"""What a reader downloads runs: each tutorial's ``.py`` with plain ``python``
+and its ``.ipynb`` with ``nbclient`` on a fresh kernel, on CPU, outside the
+Sphinx build.
+
+Both runs use ``TUTORIALS_QUICK=1`` (smaller sizes, every assertion kept), so
+that running every page three times stays inside the CI budget. The two runs
+are also the reproducibility check: they must print the same lines (sequence
+lengths, token counts, correctness figures), except lines that report a
+timing, a speed or a memory figure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from sitebuild import REPO
+
+pytestmark = pytest.mark.notebook
+
+STEMS = sorted(p.stem for p in (REPO / "tutorials").glob("*.py"))
+QUICK_ENV = {"TUTORIALS_QUICK": "1", "MPLBACKEND": "agg", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+TIMEOUT_S = 600
+
+# A line that reports something measured (time, speed, memory) may differ
+# between two runs; every other line must be identical.
+MEASURED = re.compile(
+    r"\b(ms|us|µs|ns|s|sec|seconds|tokens/s|tok/s|it/s|MB|MiB|GB|GiB|KB|KiB|bytes)\b"
+    r"|speedup|faster|slower|median|IQR|fraction|throughput|\d+(\.\d+)?x\b|time|memory|peak",
+    re.I)
+
+
+def comparable(text: str) -> list[str]:
+    return [ln.rstrip() for ln in text.splitlines() if ln.strip() and not MEASURED.search(ln)]
+
+
+def downloaded(real_site, stem: str, suffix: str) -> Path:
+    hits = list((real_site.html / "_downloads").rglob(stem + suffix))
+    assert len(hits) == 1, f"{stem}{suffix}: {hits}"
+    return hits[0]
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_downloaded_py_and_notebook_run_and_agree(real_site, stem, tmp_path, monkeypatch):
+    # The .py, with plain python, in an empty folder.
+    script = downloaded(real_site, stem, ".py")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**os.environ, **QUICK_ENV})
+    assert proc.returncode == 0, f"{stem}.py failed:\n{proc.stderr[-5000:]}"
+
+    # The notebook, on a fresh kernel; its first cell is the pip install line.
+    nb = nbformat.read(downloaded(real_site, stem, ".ipynb"), as_version=4)
+    for key, value in QUICK_ENV.items():
+        monkeypatch.setenv(key, value)
+    NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    pip_out = "".join(o.get("text", "") for o in first.outputs)
+    assert "error" not in pip_out.lower(), f"{stem}: the install cell failed:\n{pip_out}"
+    printed = "".join(
+        o.get("text", "")
+        for c in nb.cells if c.cell_type == "code" and c is not first
+        for o in c.outputs if o.get("output_type") == "stream" and o.get("name") == "stdout")
+
+    a, b = comparable(proc.stdout), comparable(printed)
+    assert a, f"{stem}: printed nothing comparable"
+    assert a == b, (f"{stem}: the .py and the notebook printed different figures:\n"
+                    + "\n".join(f"py: {x}\nnb: {y}" for x, y in zip(a, b) if x != y)[:3000])

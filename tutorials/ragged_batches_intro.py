@@ -23,12 +23,11 @@ costs a linear layer.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.13 (the version this page was checked on)
+       * PyTorch 2.11 or later (checked on 2.11 and 2.13)
        * A CPU is enough; a CUDA GPU is used when present
 """
 
 # sphinx_gallery_tags = ["nested tensors", "basics"]
-# License: BSD-3-Clause
 
 # %%
 # Device and sizes

@@ -2,6 +2,10 @@
 Decoding ragged batches: a KV cache, grouped-query attention and varlen attention
 =================================================================================
 
+Generate from a batch of prompts of different lengths with a key/value cache
+that holds each sequence's own length, shrink that cache with grouped-query
+attention, and see where varlen attention fits.
+
 **Author:** the tutorials maintainers, building on the transformer building
 blocks tutorial by `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
 
@@ -24,18 +28,21 @@ blocks tutorial by `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.13 or later (checked on 2.13.0, CPU build)
-       * Runs on CPU; the ``varlen_attn`` cells need a CUDA GPU and fall
-         back to FlexAttention without one
+       * PyTorch 2.11 or later (checked on 2.11 and 2.13 on CPU; the CUDA
+         cells are written for those versions but were not run for this build)
+       * Runs on CPU; the ``varlen_attn`` cells need a CUDA GPU of compute
+         capability 8.0 or newer and fall back to FlexAttention without one
 
 The transformer building blocks tutorial left three sections pending in 2024:
 key/value caching on nested tensors, grouped-query attention (GQA) on nested
-tensors and FlexAttention on nested tensors. Each waited for a pull request.
-Since then the ground has moved. The nested tensor documentation now opens
-with "Nested tensors are not currently under active development", FlexAttention
-no longer accepts nested inputs, and PyTorch points ragged attention at
-*packed* sequences: all tokens of a batch laid end to end, with a vector of
-offsets saying where each sequence starts. That is what a jagged nested tensor
+tensors and FlexAttention on nested tensors. Two waited for pull requests;
+the third had no plan yet. Since then the ground has moved. The nested tensor
+documentation now opens with "Nested tensors are not currently under active
+development", FlexAttention no longer accepts nested inputs, and PyTorch
+points ragged attention at *packed* sequences: all tokens of a batch laid end
+to end, with a vector of offsets saying where each sequence starts. The
+tutorials project plans to move from nested tensors to varlen attention
+(`pytorch/tutorials#3727 <https://github.com/pytorch/tutorials/issues/3727>`_). That is what a jagged nested tensor
 (NJT) holds internally, so the NJT stays useful as a container, and its
 ``values()`` and ``offsets()`` are what the attention kernels consume.
 
@@ -52,8 +59,6 @@ decoder-only model:
    FlexAttention with a document mask.
 """
 
-# License: BSD-3-Clause
-
 # %%
 # Setup
 # -----
@@ -64,7 +69,7 @@ decoder-only model:
 # traceback, the cell prints what is missing and what runs instead.
 #
 # Two warnings that compiled nested-tensor code prints are filtered by their
-# message, and so is inductor's "Failed to pickle cache key" record, which
+# message, and so is the "Failed to pickle cache key" record from inductor, which
 # is logged with a traceback rather than warned. Nothing else is silenced.
 
 import logging
@@ -85,9 +90,9 @@ class _DropPickleCacheKey(logging.Filter):
 logging.getLogger("torch._inductor.codecache").addFilter(_DropPickleCacheKey())
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-if TORCH_VERSION < (2, 13):
-    raise SystemExit(
-        f"This page needs PyTorch 2.13 or later (FlexAttention and SDPA with "
+if TORCH_VERSION < (2, 11):
+    raise RuntimeError(
+        f"This page needs PyTorch 2.11 or later (FlexAttention and SDPA with "
         f"enable_gqa, jagged nested tensors, torch.nn.attention.varlen); found "
         f"{torch.__version__}. Install a newer torch and run it again."
     )
@@ -101,7 +106,7 @@ except ImportError:  # older builds have no varlen module
     varlen_attn = None
 
 # ``varlen_attn`` calls Flash Attention: CUDA, compute capability 8.0 or
-# newer, float16 or bfloat16 (bfloat16 where the GPU supports it).
+# newer, ``float16`` or ``bfloat16`` (``bfloat16`` where the GPU supports it).
 FLASH_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 0)
 HALF = None
 if FLASH_GPU:
@@ -124,7 +129,7 @@ else:
 # Sizes
 # ~~~~~
 # Every size on the page is set here, per device. The model is tiny and
-# randomly initialised (seeded): the point is the mechanics and their
+# randomly initialized (seeded): the point is the mechanics and their
 # correctness, not the text it writes. For scale, Llama-2-7B has a model
 # width of 4096, 32 layers, 32 query heads of size 128 and a 4096-token
 # context; Llama-2-70B uses GQA with 8 key/value heads for 64 query heads.
@@ -153,7 +158,7 @@ class ModelArgs:
 # new tokens (hundreds), width (4096), layers (32), query heads (32),
 # key/value heads (8 with GQA).
 if DEVICE == "cuda":
-    # one GPU, a few minutes: width 1024, 8 layers, 16 query heads, 4 kv heads
+    # one GPU, a few minutes: width 1024, 8 layers, 16 query heads, 4 key/value heads
     BATCH, MIN_PROMPT, MAX_PROMPT, N_NEW = 64, 16, 1024, 128
     GEN_LENGTHS = [16, 32, 64, 128]
     ARGS = ModelArgs(vocab_size=32000, dim=1024, n_layers=8, n_heads=16,
@@ -168,7 +173,7 @@ elif QUICK:
     VARLEN_BATCH, VARLEN_MAX = 8, 64
 else:
     # CPU, 2 cores, the whole page in a few minutes: batch 16, prompts of
-    # 4-96 tokens, 32 new tokens, width 128, 4 layers, 8 query heads, 2 kv heads
+    # 4-96 tokens, 32 new tokens, width 128, 4 layers, 8 query heads, 2 key/value heads
     BATCH, MIN_PROMPT, MAX_PROMPT, N_NEW = 16, 4, 96, 32
     GEN_LENGTHS = [4, 8, 16, 32]
     ARGS = ModelArgs(vocab_size=512, dim=128, n_layers=4, n_heads=8,
@@ -176,7 +181,7 @@ else:
     VARLEN_BATCH, VARLEN_MAX = 32, 128
 
 MHA_ARGS = replace(ARGS, n_kv_heads=ARGS.n_heads)  # multi-head baseline
-GQA_ARGS = ARGS  # n_heads // n_kv_heads query heads share each key/value head
+GQA_ARGS = ARGS  # ``n_heads // n_kv_heads`` query heads share each key/value head
 MIN_RUN_TIME = 0.2 if QUICK else 0.5  # seconds per ``blocked_autorange``
 REPEATS = 3 if QUICK else 5  # full generation runs per throughput figure
 SEED = 0
@@ -192,7 +197,7 @@ print(f"model: width {ARGS.dim}, {ARGS.n_layers} layers, {ARGS.n_heads} query he
 # Prompt lengths follow a Zipf-like law truncated to
 # ``[MIN_PROMPT, MAX_PROMPT]``: the probability of length ``n`` is
 # proportional to ``n ** -alpha``, so most prompts are short and a few are
-# long, as in real traffic. One vectorised draw from a seeded
+# long, as in real traffic. One vectorized draw from a seeded
 # ``numpy.random.Generator`` gives the same batch on every run.
 
 import numpy as np
@@ -232,7 +237,7 @@ class Ragged:
     offsets: torch.Tensor  # (B + 1,) int64, offsets[0] == 0
     doc: torch.Tensor  # (T,) sequence index of each token
     pos: torch.Tensor  # (T,) position of each token inside its sequence
-    lengths: list  # B Python ints, for splitting without a device sync
+    lengths: list  # B Python integers, for splitting without a device sync
 
 
 def ragged_from_lengths(lengths: torch.Tensor) -> Ragged:
@@ -249,7 +254,7 @@ prompt_batch = ragged_from_lengths(prompts.offsets().diff())
 # A small GPT
 # -----------
 # The model is the usual decoder-only stack, written flat in the style of
-# gpt-fast: token embedding, ``n_layers`` blocks of pre-norm causal attention
+# ``gpt-fast``: token embedding, ``n_layers`` norm-first blocks of causal attention
 # and a SwiGLU feed-forward network with residual connections, a final norm
 # and an output projection. Rotary position embeddings (RoPE) rotate queries
 # and keys by each token's position inside its own sequence, which is why
@@ -270,7 +275,7 @@ def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
     half = args.head_dim // 2
     freqs = args.rope_base ** (-torch.arange(half, dtype=torch.float64) / half)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().to(DTYPE), angles.sin().to(DTYPE)  # (max_seq_len, half)
+    return angles.cos().to(DTYPE), angles.sin().to(DTYPE)  # (``max_seq_len``, half)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -332,7 +337,7 @@ class GPT(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, tokens, pos, attend):
-        # tokens, pos: (T,) -> logits: (T, vocab_size)
+        # ``tokens``, ``pos``: (T,) -> logits: (T, ``vocab_size``)
         x = self.tok_embeddings(tokens)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (T, 1, D/2)
         for i, layer in enumerate(self.layers):
@@ -429,7 +434,7 @@ class KVCache:
         inner = attend_fn(batch)
 
         def attend(layer, q, k, v):
-            # (T, Hkv, D) rows land at [doc, :, pos] of a (B, Hkv, S_max, D) buffer
+            # (T, Hkv, D) rows land at ``[doc, :, pos]`` of a (B, Hkv, S_max, D) buffer
             self.k[layer][batch.doc, :, batch.pos] = k
             self.v[layer][batch.doc, :, batch.pos] = v
             return inner(layer, q, k, v)
@@ -473,7 +478,7 @@ class KVCache:
 # * **FlexAttention** (compiled) on the same dense buffer with the mask
 #   ``kv_idx < lengths[b]``. Its ``BlockMask`` depends on the lengths, so it
 #   has to be rebuilt at every step; the fair cost per layer is the kernel plus
-#   one ``n_layers``-th of ``create_block_mask``.
+#   ``create_block_mask`` divided by ``n_layers``.
 #
 # Timings use ``torch.utils.benchmark`` after a warm-up call, with the
 # median and the interquartile range (IQR) of the measured blocks.
@@ -557,7 +562,7 @@ print(f"  keys scored by masked SDPA: {padded_keys}, of which real: "
 
 # %%
 # What the numbers say, on a CPU with few cores: the per-sequence loop pays
-# a fixed cost per call ``B`` times; FlexAttention's kernel is quick, but its
+# a fixed cost per call ``B`` times; the FlexAttention kernel is quick, but its
 # block mask has to be rebuilt at every step and that costs more than the
 # attention itself; the single masked call scores the padding too (the
 # ratio is printed above), but with one query per sequence that waste is
@@ -650,9 +655,11 @@ print("first sequence, generated ids:",
 # step ``t`` processes every prompt token again plus ``t`` tokens per
 # sequence, so its throughput falls as the output grows; with the cache each
 # step processes ``B`` tokens and only the attention grows. Beside each
-# speedup is the ratio of tokens the two runs push through the model, the
-# most a cache can gain; attention over longer histories and fixed per-step
-# costs keep the measured figure below it.
+# speedup is the ratio of tokens the two runs push through the model. It
+# bounds what the cache saves in the projections and the feed-forward
+# layers, the bulk of the arithmetic; the two runs' fixed costs per step
+# differ as well (one batched attention call against ``B`` calls per layer),
+# so on a small model the measured figure can land on either side of it.
 
 
 def tokens_per_second(model, n_new, use_cache):
@@ -733,7 +740,7 @@ k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim
 
 reference = attend_per_sequence(prompt_batch)(0, q, k_rep, v_rep)  # (T, H, D), plain MHA
 
-# dense SDPA, one sequence at a time, with enable_gqa=True
+# dense SDPA, one sequence at a time, with ``enable_gqa=True``
 sdpa_gqa = attend_per_sequence(prompt_batch)(0, q, k, v)
 torch.testing.assert_close(sdpa_gqa, reference)
 print(f"SDPA enable_gqa=True vs repeated heads: max |difference| "
@@ -888,11 +895,11 @@ plt.show()
 # ``torch.nn.attention.varlen.varlen_attn`` is the attention PyTorch now
 # recommends for packed ragged batches. It takes packed ``(T, H, D)``
 # queries, keys and values, the cumulative sequence lengths of queries and
-# keys (``cu_seq_q``, ``cu_seq_k``: exactly an NJT's ``offsets()``, as
+# keys (``cu_seq_q``, ``cu_seq_k``: exactly the ``offsets()`` of an NJT, as
 # ``int32``), and the longest query and key lengths. In 2.13 it has no
 # ``is_causal`` argument: causal attention is ``window_size=(-1, 0)``, and
 # ``(-1, -1)`` is full attention within each sequence. It calls the Flash
-# Attention kernel, so it needs CUDA and float16 or bfloat16; its keyword
+# Attention kernel, so it needs CUDA and ``float16`` or ``bfloat16``; its keyword
 # arguments on the installed build are:
 
 import inspect
@@ -1001,7 +1008,7 @@ with torch.no_grad():
 #
 # * A **KV cache** for a ragged batch is easiest as a preallocated padded
 #   buffer with a length per sequence, written by advanced indexing and read
-#   with one masked SDPA call. On the CPUs tried it was the fastest way to
+#   with one masked SDPA call. On the CPU machines tried it was the fastest way to
 #   attend during decoding, and it matched a full recomputation, to about
 #   ``1e-6``, at every step of every sequence. Its price is memory spent on
 #   padding, printed above; a packed cache with per-sequence capacity avoids
@@ -1025,10 +1032,9 @@ with torch.no_grad():
 # * FlexAttention blog post: https://pytorch.org/blog/flexattention/
 # * Attention Gym, document masking examples:
 #   https://github.com/pytorch-labs/attention-gym
-# * gpt-fast, a simple KV-cache decoder: https://github.com/pytorch-labs/gpt-fast
-# * Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models
-#   from Multi-Head Checkpoints", 2023: https://arxiv.org/abs/2305.13245
-# * Su et al., "RoFormer: Enhanced Transformer with Rotary Position
-#   Embedding", 2021: https://arxiv.org/abs/2104.09864
+# * ``gpt-fast``, a simple KV-cache decoder: https://github.com/pytorch-labs/gpt-fast
+# * "GQA: Training Generalized Multi-Query Transformer Models from
+#   Multi-Head Checkpoints", 2023: https://arxiv.org/abs/2305.13245
+# * "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021: https://arxiv.org/abs/2104.09864
 
 # sphinx_gallery_thumbnail_number = 1

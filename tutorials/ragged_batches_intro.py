@@ -167,7 +167,7 @@ print("nn.Linear: nested and padded results agree on every real token")
 
 
 def time_it(fn, *args, label: str) -> benchmark.Measurement:
-    """Median time of ``fn(*args)`` after warm-up; device synchronised."""
+    """Median time of ``fn(*args)`` after warm-up; device synchronized."""
     with torch.no_grad():
         fn(*args)  # warm-up
         timer = benchmark.Timer(stmt="fn(*args)", globals={"fn": fn, "args": args},

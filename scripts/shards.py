@@ -9,7 +9,8 @@ The published site is built on GPU runners in parallel. Three commands:
     Prints JSON for a GitHub Actions matrix.
 
 ``record``
-    Update the durations file from a build's Sphinx-Gallery JUnit report.
+    Update the durations file from a build's Sphinx-Gallery JUnit report (or
+    from the run times cached in its gallery folder).
 
 ``merge``
     Combine the ``auto_tutorials/`` folders of shard builds: from each shard,
@@ -85,14 +86,21 @@ def pattern_for(stems: list[str]) -> str:
     return r"/(" + "|".join(re.escape(s) for s in stems) + r")\.py$"
 
 
-def record(junit: Path, durations_path: Path, needs_gpu: list[str]) -> dict:
+def measured_seconds(source: Path) -> dict[str, float]:
+    """Per-tutorial run times from a JUnit report, or from a gallery folder's
+    cached costs (``<stem>.cost.json``, kept across no-change rebuilds)."""
+    if source.is_dir():
+        return {p.name[: -len(".cost.json")]: float(json.loads(p.read_text())["time"])
+                for p in sorted(source.glob("*.cost.json"))}
+    return {Path(c.get("file") or c.get("name")).stem: float(c.get("time"))
+            for c in ET.parse(source).iter("testcase")}
+
+
+def record(source: Path, durations_path: Path, needs_gpu: list[str]) -> dict:
     data = {"tutorials": load_durations(durations_path)}
-    tree = ET.parse(junit)
-    for case in tree.iter("testcase"):
-        stem = Path(case.get("file") or case.get("name")).stem
-        seconds = float(case.get("time"))
+    for stem, seconds in measured_seconds(source).items():
         if seconds <= 0:
-            raise ValueError(f"{junit}: {stem} has no run time; was it executed?")
+            raise ValueError(f"{source}: {stem} has no run time; was it executed?")
         entry = data["tutorials"].setdefault(stem, {})
         entry["seconds"] = round(seconds, 1)
     for stem in needs_gpu:
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--durations", type=Path, default=Path(".github/tutorial-durations.json"))
     p.add_argument("--tutorials", type=Path, default=Path("tutorials"))
     r = sub.add_parser("record")
-    r.add_argument("junit", type=Path)
+    r.add_argument("source", type=Path, help="a JUnit report, or a gallery folder (auto_tutorials)")
     r.add_argument("--durations", type=Path, default=Path(".github/tutorial-durations.json"))
     r.add_argument("--needs-gpu", nargs="*", default=[])
     m = sub.add_parser("merge")
@@ -153,7 +161,7 @@ def main(argv=None) -> int:
             ap.error(f"no tutorials in {args.tutorials}")
         print(json.dumps(plan(stems, load_durations(args.durations), args.shards, args.gpu_shards)))
     elif args.cmd == "record":
-        record(args.junit, args.durations, args.needs_gpu)
+        record(args.source, args.durations, args.needs_gpu)
     else:
         merged = merge(args.shard_dirs, json.loads(args.plan.read_text()), args.out)
         print(f"merged {len(merged)} tutorials: {', '.join(merged)}")

@@ -69,11 +69,9 @@ def browser(real_site):
     server.shutdown()
 
 
-def page_urls(html_root: Path) -> list[str]:
-    pages = ["index.html", "auto_tutorials/index.html", "sg_execution_times.html",
-             "auto_tutorials/sg_execution_times.html", "search.html"]
-    pages += sorted(f"auto_tutorials/{p.stem}.html" for p in (REPO / "tutorials").glob("*.py"))
-    return pages
+TUTORIAL_PAGES = sorted(f"auto_tutorials/{p.stem}.html" for p in (REPO / "tutorials").glob("*.py"))
+OTHER_PAGES = ["index.html", "auto_tutorials/index.html", "sg_execution_times.html",
+               "auto_tutorials/sg_execution_times.html", "search.html"]
 
 
 def requested_hosts(driver) -> set[str]:
@@ -94,7 +92,7 @@ def open_page(driver, url):
         "if (document.readyState === 'complete') done(); else window.addEventListener('load', () => done());")
 
 
-@pytest.mark.parametrize("rel", page_urls(REPO))
+@pytest.mark.parametrize("rel", OTHER_PAGES + TUTORIAL_PAGES)
 def test_page_in_browser(browser, rel):
     driver, base, html_root = browser
     driver.get_log("browser"), driver.get_log("performance")  # drop earlier entries
@@ -129,7 +127,7 @@ def test_page_in_browser(browser, rel):
         with urllib.request.urlopen(link) as resp:
             assert resp.status == 200, f"{rel}: link {link} answers {resp.status}"
 
-    if rel.startswith("auto_tutorials/") and not rel.endswith("index.html"):
+    if rel in TUTORIAL_PAGES:
         blocks = driver.execute_script("return document.querySelectorAll('div.highlight').length")
         buttons = driver.execute_script("return document.querySelectorAll('button.copybtn').length")
         assert blocks > 0 and buttons == blocks, f"{rel}: {buttons} copy buttons for {blocks} code blocks"

@@ -29,11 +29,13 @@ STEMS = sorted(p.stem for p in (REPO / "tutorials").glob("*.py"))
 QUICK_ENV = {"TUTORIALS_QUICK": "1", "MPLBACKEND": "agg", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
 TIMEOUT_S = 600
 
-# A line that reports something measured (time, speed, memory) may differ
-# between two runs; every other line must be identical.
+# A line that reports something measured (time, speed, memory), or a choice
+# a page makes from such a measurement ("chosen ...", "decoding with ..."),
+# may differ between two runs; every other line must be identical.
 MEASURED = re.compile(
     r"\b(ms|us|µs|ns|s|sec|seconds|tokens/s|tok/s|it/s|MB|MiB|GB|GiB|KB|KiB|bytes)\b"
-    r"|speedup|faster|slower|median|IQR|fraction|throughput|\d+(\.\d+)?x\b|time|memory|peak",
+    r"|speedup|faster|slower|median|IQR|fraction|throughput|\d+(\.\d+)?x\b|time|memory|peak"
+    r"|chosen|decoding with",
     re.I)
 
 

@@ -99,7 +99,8 @@ sphinx_gallery_conf = {
     "first_notebook_cell": "%pip install " + " ".join(_tutorial_pins),
     "download_all_examples": False,
     "remove_config_comments": True,
-    "within_subsection_order": "FileNameSortKey",
+    # Reading order, not file names: gallery_helpers.READING_ORDER.
+    "within_subsection_order": "gallery_helpers.TutorialOrder",
     "min_reported_time": 0,
     "plot_gallery": "True",
     "capture_repr": ("_repr_html_", "__repr__"),

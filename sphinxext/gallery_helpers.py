@@ -270,6 +270,33 @@ def strip_remote_assets(app, docname, source):
 
 # --- landing page -----------------------------------------------------------
 
+# The order a reader should take the tutorials in; a new file not listed
+# here comes after these, by name.
+READING_ORDER = [
+    "ragged_batches_intro",
+    "transformer_building_blocks",
+    "transformer_layers_for_ragged_batches",
+    "ragged_decoding_kv_cache_gqa",
+]
+
+
+def reading_order_key(stem: str):
+    return (READING_ORDER.index(stem), "") if stem in READING_ORDER else (len(READING_ORDER), stem)
+
+
+class TutorialOrder:
+    """Sphinx-Gallery ``within_subsection_order``: the reading order above."""
+
+    def __init__(self, src_dir):
+        self.src_dir = src_dir
+
+    def __repr__(self):
+        return "gallery_helpers.TutorialOrder"
+
+    def __call__(self, filename):
+        return reading_order_key(Path(filename).stem)
+
+
 _TAGS = re.compile(r"^#\s*sphinx_gallery_tags\s*=\s*(\[.*\])\s*$", re.M)
 
 
@@ -300,7 +327,7 @@ def tutorial_card_info(path: Path) -> dict:
 
 def landing_cards_rst(src_dir: Path) -> str:
     out = [".. grid:: 1 2 2 3", "   :gutter: 3", ""]
-    for path in sorted((src_dir / GALLERY_SRC).glob("*.py")):
+    for path in sorted((src_dir / GALLERY_SRC).glob("*.py"), key=lambda p: reading_order_key(p.stem)):
         card = tutorial_card_info(path)
         thumb = f"/{GALLERY_OUT}/images/thumb/sphx_glr_{card['stem']}_thumb.png"
         out += [

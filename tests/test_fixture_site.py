@@ -104,3 +104,11 @@ def test_card_info_rejects_a_tutorial_without_title(tmp_path):
     path.write_text('"""\nJust text, no title.\n"""\nprint(1)\n')
     with pytest.raises(ValueError, match="title"):
         gallery_helpers.tutorial_card_info(path)
+
+
+def test_landing_cards_follow_the_reading_order():
+    rst = gallery_helpers.landing_cards_rst(REPO)
+    stems = [line.split("auto_tutorials/")[1] for line in rst.splitlines() if ":link: " in line]
+    listed = [s for s in gallery_helpers.READING_ORDER if s in stems]
+    assert stems[: len(listed)] == listed
+    assert set(stems) == {p.stem for p in (REPO / "tutorials").glob("*.py")}

@@ -62,8 +62,8 @@ decoder-only model:
 # %%
 # Setup
 # -----
-# First the checks that decide what can run. The page needs PyTorch 2.13 for
-# everything it does on CPU (FlexAttention with ``enable_gqa``, SDPA with
+# First the checks that decide what can run. The page needs PyTorch 2.11 or
+# later for everything it does on CPU (FlexAttention with ``enable_gqa``, SDPA with
 # ``enable_gqa``, jagged nested tensors); ``varlen_attn`` additionally needs a
 # CUDA device and half precision. Instead of failing half way with a
 # traceback, the cell prints what is missing and what runs instead.
@@ -553,8 +553,14 @@ print(f"one layer, {BATCH} queries against up to {s} cached keys each "
       f"(FlexAttention compiled in {flex_compile_s:.1f} s):")
 for name, (med, iqr) in decode_times.items():
     print(f"  {name:22s} {med * 1e6:8.1f} us  (IQR {iqr * 1e6:.1f} us)")
-print(f"  create_block_mask      {mask_build[0] * 1e6:8.1f} us per step; FlexAttention "
-      f"with it shared by {MHA_ARGS.n_layers} layers: {flex_total * 1e6:.1f} us per layer")
+print(f"  create_block_mask      {mask_build[0] * 1e6:8.1f} us  (IQR {mask_build[1] * 1e6:.1f} us) "
+      f"per step; FlexAttention with it shared by {MHA_ARGS.n_layers} layers: "
+      f"{flex_total * 1e6:.1f} us per layer")
+per_layer = {"masked SDPA": decode_times["masked SDPA"][0],
+             "per-sequence SDPA": decode_times["per-sequence SDPA"][0],
+             "FlexAttention kernel alone": decode_times["FlexAttention kernel"][0],
+             "FlexAttention + block mask": flex_total}
+print("  fastest per layer: " + ", then ".join(sorted(per_layer, key=per_layer.get)))
 
 padded_keys = BATCH * s
 print(f"  keys scored by masked SDPA: {padded_keys}, of which real: "
@@ -568,8 +574,7 @@ print(f"  keys scored by masked SDPA: {padded_keys}, of which real: "
 # ratio is printed above), but with one query per sequence that waste is
 # small next to the cost of extra calls. The two plain SDPA variants are
 # exact and need no compiler, so the page decodes with whichever of them
-# measured faster in this run; on the machines tried while writing it, that
-# was the masked call.
+# measured faster in this run, printed below.
 
 DECODE_ATTN = min((decode_masked_sdpa, decode_per_sequence),
                   key=lambda f: decode_times[
@@ -638,7 +643,7 @@ def generate(model, prompts, n_new, use_cache=True, check=False, prefill_attend=
 
 history, final_lengths, max_diff = generate(mha_model, prompts, N_NEW, check=True)
 history_nc, _, _ = generate(mha_model, prompts, N_NEW, use_cache=False)
-print(f"{N_NEW} steps x {BATCH} sequences: cached logits match recomputation, "
+print(f"{N_NEW - 1} decoding steps x {BATCH} sequences: cached logits match recomputation, "
       f"max |difference| {max_diff:.2e} (rtol={RTOL}, atol={ATOL})")
 same = (history == history_nc).all().item()
 print(f"greedy tokens identical with and without the cache: {same}")
@@ -685,8 +690,9 @@ throughput = {"cache": [], "no cache": []}
 for n_new in GEN_LENGTHS:
     for name, use_cache in (("cache", True), ("no cache", False)):
         throughput[name].append(tokens_per_second(mha_model, n_new, use_cache))
-    (tc, _), (tn, _) = throughput["cache"][-1], throughput["no cache"][-1]
-    print(f"{n_new:4d} new tokens: {tc:7.0f} tokens/s with cache, {tn:7.0f} without: "
+    (tc, sc), (tn, sn) = throughput["cache"][-1], throughput["no cache"][-1]
+    print(f"{n_new:4d} new tokens: {tc:7.0f} tokens/s (spread {sc:.0f}) with cache, "
+          f"{tn:7.0f} (spread {sn:.0f}) without: "
           f"{tc / tn:4.1f}x (bound from tokens processed: {work_ratio(n_new):.1f}x)")
 
 # %%
@@ -850,8 +856,9 @@ print(f"cache memory MHA / GQA: {mha_memory[0] / gqa_memory[0]:.1f}x "
 n_new = GEN_LENGTHS[-1]
 gqa_tps = tokens_per_second(gqa_model, n_new, use_cache=True)
 mha_tps = tokens_per_second(mha_model, n_new, use_cache=True)
-print(f"decode, {n_new} new tokens with cache: MHA {mha_tps[0]:.0f} tokens/s, "
-      f"GQA {gqa_tps[0]:.0f} tokens/s (GQA / MHA: {gqa_tps[0] / mha_tps[0]:.2f}x)")
+print(f"decode, {n_new} new tokens with cache: MHA {mha_tps[0]:.0f} tokens/s "
+      f"(spread {mha_tps[1]:.0f}), GQA {gqa_tps[0]:.0f} tokens/s (spread {gqa_tps[1]:.0f}); "
+      f"GQA / MHA: {gqa_tps[0] / mha_tps[0]:.2f}x")
 
 # %%
 # The memory ratio is exact by construction. The speed ratio is a
@@ -1008,8 +1015,11 @@ with torch.no_grad():
 #
 # * A **KV cache** for a ragged batch is easiest as a preallocated padded
 #   buffer with a length per sequence, written by advanced indexing and read
-#   with one masked SDPA call. On the CPU machines tried it was the fastest way to
-#   attend during decoding, and it matched a full recomputation, to about
+#   with one masked SDPA call. In the one-layer timing above, the
+#   FlexAttention kernel alone was faster than it, but once the block mask
+#   that FlexAttention has to rebuild at every step is counted, the masked
+#   call was the fastest way to attend during decoding on this CPU; it
+#   matched a full recomputation, to about
 #   ``1e-6``, at every step of every sequence. Its price is memory spent on
 #   padding, printed above; a packed cache with per-sequence capacity avoids
 #   it, and on CUDA ``varlen_attn`` is documented to read such a cache

@@ -252,10 +252,14 @@ print(f"padded shape: {tuple(padded.shape)}, "
 # So the layers below call one function, ``ragged_attention``, that picks by
 # device: on CUDA it wraps the packed query, key and value into NJTs and calls
 # SDPA, which dispatches to a fused kernel; on CPU it loops over the sequences
-# and calls dense SDPA on each slice. The loop runs eagerly even inside a
-# compiled model (``torch.compiler.disable``): its Python-level slicing depends
-# on the offsets' values, which ``torch.compile`` would otherwise specialize
-# on, compiling a new graph for every batch.
+# and calls dense SDPA on each slice. Both run eagerly even inside a
+# compiled model (``torch.compiler.disable``). The loop's Python-level
+# slicing depends on the offsets' values, which ``torch.compile`` would
+# otherwise specialize on, compiling a new graph for every batch. The NJT
+# path computes the shortest and longest sequence lengths from the offsets
+# (SDPA checks the first for empty sequences and passes the second to the
+# fused kernel) and reads them back to the host, which in a compiled graph
+# would be a graph break anyway; run eagerly, it is one host read per call.
 
 import torch.nn.functional as F
 
@@ -273,6 +277,7 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets, is_causal=False, dropout_p=
     return _looped_attention(q, k, v, q_offsets, kv_offsets, is_causal, dropout_p)
 
 
+@torch.compiler.disable
 def _nested_attention(q, k, v, q_offsets, kv_offsets, is_causal, dropout_p):
     njt = torch.nested.nested_tensor_from_jagged
     # (T, H, D) -> NJT (B, j, H, D) -> (B, H, j, D)
@@ -757,9 +762,10 @@ if ATTENTION_PATH == "loop":
 # Now the speed. We time the encoder stack and the full transformer,
 # ``torch.nn`` on the padded batch with masks against the ragged layers on the
 # packed batch, both compiled with ``torch.compile``. On the ragged side
-# ``torch.compile`` compiles everything except the attention loop on CPU,
-# which it calls eagerly (see above), so each layer is several graphs with
-# the loop in between.
+# ``torch.compile`` compiles everything except the attention, which it calls
+# eagerly on both paths (see above): the per-sequence loop on CPU, the NJT
+# call on CUDA. So each layer is several graphs with the attention in
+# between, on either device.
 #
 # Timings come from ``torch.utils.benchmark.Timer.blocked_autorange`` after a
 # warm-up call, with as many threads as PyTorch uses; we print the median and
@@ -971,13 +977,14 @@ for model in ("encoder", "transformer"):
 # %%
 # How to read these numbers. The padding bound is what removing the padding
 # alone would give if both sides ran equally efficient kernels. A speedup
-# below it is the cost of the ragged side's own overheads: on CPU the Python
-# loop over sequences and the graph breaks around it, on CUDA the NJT
-# bookkeeping. A speedup above it means the padded side loses more than its
-# padding: given a padding mask, attention in ``torch.nn`` cannot use the
-# flash kernel, which takes no mask, and in the decoder it adds the causal and
-# padding masks into one ``(B * heads, S, S)`` tensor, while the ragged side
-# calls a kernel that needs no mask at all. The
+# below it is the cost of the ragged side's own overheads: the graph breaks
+# around the eager attention on both devices, plus on CPU the Python loop over
+# sequences and on CUDA the NJT bookkeeping. A speedup above it means the
+# padded side loses more than its padding: on CUDA, given a padding mask,
+# attention in ``torch.nn`` cannot use the flash kernel, which takes no mask;
+# on either device the decoder adds the causal and padding masks into one
+# ``(B * heads, S, S)`` tensor, while the ragged side calls a kernel that
+# needs no mask at all. The
 # memory ratio follows the number of tokens more closely, because
 # activations are stored per token and, on the padded side, per pair of
 # query and key.

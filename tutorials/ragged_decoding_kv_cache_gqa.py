@@ -59,6 +59,8 @@ decoder-only model:
    FlexAttention with a document mask.
 """
 
+# sphinx_gallery_tags = ["KV cache", "GQA", "varlen attention", "FlexAttention"]
+
 # %%
 # Setup
 # -----
@@ -1016,10 +1018,10 @@ with torch.no_grad():
 # * A **KV cache** for a ragged batch is easiest as a preallocated padded
 #   buffer with a length per sequence, written by advanced indexing and read
 #   with one masked SDPA call. In the one-layer timing above, the
-#   FlexAttention kernel alone was faster than it, but once the block mask
-#   that FlexAttention has to rebuild at every step is counted, the masked
-#   call was the fastest way to attend during decoding on this CPU; it
-#   matched a full recomputation, to about
+#   FlexAttention kernel alone can match or beat it; only once the block
+#   mask that FlexAttention has to rebuild at every step is counted is the
+#   masked call the fastest way to attend during decoding on this CPU (the
+#   ranking is printed above). It matched a full recomputation, to about
 #   ``1e-6``, at every step of every sequence. Its price is memory spent on
 #   padding, printed above; a packed cache with per-sequence capacity avoids
 #   it, and on CUDA ``varlen_attn`` is documented to read such a cache

@@ -46,6 +46,8 @@ mask argument. We then check each one against its ``torch.nn`` twin, time the
 two, and train both on the same toy task.
 """
 
+# sphinx_gallery_tags = ["nn.Transformer", "parity", "training", "benchmarks"]
+
 # %%
 # Setup
 # -----

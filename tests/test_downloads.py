@@ -47,7 +47,8 @@ DECIMAL = re.compile(r"\d+\.\d+(?![\deE])")
 
 
 def comparable(text: str) -> list[str]:
-    return [DECIMAL.sub("#", ln.rstrip()) for ln in text.splitlines()
+    # Column alignment follows the width of the masked numbers: collapse it.
+    return [" ".join(DECIMAL.sub("#", ln).split()) for ln in text.splitlines()
             if ln.strip() and not MEASURED.search(ln)]
 
 

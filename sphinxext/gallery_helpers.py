@@ -31,7 +31,6 @@ import re
 import signal
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -45,16 +44,16 @@ DEFAULT_TIME_LIMIT_S = 900
 
 _baseline: dict = {}
 # The tutorial being executed, if any: set before it runs, cleared after.
-_running: list[str] = []
+_running: str | None = None
 
 
 def _exit_guard() -> None:
     """If the interpreter exits while a tutorial is running, that tutorial
     called ``sys.exit`` (or ``exit()``) and took the whole build down with it,
     and Sphinx would report success. Turn that into a failure that names it."""
-    if _running:
+    if _running is not None:
         sys.stdout.flush()
-        print(f"\nerror: the tutorial {_running[-1]} ended the build half-way "
+        print(f"\nerror: the tutorial {_running} ended the build half-way "
               "(it called sys.exit or raised SystemExit); the site is incomplete.",
               file=sys.stderr, flush=True)
         os._exit(1)
@@ -70,10 +69,9 @@ class TutorialTimeout(Exception):
 def _time_limit_s() -> int:
     raw = os.environ.get(TIME_LIMIT_ENV, str(DEFAULT_TIME_LIMIT_S))
     try:
-        limit = int(raw)
+        return int(raw)
     except ValueError:
-        raise ValueError(f"{TIME_LIMIT_ENV} must be a whole number of seconds, got {raw!r}")
-    return limit
+        raise ValueError(f"{TIME_LIMIT_ENV} must be a whole number of seconds, got {raw!r}") from None
 
 
 def _on_alarm(signum, frame):  # noqa: ARG001 - signal handler signature
@@ -165,11 +163,12 @@ def stamp_path(src_dir: str | Path, fname: str) -> Path:
 
 def reset_state(gallery_conf, fname, when):
     """Sphinx-Gallery ``reset_modules`` callable (order "both")."""
+    global _running
     _snapshot_baseline()
     if when == "before":
         _restore_state()
         if fname is not None:
-            _running[:] = [str(Path(GALLERY_SRC) / fname)]
+            _running = str(Path(GALLERY_SRC) / fname)
             path = stamp_path(gallery_conf["src_dir"], fname)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(describe_device(), indent=1, sort_keys=True) + "\n")
@@ -177,7 +176,7 @@ def reset_state(gallery_conf, fname, when):
             signal.alarm(_time_limit_s())
     else:
         signal.alarm(0)
-        _running.clear()
+        _running = None
         _restore_state()
 
 

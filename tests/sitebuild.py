@@ -54,6 +54,13 @@ def make_site(dst: Path, tutorials: list[Path] | None = None) -> Path:
     return dst
 
 
+def validate_site(src: Path, pattern: str = "") -> subprocess.CompletedProcess:
+    """``scripts/validate_build.py`` on a built site, as ``make html`` runs it."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "validate_build.py"), str(src), "--pattern", pattern],
+        capture_output=True, text=True)
+
+
 def build(src: Path, *extra: str, env: dict | None = None, validate: bool = True) -> Build:
     """Run what ``make html`` runs: the strict sphinx-build, then (when the
     tutorials were executed) the check that each of them ran to the end."""
@@ -65,10 +72,7 @@ def build(src: Path, *extra: str, env: dict | None = None, validate: bool = True
     proc = subprocess.run(cmd, cwd=src, env=full_env, capture_output=True, text=True)
     returncode, log = proc.returncode, proc.stdout + proc.stderr
     if validate and returncode == 0 and "plot_gallery=0" not in extra:
-        check = subprocess.run(
-            [sys.executable, str(REPO / "scripts" / "validate_build.py"), str(src),
-             "--pattern", full_env["GALLERY_PATTERN"]],
-            capture_output=True, text=True)
+        check = validate_site(src, full_env["GALLERY_PATTERN"])
         returncode, log = check.returncode, log + check.stdout + check.stderr
     seconds = time.perf_counter() - start
     return Build(src, out, returncode, log, seconds)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import matplotlib
-import pytest
 import torch
 
 from pages import soup
-from sitebuild import FIXTURES, REPO, build, make_site
+from sitebuild import FIXTURES, build, make_site, validate_site
 
 FAULTS = FIXTURES / "faults"
 GOOD = FIXTURES / "tutorials" / "tiny_text.py"
@@ -36,8 +33,7 @@ def test_validator_catches_a_tutorial_changed_after_its_last_run(tmp_path):
     site = site_with(tmp_path)
     assert build(site).returncode == 0
     (site / "tutorials" / GOOD.name).write_text(GOOD.read_text() + "\nprint('edited')\n")
-    check = subprocess.run([sys.executable, str(REPO / "scripts" / "validate_build.py"), str(site)],
-                           capture_output=True, text=True)
+    check = validate_site(site)
     assert check.returncode == 1
     assert f"tutorials/{GOOD.name}: its current version did not finish running" in check.stderr
 

@@ -88,8 +88,7 @@ def test_spell_gate_names_a_planted_misspelling(tmp_path):
 
 
 def test_spell_gate_passes_on_the_repository():
-    result = subprocess.run([sys.executable, "-m", "pyspelling", "-c", ".pyspelling.yml"],
-                            cwd=REPO, capture_output=True, text=True)
+    result = _spell(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

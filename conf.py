@@ -1,4 +1,8 @@
-"""Sphinx configuration for the ragged-batch transformer tutorials."""
+"""Sphinx configuration for the ragged-batch transformer tutorials.
+
+Only what differs from Sphinx's and Sphinx-Gallery's defaults is set here;
+the build's own code lives in small extensions in ``sphinxext/``.
+"""
 
 import os
 import sys
@@ -7,12 +11,29 @@ from pathlib import Path
 HERE = Path(__file__).parent.resolve()
 sys.path.insert(0, str(HERE / "sphinxext"))
 
-import gallery_helpers  # noqa: E402
+import notebook_cell  # noqa: E402
+import tutorial_isolation  # noqa: E402
+import tutorial_memory  # noqa: E402
+
+# -- Where the site is published: the one place to change ---------------------
+# The GitHub repository and branch the pages link to ("View source on GitHub",
+# "Run in Google Colab"). A placeholder until the repository exists.
+tutorials_github_repo = "ragged-transformers/tutorials"
+tutorials_github_branch = "main"
 
 # -- Project -----------------------------------------------------------------
 project = "Ragged-batch transformers in PyTorch"
 author = "The ragged-transformers tutorial contributors"
 copyright = "2026, " + author
+
+# -- Build environment ----------------------------------------------------------
+# Each build compiles with an empty inductor/Triton cache of its own, so the
+# compile times on the pages do not depend on what ran on the machine before
+# (set TORCHINDUCTOR_CACHE_DIR to choose one; the page stamp says which).
+tutorial_isolation.use_private_compile_cache()
+# torch.profiler's kineto prints "USDT ... profiler_start/stop" on stderr for
+# every profiled region; its lowest level above those lines is 6.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 # -- General -----------------------------------------------------------------
 extensions = [
@@ -20,12 +41,18 @@ extensions = [
     "sphinx_gallery.gen_gallery",
     "sphinx_design",
     "sphinx_copybutton",
+    # sphinxext/
+    "stale_pages",
+    "landing_cards",
+    "page_stamp",
+    "page_links",
+    "page_cleanup",
 ]
-root_doc = "index"
 templates_path = ["_templates"]
 exclude_patterns = [
     "_build",
     ".venv",
+    ".venvs",
     ".ci",
     ".github",
     "tests",
@@ -40,7 +67,6 @@ exclude_patterns = [
 ]
 # A broken cross-reference is an error (with -W), not a silently dead link.
 nitpicky = True
-suppress_warnings = []
 
 # -- HTML output --------------------------------------------------------------
 html_theme = "pydata_sphinx_theme"
@@ -50,7 +76,6 @@ html_css_files = ["site.css"]
 html_favicon = "_static/favicon.svg"
 # The theme warns in the console when no colour mode is set.
 html_context = {"default_mode": "auto"}
-html_last_updated_fmt = None
 html_show_sourcelink = False
 html_theme_options = {
     "navbar_align": "left",
@@ -58,7 +83,7 @@ html_theme_options = {
     "navigation_with_keys": False,
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
-    "secondary_sidebar_items": ["page-toc", "sg_download_links"],
+    "secondary_sidebar_items": ["page-toc", "sg_download_links", "tutorial_links"],
 }
 # Math is rendered by a copy of MathJax served from _static: a built page
 # loads nothing from a CDN (Sphinx points at jsdelivr by default).
@@ -69,54 +94,27 @@ mathjax3_config = {
 }
 
 # -- Sphinx-Gallery ------------------------------------------------------------
-# The notebook a reader downloads starts by installing the pins it was built with.
-_tutorial_pins = [
-    line.strip()
-    for line in (HERE / "requirements-tutorials.txt").read_text().splitlines()
-    if line.strip() and not line.startswith("#")
-]
-
 sphinx_gallery_conf = {
-    "examples_dirs": gallery_helpers.GALLERY_SRC,
-    "gallery_dirs": gallery_helpers.GALLERY_OUT,
+    "examples_dirs": "tutorials",
+    "gallery_dirs": "auto_tutorials",
     # Execute every file in tutorials/, not only files named plot_*.
     # `make html GALLERY_PATTERN=name` narrows this to the matching files.
     "filename_pattern": os.environ.get("GALLERY_PATTERN") or r"/",
-    "ignore_pattern": r"__init__\.py",
-    # Report every failing tutorial, then fail the build with their tracebacks
-    # (file and line), rather than stopping at the first.
-    "abort_on_example_error": False,
-    "only_warn_on_example_error": False,
-    # Seeds, dtype, device, dynamo and matplotlib state are reset before and
-    # after every tutorial; before, the build also records the environment
-    # stamp and arms the per-tutorial time limit.
-    "reset_modules": ("matplotlib", "gallery_helpers.reset_state"),
+    # Reading order, not file names: sphinxext/gallery_order.py.
+    "within_subsection_order": "gallery_order.TutorialOrder",
+    # Before and after every tutorial: state reset, seeds, page stamp, time
+    # limit (sphinxext/tutorial_isolation.py).
+    "reset_modules": ("matplotlib", "tutorial_isolation.reset_state"),
     "reset_modules_order": "both",
-    # CUDA peak allocated when CUDA runs, peak RSS of the build on CPU.
-    "show_memory": gallery_helpers.PeakMemory(),
-    "write_computation_times": True,
+    # CUDA peak allocated with CUDA, peak RSS growth on CPU; every code block
+    # runs through it, under the time limit (sphinxext/tutorial_memory.py).
+    "show_memory": tutorial_memory.PeakMemory(),
     "junit": "sphinx-gallery/junit-results.xml",
-    "first_notebook_cell": "%pip install " + " ".join(_tutorial_pins),
+    # Installs only what is missing or older than requirements-minimum.txt.
+    "first_notebook_cell": notebook_cell.install_cell(HERE / "requirements-minimum.txt"),
     "download_all_examples": False,
     "remove_config_comments": True,
-    # Reading order, not file names: gallery_helpers.READING_ORDER.
-    "within_subsection_order": "gallery_helpers.TutorialOrder",
-    "min_reported_time": 0,
-    "plot_gallery": "True",
-    "capture_repr": ("_repr_html_", "__repr__"),
-    "matplotlib_animations": False,
-    "image_srcset": [],
-    "backreferences_dir": None,
-    "line_numbers": False,
 }
 
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
-
-
-def setup(app):
-    app.connect("source-read", gallery_helpers.add_environment_stamp)
-    app.connect("source-read", gallery_helpers.strip_remote_assets)
-    # After Sphinx-Gallery's own builder-inited handler (priority 500), so
-    # that the thumbnails the cards point at exist.
-    app.connect("builder-inited", gallery_helpers.write_landing_cards, priority=900)

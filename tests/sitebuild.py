@@ -18,10 +18,12 @@ SITE_FILES = [
     "conf.py",
     "index.rst",
     "requirements-tutorials.txt",
+    "requirements-minimum.txt",
+    ".github/checked-versions.json",
     ".pyspelling.yml",
     "spelling_wordlist.txt",
 ]
-SITE_DIRS = ["sphinxext", "_static"]
+SITE_DIRS = ["sphinxext", "_static", "_templates"]
 
 
 @dataclass
@@ -42,7 +44,9 @@ def make_site(dst: Path, tutorials: list[Path] | None = None) -> Path:
     (default: the real ones)."""
     dst.mkdir(parents=True, exist_ok=True)
     for name in SITE_FILES:
-        shutil.copy2(REPO / name, dst / name)
+        if (REPO / name).exists():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dst / name)
     for name in SITE_DIRS:
         shutil.copytree(REPO / name, dst / name, dirs_exist_ok=True)
     tut = dst / "tutorials"

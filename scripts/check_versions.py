@@ -1,0 +1,274 @@
+"""Run every tutorial under the PyTorch releases the site supports.
+
+``make check-versions`` runs this. For each release of the matrix (the oldest
+supported, from ``requirements-minimum.txt``; the pinned one, from
+``requirements-tutorials.txt``; the newest, ``NEWEST_TORCH`` below) it makes a
+virtual environment of its own with that ``torch`` pinned exactly (numpy and
+matplotlib at the build's pins), then runs every page in ``tutorials/`` as a
+plain script in quick mode (``TUTORIALS_QUICK=1``, ``MPLBACKEND=agg``).
+
+A page fails on any error, and on any ``DeprecationWarning`` or
+``FutureWarning`` raised from the page's own lines (a deprecated call the
+page makes) that importing torch, numpy and matplotlib alone does not raise.
+Such warnings raised inside a library, from the library's own calls, are
+listed in the record as ``library_warnings`` but fail nothing: the page
+cannot change them. What was really checked (the
+versions installed, and for each page the hash of the source that passed) is
+written to ``.github/checked-versions.json``; the build states it on each
+page, for the page's current source only.
+
+Commands::
+
+    check_versions.py [run] [--torch 2.15.0 ...]   check, record, exit 1 on a failure
+    check_versions.py matrix                       the releases, as JSON (for CI)
+    check_versions.py merge A.json B.json ...      combine records from CI jobs
+
+Only the standard library is used, so this runs under any Python 3.11+.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The newest PyTorch release the pages are checked with. Raise it when a new
+# release is out.
+NEWEST_TORCH = "2.15.0"
+RECORD = REPO / ".github" / "checked-versions.json"
+VENVS = REPO / ".venvs"
+PAGE_TIMEOUT_S = 900
+WATCHED = ("DeprecationWarning", "FutureWarning")
+
+
+def _requirement(path: Path, name: str) -> tuple[str, str]:
+    """(operator, version) of ``name`` in a requirements file."""
+    for line in path.read_text().splitlines():
+        m = re.match(rf"^\s*{re.escape(name)}\s*(==|>=)\s*([\w.]+)\s*(#.*)?$", line)
+        if m:
+            return m.group(1), m.group(2)
+    raise SystemExit(f"error: {path.name} does not pin {name}")
+
+
+def pins() -> dict[str, str]:
+    """The build's exact pins (``requirements-tutorials.txt``)."""
+    out = {}
+    for line in (REPO / "requirements-tutorials.txt").read_text().splitlines():
+        m = re.match(r"^\s*([\w.-]+)==([\w.+]+)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def matrix() -> list[str]:
+    """Oldest supported, pinned, newest: each an exact version."""
+    _, oldest = _requirement(REPO / "requirements-minimum.txt", "torch")
+    pinned = pins()["torch"]
+    out = []
+    for v in (oldest, pinned, NEWEST_TORCH):
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def md5_text(path: Path) -> str:
+    """The hash Sphinx-Gallery keeps for a source (text mode, so line
+    endings do not matter)."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        return hashlib.md5(f.read().encode("utf-8", errors="surrogateescape")).hexdigest()
+
+
+# --- the environments -----------------------------------------------------
+
+def _pip(python: Path, *args: str) -> None:
+    cmd = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args]
+    if subprocess.run(cmd).returncode == 0:
+        return
+    # A pip configuration may cap versions (a constraint file, a local index);
+    # the release asked for is still on the registry: try once without it.
+    print(f"  pip failed with this machine's pip configuration; retrying with PIP_CONFIG_FILE={os.devnull}",
+          flush=True)
+    if subprocess.run(cmd, env={**os.environ, "PIP_CONFIG_FILE": os.devnull}).returncode != 0:
+        raise RuntimeError(f"could not install {' '.join(args)}")
+
+
+def environment(torch_version: str, root: Path) -> Path:
+    """A virtual environment with exactly this torch; reused when it has it."""
+    venv = root / f"torch-{torch_version}"
+    python = venv / "bin" / "python"
+    stamp = venv / ".check-versions.json"
+    want = {"torch": torch_version, **{k: v for k, v in pins().items() if k != "torch"}}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return python
+    print(f"creating {venv} with torch=={torch_version}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    _pip(python, *(f"{k}=={v}" for k, v in want.items()))
+    stamp.write_text(json.dumps(want))
+    return python
+
+
+def installed(python: Path) -> dict[str, str]:
+    code = ("import json, platform, importlib.metadata as m; print(json.dumps({"
+            "'torch': m.version('torch'), 'numpy': m.version('numpy'), "
+            "'matplotlib': m.version('matplotlib'), 'python': platform.python_version()}))")
+    return json.loads(subprocess.run([str(python), "-c", code], check=True,
+                                     capture_output=True, text=True).stdout)
+
+
+# --- one page ---------------------------------------------------------------
+
+# Runs inside the environment under test: the page as ``__main__``, every
+# deprecation and future warning recorded once per place it was raised.
+RUNNER = r"""
+import json, runpy, sys, warnings
+out, page, baseline_only = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+seen = []
+_show = warnings.showwarning
+def show(message, category, filename, lineno, file=None, line=None):
+    if category.__name__ in ("DeprecationWarning", "FutureWarning") or issubclass(
+            category, (DeprecationWarning, FutureWarning)):
+        seen.append({"category": category.__name__, "message": str(message).splitlines()[0][:300],
+                     "where": f"{filename}:{lineno}"})
+    _show(message, category, filename, lineno, file, line)
+warnings.showwarning = show
+warnings.simplefilter("default", DeprecationWarning)
+warnings.simplefilter("default", FutureWarning)
+try:
+    if baseline_only:
+        import torch, numpy, matplotlib.pyplot  # noqa: F401
+    else:
+        runpy.run_path(page, run_name="__main__")
+finally:
+    with open(out, "w") as f:
+        json.dump(seen, f)
+"""
+
+
+def run_page(python: Path, page: Path | None, workdir: Path) -> tuple[int, str, list[dict]]:
+    out = workdir / "warnings.json"
+    env = {**os.environ, "TUTORIALS_QUICK": "1", "MPLBACKEND": "agg", "PYTHONWARNINGS": ""}
+    proc = subprocess.run(
+        [str(python), "-c", RUNNER, str(out), str(page or ""), "0" if page else "1"],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT_S)
+    caught = json.loads(out.read_text()) if out.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, caught
+
+
+def _key(w: dict) -> tuple[str, str]:
+    # Compare by category and message: line numbers move between releases.
+    return w["category"], w["message"]
+
+
+def check(torch_version: str, pages: list[Path], root: Path) -> dict:
+    """Every page under one release; returns that release's record."""
+    python = environment(torch_version, root)
+    versions = installed(python)
+    record = {**versions, "date": dt.date.today().isoformat(), "quick": True, "pages": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        _, _, baseline = run_page(python, None, Path(tmp))
+    known = {_key(w) for w in baseline}
+    for page in pages:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                rc, log, caught = run_page(python, page, Path(tmp))
+            except subprocess.TimeoutExpired:
+                rc, log, caught = -1, f"timed out after {PAGE_TIMEOUT_S} s", []
+        fresh = [w for w in caught if _key(w) not in known]
+        new = [w for w in fresh if w["where"].rsplit(":", 1)[0] == str(page)]
+        elsewhere = sorted({f"{w['category']} at {w['where']}: {w['message']}"
+                            for w in fresh if w not in new})
+        problems = []
+        if rc != 0:
+            tail = "\n".join(log.strip().splitlines()[-15:])
+            problems.append(f"exited with status {rc}:\n{tail}")
+        problems += [f"{w['category']} at {w['where']}: {w['message']}" for w in new]
+        seconds = time.perf_counter() - start
+        record["pages"][page.stem] = {
+            "md5": md5_text(page),
+            "result": "failed" if problems else "passed",
+            "seconds": round(seconds, 1),
+            **({"problems": problems} if problems else {}),
+            **({"library_warnings": elsewhere} if elsewhere else {}),
+        }
+        status = "ok" if not problems else "FAILED"
+        print(f"  torch {versions['torch']}: {page.name}: {status} ({seconds:.0f} s)", flush=True)
+        for p in problems:
+            print("    " + p.replace("\n", "\n    "), flush=True)
+        for w in elsewhere:
+            print(f"    (raised inside a library, not failing the page) {w}", flush=True)
+    return record
+
+
+def merge_records(existing: dict, *records: dict) -> dict:
+    """Later records replace earlier ones for the same torch version."""
+    checked = dict(existing.get("checked", {}))
+    for rec in records:
+        checked.update(rec.get("checked", {}))
+    return {
+        "about": "Written by `make check-versions` (scripts/check_versions.py): the PyTorch "
+                 "releases every page was really run under, in quick mode. Commit it.",
+        "checked": dict(sorted(checked.items(), key=lambda kv: [int(x) for x in re.findall(r"\d+", kv[0])])),
+    }
+
+
+def load_record(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    r = sub.add_parser("run", help="check (the default command)")
+    for p in (ap, r):
+        p.add_argument("--torch", nargs="+", help="releases to check (default: the matrix)")
+        p.add_argument("--pages", nargs="+", type=Path, help="tutorial files (default: tutorials/*.py)")
+        p.add_argument("--venvs", type=Path, default=VENVS, help="where the environments live")
+        p.add_argument("--record", type=Path, default=RECORD)
+    sub.add_parser("matrix", help="print the releases as a JSON list")
+    m = sub.add_parser("merge", help="merge records into --record")
+    m.add_argument("records", type=Path, nargs="+")
+    m.add_argument("--record", type=Path, default=RECORD)
+    args = ap.parse_args(argv)
+
+    if args.cmd == "matrix":
+        print(json.dumps(matrix()))
+        return 0
+    if args.cmd == "merge":
+        merged = merge_records(load_record(args.record), *(load_record(p) for p in args.records))
+        args.record.write_text(json.dumps(merged, indent=1) + "\n")
+        return 0
+
+    pages = sorted(args.pages or (REPO / "tutorials").glob("*.py"))
+    if not pages:
+        ap.error("no tutorials to check")
+    args.venvs.mkdir(parents=True, exist_ok=True)
+    results, failed = {}, []
+    for version in args.torch or matrix():
+        print(f"PyTorch {version}", flush=True)
+        rec = check(version, pages, args.venvs)
+        results[rec["torch"]] = rec
+        failed += [f"{stem} under torch {rec['torch']}" for stem, p in rec["pages"].items()
+                   if p["result"] != "passed"]
+    args.record.parent.mkdir(parents=True, exist_ok=True)
+    merged = merge_records(load_record(args.record), {"checked": results})
+    args.record.write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"recorded in {args.record}")
+    if failed:
+        print("error: failed: " + "; ".join(failed), file=sys.stderr)
+        return 1
+    print("check-versions: every page passed under " + ", ".join(sorted(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

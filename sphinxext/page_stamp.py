@@ -1,0 +1,135 @@
+"""The "Built with" note under each tutorial's title.
+
+Before a tutorial runs, :func:`record_environment` writes
+``auto_tutorials/<stem>.env.json``: the PyTorch, Python and device that
+produce its figures, what the memory figure measures and which compile cache
+the build used. When Sphinx reads the page, the note is inserted after the
+page title (whatever its underline), with the PyTorch releases that
+``make check-versions`` really ran the page's current source under
+(``.github/checked-versions.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+from docutils import nodes
+
+GALLERY_OUT = "auto_tutorials"
+GALLERY_SRC = "tutorials"
+STAMP_SUFFIX = ".env.json"
+CHECKED_VERSIONS = Path(".github") / "checked-versions.json"
+
+
+def stamp_path(src_dir: str | Path, fname: str) -> Path:
+    return Path(src_dir) / GALLERY_OUT / (Path(fname).stem + STAMP_SUFFIX)
+
+
+def describe_environment() -> dict:
+    import torch
+
+    import tutorial_memory
+
+    info = {"torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["memory"] = "peak CUDA memory allocated (torch.cuda.max_memory_allocated)"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        info["device"] = f"CPU, {cores} cores"
+        _, exact = tutorial_memory.rss_source()
+        info["memory"] = (
+            "peak growth of the build process's resident memory (RSS) while the page "
+            "ran, sampled every 5 ms, after freed memory was returned to the system"
+            if exact else
+            "growth of the build process's peak resident memory while the page ran, "
+            "a lower bound (this machine gives no finer measure)")
+    cache = os.environ.get("TUTORIALS_COMPILE_CACHE")
+    info["compile_cache"] = (
+        "an empty torch.compile cache of its own" if cache == "private" else
+        f"the torch.compile cache in {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'its default place')}")
+    return info
+
+
+def record_environment(src_dir: str | Path, fname: str) -> None:
+    path = stamp_path(src_dir, fname)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(describe_environment(), indent=1, sort_keys=True) + "\n")
+
+
+def checked_versions(src_dir: Path, stem: str) -> list[str]:
+    """Releases under which this page's current source passed check-versions."""
+    record = src_dir / CHECKED_VERSIONS
+    source = src_dir / GALLERY_SRC / f"{stem}.py"
+    if not record.exists() or not source.exists():
+        return []
+    from sphinx_gallery.utils import get_md5sum
+
+    md5 = get_md5sum(source, mode="t")
+    found = []
+    for version, rec in json.loads(record.read_text()).get("checked", {}).items():
+        page = rec.get("pages", {}).get(stem, {})
+        if page.get("result") == "passed" and page.get("md5") == md5:
+            found.append(version)
+    return found
+
+
+def stamp_text(src_dir: Path, stem: str) -> list[str]:
+    path = stamp_path(src_dir, stem + ".py")
+    if not path.exists():
+        lines = ["This page was built without running its code, so it shows no figures."]
+    else:
+        info = json.loads(path.read_text())
+        lines = [
+            f"The figures on this page were produced while the site was built, with "
+            f"PyTorch {info['torch']} on {info['device']} (Python {info['python']}), "
+            f"with {info.get('compile_cache', 'the default torch.compile cache')}. The memory "
+            f"figure at the end is the {info['memory']}."]
+    versions = checked_versions(src_dir, stem)
+    if versions:
+        listed = ", ".join(versions[:-1]) + " and " + versions[-1] if len(versions) > 1 else versions[0]
+        lines.append(f"This version of the page was also run, in quick mode, with PyTorch "
+                     f"{listed} (make check-versions).")
+    else:
+        lines.append("This version of the page has not been run with other PyTorch releases "
+                     "yet (make check-versions).")
+    return lines
+
+
+def tutorial_stem(docname: str) -> str | None:
+    prefix = GALLERY_OUT + "/"
+    if not docname.startswith(prefix):
+        return None
+    stem = docname[len(prefix):]
+    if "/" in stem or stem == "index" or stem.startswith("sg_execution"):
+        return None
+    return stem
+
+
+def insert_stamp(app, doctree) -> None:
+    """``doctree-read``: the note goes right after the first title."""
+    stem = tutorial_stem(app.env.docname)
+    if stem is None:
+        return
+    src_dir = Path(app.srcdir)
+    # Re-read the page when what the note says changes.
+    for dep in (stamp_path(src_dir, stem + ".py"), src_dir / CHECKED_VERSIONS):
+        if dep.exists():
+            app.env.note_dependency(str(dep))
+    note = nodes.admonition(classes=["build-stamp"])
+    note += nodes.title(text="Built with")
+    for line in stamp_text(src_dir, stem):
+        note += nodes.paragraph(text=line)
+    section = next(iter(doctree.findall(nodes.section)), None)
+    if section is None or not isinstance(section[0], nodes.title):
+        doctree.insert(0, note)
+    else:
+        section.insert(1, note)
+
+
+def setup(app):
+    app.connect("doctree-read", insert_stamp)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -26,11 +26,12 @@ help:
 	@echo "make spelling                  run the spell gate (pyspelling + aspell)"
 	@echo "make test                      run the test suite (builds the site once)"
 	@echo "make serve [PORT=8000]         serve _build/html on http://localhost:PORT"
+	@echo "make check-versions            run every page under the oldest, pinned and newest PyTorch"
 	@echo "make clean                     remove every build output"
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-tutorials.txt
+$(STAMP): requirements.txt requirements-tutorials.txt requirements-site.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || \
 	  { echo "error: Python 3.11 or newer is needed as '$(PYTHON)' (make PYTHON=python3.11 ...)"; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || \
@@ -63,3 +64,19 @@ serve:
 
 clean:
 	rm -rf $(BUILDDIR) auto_tutorials _generated sg_execution_times.rst
+
+# --- issue 11: publishing and release checks --------------------------------
+.PHONY: html-merged check-versions
+
+# Build over an auto_tutorials/ that shard builds already executed (the GPU
+# workflow's merge job): executes nothing, so needs only requirements-site.txt
+# (no torch), installed by the caller.
+html-merged:
+	$(PYTHON) -m sphinx -M html . $(BUILDDIR) $(STRICT) $(SPHINXOPTS)
+	$(PYTHON) scripts/validate_build.py .
+
+# Every tutorial in quick mode under the oldest supported, the pinned and the
+# newest PyTorch, each in its own environment under .venvs/ (several GB);
+# writes .github/checked-versions.json, which the pages quote.
+check-versions:
+	$(PYTHON) scripts/check_versions.py

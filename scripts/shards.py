@@ -110,12 +110,19 @@ def record(source: Path, durations_path: Path, needs_gpu: list[str]) -> dict:
     return data
 
 
+def is_image_of(name: str, stem: str) -> bool:
+    """Whether ``name`` is an image Sphinx-Gallery wrote for ``stem``:
+    ``sphx_glr_<stem>_<NNN>[_<srcset>].<ext>`` or ``sphx_glr_<stem>_thumb.<ext>``.
+    Exact, so that ``attn`` does not take the images of ``attn_gqa``."""
+    return re.fullmatch(rf"sphx_glr_{re.escape(stem)}_(?:thumb|\d{{3}}(?:_\d+_\d+x)?)\.\w+", name) is not None
+
+
 def tutorial_files(gallery: Path, stem: str) -> list[Path]:
     """Everything Sphinx-Gallery wrote for one tutorial in ``gallery``."""
     files = [p for p in gallery.iterdir() if p.is_file() and p.name.split(".")[0] == stem]
     images = gallery / "images"
     if images.is_dir():
-        files += [p for p in images.rglob(f"sphx_glr_{stem}_*") if p.is_file()]
+        files += [p for p in images.rglob("sphx_glr_*") if p.is_file() and is_image_of(p.name, stem)]
     return files
 
 

@@ -18,11 +18,13 @@ Exit status 1 and one line per problem, naming the tutorial file.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import sys
 from pathlib import Path
+
+# The hash Sphinx-Gallery itself writes (text mode: line endings do not count).
+from sphinx_gallery.utils import get_md5sum
 
 
 def problems(src_dir: Path, pattern: str = "") -> list[str]:
@@ -31,15 +33,17 @@ def problems(src_dir: Path, pattern: str = "") -> list[str]:
     sources = sorted((src_dir / "tutorials").glob("*.py"))
     if not sources:
         return [f"{src_dir / 'tutorials'}: no tutorials"]
-    for src in sources:
-        if pattern and not re.search(pattern, str(src)):
-            continue
+    # Sphinx-Gallery matches filename_pattern against the file's path.
+    selected = [src for src in sources if not pattern or re.search(pattern, str(src))]
+    if not selected:
+        return [f"GALLERY_PATTERN {pattern!r} matched no tutorial, so none was checked"]
+    for src in selected:
         name = f"tutorials/{src.name}"
         md5 = gallery / f"{src.name}.md5"
         if not md5.exists():
             found.append(f"{name}: never finished running (no {md5.name})")
             continue
-        if md5.read_text().strip() != hashlib.md5(src.read_bytes()).hexdigest():
+        if md5.read_text().strip() != get_md5sum(src, mode="t"):
             found.append(f"{name}: its current version did not finish running (stale {md5.name})")
             continue
         cost = gallery / f"{src.stem}.cost.json"

@@ -24,9 +24,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 SHOTS = REPO / "artifacts" / "screenshots"
 
-if not (CHROMIUM and CHROMEDRIVER):
-    pytest.fail("the browser tests need Debian's chromium and chromium-driver: "
-                "sudo apt-get install chromium chromium-driver", pytrace=False)
+MISSING = ("the browser tests need Debian's chromium and chromium-driver: "
+           "sudo apt-get install chromium chromium-driver (or deselect them: -m 'not browser')")
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -61,7 +60,13 @@ def make_driver():
 
 
 @pytest.fixture(scope="module")
-def browser(real_site):
+def browser(request):
+    # Checked here, not at import: a run that deselects the browser tests
+    # (-m "not browser") never asks for this fixture. A selected test fails
+    # before the site is built.
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail(MISSING, pytrace=False)
+    real_site = request.getfixturevalue("real_site")
     server, base = serve(real_site.html)
     driver = make_driver()
     yield driver, base, real_site.html

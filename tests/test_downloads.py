@@ -63,8 +63,17 @@ def test_downloaded_py_and_notebook_run_and_agree(real_site, stem, tmp_path, mon
     # The .py, with plain python, in an empty folder.
     script = downloaded(real_site, stem, ".py")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env={**os.environ, **QUICK_ENV})
+                          text=True, timeout=TIMEOUT_S,
+                          env={**{k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}, **QUICK_ENV})
     assert proc.returncode == 0, f"{stem}.py failed:\n{proc.stderr[-5000:]}"
+    # A reader running the .py in a terminal sees only what the page prints:
+    # not kineto's "USDT ... profiler_start/stop" lines (KINETO_LOG_LEVEL=6
+    # before the first torch.profiler use hides them).
+    usdt = [ln for ln in proc.stderr.splitlines() if "USDT" in ln]
+    if usdt and "KINETO_LOG_LEVEL" not in script.read_text():
+        pytest.xfail(f"{stem}.py prints {len(usdt)} USDT lines: the page must set "
+                     "KINETO_LOG_LEVEL=6 before profiling (pending in the tutorial sources)")
+    assert not usdt, f"{stem}.py printed profiler noise on stderr: {usdt[:2]}"
 
     # The notebook, on a fresh kernel; its first cell is the pip install line.
     nb = nbformat.read(downloaded(real_site, stem, ".ipynb"), as_version=4)

@@ -1,7 +1,11 @@
-"""The build machinery, on a small fixture site built with the real conf.py."""
+"""The build machinery, on small fixture sites built with the real conf.py."""
 
 from __future__ import annotations
 
+import html
+import random
+import re
+import shutil
 import subprocess
 import sys
 
@@ -13,13 +17,26 @@ from pages import soup
 from sitebuild import FIXTURES, REPO, build, make_site
 
 sys.path.insert(0, str(REPO / "sphinxext"))
-import gallery_helpers  # noqa: E402
+import gallery_order  # noqa: E402
+import landing_cards  # noqa: E402
+from sphinx.errors import ExtensionError  # noqa: E402
 
 TINY = sorted((FIXTURES / "tutorials").glob("*.py"))
+STYLES = sorted((FIXTURES / "styles").glob("*.py"))
+FAULTS = FIXTURES / "faults"
 
 
 def line_of(path, text):
     return next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if text in ln)
+
+
+def error_lines(log: str, *needles: str) -> list[str]:
+    """Lines of a build log that hold every one of ``needles``."""
+    return [ln for ln in log.splitlines() if all(n in ln for n in needles)]
+
+
+def page(build_result, stem):
+    return soup(build_result.html / "auto_tutorials" / f"{stem}.html")
 
 
 def test_fixture_pages_built(fixture_site):
@@ -28,50 +45,80 @@ def test_fixture_pages_built(fixture_site):
     assert "successfully executed 2 out of 2 files" in fixture_site.log
 
 
-def test_build_seeds_every_source_before_a_tutorial(fixture_site):
-    text = soup(fixture_site.html / "auto_tutorials" / "tiny_plot.html").get_text(" ")
+def test_build_seeds_every_global_generator_before_a_tutorial(fixture_site):
+    # tiny_plot draws from torch's, numpy's and random's global generators
+    # without seeding them: only the build's seeding makes these values.
+    text = page(fixture_site, "tiny_plot").get_text(" ")
     torch.manual_seed(0)
     assert f"torch sum: {round(float(torch.randn(4).sum()), 6)}" in text
-    assert f"numpy draw: {np.random.default_rng(0).integers(0, 100, size=3).tolist()}" in text
+    np.random.seed(0)
+    assert f"numpy draw: {np.random.randint(0, 100, size=3).tolist()}" in text
+    random.seed(0)
+    assert f"random draw: {random.randint(0, 100)}" in text
 
 
 def test_math_is_served_locally(fixture_site):
-    page = soup(fixture_site.html / "auto_tutorials" / "tiny_text.html")
-    scripts = [s.get("src", "") for s in page.find_all("script")]
+    p = page(fixture_site, "tiny_text")
+    scripts = [s.get("src", "") for s in p.find_all("script")]
     assert any(s.split("?")[0].endswith("_static/mathjax/tex-svg.js") for s in scripts), scripts
-    assert page.select(".math"), "the math role was not rendered as math"
+    assert p.select(".math"), "the math role was not rendered as math"
 
 
 def test_memory_figure_is_measured(fixture_site):
-    text = soup(fixture_site.html / "auto_tutorials" / "tiny_plot.html").get_text(" ")
+    text = page(fixture_site, "tiny_plot").get_text(" ")
     mb = float(text.split("Estimated memory usage:")[1].split("MB")[0])
     assert mb >= 60, f"the page touched 64 MB but its memory figure says {mb} MB"
 
 
+def _memory_figure(site, stem):
+    text = (site / "auto_tutorials" / f"{stem}.rst").read_text()
+    return float(re.search(r"Estimated memory usage:\*\*\s*([\d.]+) MB", text).group(1))
+
+
+def test_cpu_memory_figure_does_not_depend_on_the_page_before(tmp_path):
+    # b_holder holds 24 MB in small pieces; a_churn, built before it, freed
+    # 24 MB of such pieces. Without returning freed memory to the system
+    # first, the holder reuses it and reports much less.
+    if torch.cuda.is_available():
+        pytest.skip("the CPU memory figure is only used without CUDA")
+    holder = FIXTURES / "memory" / "b_holder.py"
+    after = make_site(tmp_path / "after", tutorials=[FIXTURES / "memory" / "a_churn.py", holder])
+    result = build(after)
+    assert result.returncode == 0, result.log[-3000:]
+    mb = _memory_figure(after, "b_holder")
+    assert mb >= 21, f"a page holding 24 MB reports {mb} MB after a page that freed memory"
+
+
 def test_a_tutorial_that_raises_fails_the_build_naming_file_and_line(tmp_path):
-    bad = FIXTURES / "faults" / "raises.py"
+    bad = FAULTS / "raises.py"
     site = make_site(tmp_path / "site", tutorials=[TINY[1], bad])
     result = build(site)
     assert result.returncode != 0
-    assert "raises.py" in result.log
-    assert f"line {line_of(bad, 'raise RuntimeError')}" in result.log
-    assert "planted failure in a tutorial" in result.log
+    assert error_lines(result.log, "tutorials/raises.py", "failed leaving traceback"), result.log[-3000:]
+    assert f'raises.py", line {line_of(bad, "raise RuntimeError")}' in result.log
+    assert "RuntimeError: planted failure in a tutorial" in result.log
 
 
 def test_html_noplot_builds_without_executing(tmp_path):
     site = make_site(tmp_path / "site", tutorials=TINY)
     result = build(site, "-D", "plot_gallery=0")
     assert result.returncode == 0, result.log[-5000:]
-    page = soup(site / "_build" / "html" / "auto_tutorials" / "tiny_plot.html")
-    assert not page.select("div.sphx-glr-script-out"), "html-noplot rendered output blocks"
-    assert "built without running its code" in page.select_one(".build-stamp").get_text()
+    p = soup(site / "_build" / "html" / "auto_tutorials" / "tiny_plot.html")
+    assert not p.select("div.sphx-glr-script-out"), "html-noplot rendered output blocks"
+    assert "built without running its code" in p.select_one(".build-stamp").get_text()
 
 
-def test_gallery_pattern_executes_only_matching(tmp_path):
+def test_gallery_pattern_runs_a_subset_and_the_others_keep_their_cache(tmp_path):
     site = make_site(tmp_path / "site", tutorials=TINY)
+    assert build(site).returncode == 0
+    (site / "tutorials" / "tiny_text.py").write_text(
+        (site / "tutorials" / "tiny_text.py").read_text() + "\nprint('edited')\n")
     result = build(site, env={"GALLERY_PATTERN": "tiny_text"})
     assert result.returncode == 0, result.log[-5000:]
     assert "successfully executed 1 out of 1 file" in result.log
+    p = soup(site / "_build" / "html" / "auto_tutorials" / "tiny_plot.html")
+    assert p.select("div.sphx-glr-script-out"), "the page outside the pattern lost its cached output"
+    assert "PyTorch" in p.select_one(".build-stamp").get_text()
 
 
 def _spell(site):
@@ -80,7 +127,7 @@ def _spell(site):
 
 
 def test_spell_gate_names_a_planted_misspelling(tmp_path):
-    site = make_site(tmp_path / "site", tutorials=[TINY[0], FIXTURES / "faults" / "typo.py"])
+    site = make_site(tmp_path / "site", tutorials=[TINY[0], FAULTS / "typo.py"])
     result = _spell(site)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
@@ -92,22 +139,143 @@ def test_spell_gate_passes_on_the_repository():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_landing_cards_cover_every_tutorial():
-    rst = gallery_helpers.landing_cards_rst(REPO)
-    for path in (REPO / "tutorials").glob("*.py"):
-        assert f":link: auto_tutorials/{path.stem}\n" in rst
+# --- any valid Sphinx-Gallery tutorial ---------------------------------------
+
+@pytest.fixture(scope="module")
+def styles_site(tmp_path_factory):
+    """Tutorials written as other galleries write them: other underlines, an
+    overlined title, a label and a directive before the title, no tags, no
+    thumbnail, a note before the first cell, tags inside a later cell."""
+    site = make_site(tmp_path_factory.mktemp("styles") / "site", tutorials=STYLES + TINY)
+    result = build(site)
+    assert result.returncode == 0, result.log[-5000:]
+    return result
 
 
-def test_card_info_rejects_a_tutorial_without_title(tmp_path):
-    path = tmp_path / "untitled.py"
-    path.write_text('"""\nJust text, no title.\n"""\nprint(1)\n')
-    with pytest.raises(ValueError, match="title"):
-        gallery_helpers.tutorial_card_info(path)
+def test_tutorials_in_other_galleries_styles_build(styles_site):
+    cards = {}
+    for card in soup(styles_site.html / "index.html").select(".tutorial-card"):
+        stem = card.select_one("a.sd-stretched-link")["href"].split("/")[-1].removesuffix(".html")
+        cards[stem] = card
+    assert set(cards) == {p.stem for p in STYLES + TINY}
+    for path in STYLES + TINY:
+        p = page(styles_site, path.stem)
+        title = p.find("h1").get_text(strip=True).rstrip("#")
+        # The card carries the title Sphinx-Gallery rendered on the page.
+        assert cards[path.stem].select_one(".sd-card-title").get_text(strip=True) == title
+        # The environment stamp sits right under the title, whatever its style.
+        assert p.find("h1").find_next("div", class_="admonition") is p.select_one(".build-stamp")
 
 
-def test_landing_cards_follow_the_reading_order():
-    rst = gallery_helpers.landing_cards_rst(REPO)
+def test_card_text_is_sphinx_gallerys_own(styles_site):
+    # The gallery index Sphinx-Gallery writes shows each example's title and
+    # intro in its thumbnail; the landing card shows the same.
+    index = (styles_site.src / "auto_tutorials" / "index.rst").read_text()
+    tooltips = {html.unescape(t) for t in re.findall(r'tooltip="([^"]*)"', index)}
+    for path in STYLES + TINY:
+        card = landing_cards.card_info(path)
+        assert f":doc:`/auto_tutorials/{path.stem}`" in index
+        assert card["description"] in tooltips, (card["description"], tooltips)
+        assert f"<div class=\"sphx-glr-thumbnail-title\">{card['title']}</div>" in index
+
+
+def test_tags_come_from_sphinx_gallery_and_link_to_its_tag_filter(styles_site):
+    card = next(c for c in soup(styles_site.html / "index.html").select(".tutorial-card")
+                if "overline_title" in c.select_one("a.sd-stretched-link")["href"])
+    hrefs = [a["href"] for a in card.select("a.sd-badge")]
+    assert hrefs == ["auto_tutorials/index.html?sg-tags=styles", "auto_tutorials/index.html?sg-tags=plots"]
+    # Sphinx-Gallery's own tag line on the page.
+    assert "Tags: styles, plots" in page(styles_site, "overline_title").get_text(" ")
+
+
+def test_no_page_has_an_empty_code_block(styles_site):
+    for path in STYLES + TINY:
+        blocks = page(styles_site, path.stem).select("div.highlight pre")
+        assert blocks or path.stem in {"note_first"}, path.stem
+        assert all(b.get_text().strip() for b in blocks), f"{path.stem}: an empty code block"
+
+
+@pytest.mark.parametrize("bad", ["bad_tags.py", "no_docstring.py"])
+def test_bad_metadata_fails_in_seconds_before_anything_runs(tmp_path, bad):
+    # slow.py would sleep for two minutes if anything were executed first.
+    site = make_site(tmp_path / "site", tutorials=[FAULTS / "slow.py", FAULTS / bad])
+    result = build(site)
+    assert result.returncode != 0
+    assert error_lines(result.log, f"tutorials/{bad}"), result.log[-3000:]
+    assert "starting a long sleep" not in result.log
+    assert result.seconds < 60, f"the build took {result.seconds:.0f} s to reject {bad}"
+
+
+def test_card_info_reads_what_sphinx_gallery_reads():
+    info = landing_cards.card_info(FIXTURES / "styles" / "preamble_title.py")
+    assert info["title"] == "A page with a label before its title"
+    assert info["description"].startswith("A reference label and a directive")
+    assert info["tags"] == []
+    with pytest.raises(ExtensionError, match="no_docstring.py"):
+        landing_cards.card_info(FAULTS / "no_docstring.py")
+
+
+def test_landing_cards_cover_every_tutorial_in_reading_order():
+    rst = landing_cards.cards_rst(REPO)
     stems = [line.split("auto_tutorials/")[1] for line in rst.splitlines() if ":link: " in line]
-    listed = [s for s in gallery_helpers.READING_ORDER if s in stems]
-    assert stems[: len(listed)] == listed
     assert set(stems) == {p.stem for p in (REPO / "tutorials").glob("*.py")}
+    listed = [s for s in gallery_order.READING_ORDER if s in stems]
+    assert stems[: len(listed)] == listed
+
+
+def test_reading_order_ignores_missing_and_appends_unlisted():
+    key = gallery_order.reading_order_key
+    assert sorted(["zeta", "ragged_batches_intro", "alpha"], key=key) == [
+        "ragged_batches_intro", "alpha", "zeta"]
+    assert "which_attention_path" in gallery_order.READING_ORDER  # listed before its file exists
+
+
+# --- renamed and deleted tutorials ------------------------------------------
+
+def test_a_renamed_tutorial_leaves_no_stale_page(tmp_path):
+    site = make_site(tmp_path / "site", tutorials=TINY)
+    assert build(site).returncode == 0
+    old = site / "tutorials" / "tiny_plot.py"
+    shutil.move(old, site / "tutorials" / "tiny_plot_renamed.py")
+    result = build(site)
+    assert result.returncode == 0, result.log[-5000:]
+    gallery = site / "auto_tutorials"
+    assert not list(gallery.glob("tiny_plot.*")), sorted(p.name for p in gallery.glob("tiny_plot.*"))
+    assert not list(gallery.rglob("sphx_glr_tiny_plot_[0t]*")), "images of the old name remain"
+    assert (gallery / "tiny_plot_renamed.rst").is_file()
+    assert (gallery / "tiny_text.py.md5").is_file(), "a live tutorial's cache was removed"
+
+
+# --- the build's own compile cache -------------------------------------------
+
+def test_each_build_compiles_with_a_cache_of_its_own(tmp_path):
+    dirs = []
+    for i in range(2):
+        site = make_site(tmp_path / f"site{i}", tutorials=[TINY[1], FAULTS / "compile_cache.py"])
+        env = {"TORCHINDUCTOR_CACHE_DIR": "", "TRITON_CACHE_DIR": ""}
+        result = build(site, env=env)
+        assert result.returncode == 0, result.log[-3000:]
+        text = soup(site / "_build" / "html" / "auto_tutorials" / "compile_cache.html").get_text(" ")
+        dirs.append(re.search(r"inductor cache: (\S+)", text).group(1))
+        stamp = soup(site / "_build" / "html" / "auto_tutorials" / "compile_cache.html").select_one(".build-stamp")
+        assert "empty torch.compile cache of its own" in stamp.get_text(" ")
+    assert dirs[0] != dirs[1], dirs
+    assert all("tutorials-compile-cache-" in d for d in dirs), dirs
+
+
+# --- the GPU workflow's merge job -------------------------------------------
+
+def test_a_build_over_an_executed_gallery_needs_no_torch(tmp_path, fixture_site):
+    # What the merge job does: build over auto_tutorials/ that shards
+    # executed, with only requirements-site.txt installed. Here torch (and
+    # numpy) cannot be imported at all.
+    site = make_site(tmp_path / "site", tutorials=TINY)
+    shutil.copytree(fixture_site.src / "auto_tutorials", site / "auto_tutorials")
+    blocker = tmp_path / "blocker"
+    for name in ("torch", "numpy"):
+        (blocker / name).mkdir(parents=True)
+        (blocker / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed')\n")
+    result = build(site, env={"PYTHONPATH": str(blocker)})
+    assert result.returncode == 0, result.log[-5000:]
+    assert "executed 0 out of" in result.log
+    assert page(result, "tiny_plot").select("div.sphx-glr-script-out")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import torch
 
 from pages import download_links, external_resources, run_seconds, soup
 from sitebuild import REPO, build
+
+sys.path.insert(0, str(REPO / "sphinxext"))
+import notebook_cell  # noqa: E402
 
 STEMS = sorted(p.stem for p in (REPO / "tutorials").glob("*.py"))
 
@@ -50,9 +54,33 @@ def test_downloads_exist_and_notebook_is_valid(real_site, stem):
     nb = nbformat.read((html.parent / links[".ipynb"]).resolve(), as_version=4)
     nbformat.validate(nb)
     first_code = next(c for c in nb.cells if c.cell_type == "code")
-    pins = [ln.strip() for ln in (REPO / "requirements-tutorials.txt").read_text().splitlines()
-            if ln.strip() and not ln.startswith("#")]
-    assert first_code.source.strip() == "%pip install " + " ".join(pins)
+    # Installs only what is missing or older than requirements-minimum.txt.
+    assert first_code.source.strip() == notebook_cell.install_cell(REPO / "requirements-minimum.txt").strip()
+    assert "==" not in first_code.source
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_colab_and_github_links_beside_the_downloads(real_site, stem):
+    page = soup(real_site.html / "auto_tutorials" / f"{stem}.html")
+    conf = {}
+    exec((REPO / "conf.py").read_text().split("# -- Project")[0].split("# -- Where")[1].split("\n", 1)[1], conf)
+    repo, branch = conf["tutorials_github_repo"], conf["tutorials_github_branch"]
+    colab = f"https://colab.research.google.com/github/{repo}/blob/notebooks/{stem}.ipynb"
+    github = f"https://github.com/{repo}/blob/{branch}/tutorials/{stem}.py"
+    footer = page.select_one(".sphx-glr-footer")
+    assert footer is not None and footer.select("a.reference.download"), f"{stem}: no download footer"
+    assert [a["href"] for a in footer.select("a.tutorial-colab-link")] == [colab]
+    assert [a["href"] for a in footer.select("a.tutorial-github-link")] == [github]
+    assert footer.select_one("a.tutorial-colab-link").get_text() == "Run in Google Colab"
+    assert footer.select_one("a.tutorial-github-link").get_text() == "View source on GitHub"
+    side = page.select_one(".tutorial-links")
+    assert side is not None and {a["href"] for a in side.select("a")} == {colab, github}
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_no_empty_code_block(real_site, stem):
+    blocks = soup(real_site.html / "auto_tutorials" / f"{stem}.html").select("div.highlight pre")
+    assert blocks and all(b.get_text().strip() for b in blocks), f"{stem}: an empty code block"
 
 
 def test_landing_page_links_every_tutorial_with_a_thumbnail(real_site):
@@ -79,6 +107,7 @@ def test_environment_stamp(real_site, stem):
     assert f"PyTorch {torch.__version__}" in text
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU,"
     assert device in text, text
+    assert "torch.compile cache" in text and "make check-versions" in text, text
 
 
 def test_no_third_party_resources(real_site):

@@ -46,8 +46,10 @@ def test_gpu_tutorial_without_gpu_shard_is_an_error():
 
 def test_unknown_tutorial_counts_as_the_longest_known():
     p = shards.plan(["new", "a", "d"], {"a": {"seconds": 300}, "d": {"seconds": 10}}, 2)
-    by = {s: sh["index"] for sh in p for s in sh["tutorials"]}
-    assert by["new"] != by["a"]
+    by = {s: sh for sh in p for s in sh["tutorials"]}
+    assert by["new"]["index"] != by["a"]["index"]
+    # The planned load says what the unknown tutorial was counted as.
+    assert sorted(sh["seconds"] for sh in p) == [300.0, 310.0]
 
 
 def test_more_shards_than_tutorials_leaves_empty_shards_matching_nothing():
@@ -78,10 +80,47 @@ def test_record_reads_junit_and_rejects_zero_time(tmp_path):
         shards.record(junit, out, [])
 
 
-def test_durations_file_covers_every_tutorial():
+def test_durations_file_is_well_formed():
+    # A tutorial with no recorded duration yet (a new page) is planned as the
+    # longest known one, so the file need not list every tutorial.
     recorded = shards.load_durations(REPO / ".github" / "tutorial-durations.json")
-    stems = {p.stem for p in (REPO / "tutorials").glob("*.py")}
-    assert stems <= set(recorded), f"no recorded duration for {sorted(stems - set(recorded))}"
+    assert recorded and all(d["seconds"] > 0 for d in recorded.values())
+
+
+def _fake_shard(root, executed, also_present):
+    """A shard folder as Sphinx-Gallery leaves it: the executed tutorial's
+    files and figures, and placeholder thumbnails for the others."""
+    g = root / "auto_tutorials"
+    (g / "images" / "thumb").mkdir(parents=True)
+    for stem in [executed, *also_present]:
+        (g / f"{stem}.rst").write_text(f"{stem} from {root.name}")
+        (g / "images" / "thumb" / f"sphx_glr_{stem}_thumb.png").write_text(
+            f"{'real' if stem == executed else 'placeholder'} thumb of {stem}")
+    (g / f"{executed}.py.md5").write_text("x")
+    (g / "images" / f"sphx_glr_{executed}_001.png").write_text(f"figure of {executed}")
+    return g
+
+
+@pytest.mark.parametrize("order", [("attn", "attn_gqa"), ("attn_gqa", "attn")])
+def test_merge_matches_stems_exactly_when_one_is_a_prefix_of_another(tmp_path, order):
+    dirs, plan = [], []
+    for i, stem in enumerate(order):
+        other = [s for s in order if s != stem]
+        dirs.append(_fake_shard(tmp_path / f"shard{i}", stem, other))
+        plan.append({"index": i, "tutorials": [stem]})
+    out = tmp_path / "merged"
+    shards.merge(dirs, plan, out)
+    for stem in order:
+        assert (out / "images" / "thumb" / f"sphx_glr_{stem}_thumb.png").read_text() == f"real thumb of {stem}"
+        assert (out / "images" / f"sphx_glr_{stem}_001.png").read_text() == f"figure of {stem}"
+
+
+def test_image_names_are_matched_exactly():
+    assert shards.is_image_of("sphx_glr_attn_001.png", "attn")
+    assert shards.is_image_of("sphx_glr_attn_thumb.png", "attn")
+    assert shards.is_image_of("sphx_glr_attn_001_2_00x.png", "attn")
+    assert not shards.is_image_of("sphx_glr_attn_gqa_001.png", "attn")
+    assert not shards.is_image_of("sphx_glr_attn_gqa_thumb.png", "attn")
 
 
 def _pages(html):

@@ -1,0 +1,216 @@
+"""Unit tests of the build's callables, without a Sphinx build."""
+
+from __future__ import annotations
+
+import builtins
+import importlib.metadata
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sitebuild import REPO
+
+sys.path.insert(0, str(REPO / "sphinxext"))
+sys.path.insert(0, str(REPO / "scripts"))
+import check_versions  # noqa: E402
+import notebook_cell  # noqa: E402
+import page_stamp  # noqa: E402
+import tutorial_guards  # noqa: E402
+import tutorial_memory  # noqa: E402
+
+
+# --- time limit --------------------------------------------------------------
+
+@pytest.fixture
+def tutorial(monkeypatch):
+    monkeypatch.setenv("TUTORIAL_TIME_LIMIT_S", "0.5")
+    tutorial_guards.start_tutorial("tutorials/unit.py")
+    yield
+    tutorial_guards.end_tutorial()
+
+
+def _catches_everything_ordinary():
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:  # Python code: the watchdog can interrupt it
+            pass
+    except Exception:  # what a tutorial may write around a slow call
+        return "swallowed"
+    return "ran to the end"
+
+
+@pytest.mark.parametrize("use_sigalrm", [True, False], ids=["sigalrm", "no-sigalrm"])
+def test_time_limit_passes_through_except_exception(tutorial, monkeypatch, use_sigalrm):
+    if use_sigalrm and not hasattr(signal, "SIGALRM"):
+        pytest.skip("no SIGALRM here")
+    # Without SIGALRM (Windows), a watchdog thread raises in the tutorial.
+    monkeypatch.setattr(tutorial_guards, "_use_sigalrm", lambda: use_sigalrm)
+    start = time.monotonic()
+    with pytest.raises(tutorial_guards.TutorialFailure, match="tutorials/unit.py ran past .* 0.5 s"):
+        tutorial_guards.run_block(_catches_everything_ordinary)
+    assert time.monotonic() - start < 5
+
+
+def test_time_limit_is_not_armed_outside_the_tutorials_code(tutorial):
+    assert tutorial_guards.run_block(lambda: 42) == 42
+    if hasattr(signal, "SIGALRM"):
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), "a timer outlived the block"
+    time.sleep(0.7)  # past the limit, but outside the tutorial's code: nothing fires here
+
+
+def test_sys_exit_in_a_block_becomes_an_error_naming_the_tutorial(tutorial):
+    with pytest.raises(tutorial_guards.TutorialFailure, match=r"tutorials/unit.py called sys.exit\(3\)"):
+        tutorial_guards.run_block(lambda: sys.exit(3))
+
+
+# --- memory ------------------------------------------------------------------
+
+def test_memory_callable_works_without_proc(monkeypatch):
+    # As on macOS or Windows: no /proc. psutil reads the platform's own API
+    # there (a stand-in here); nothing of ours may open /proc.
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    class FakeProcess:
+        def memory_info(self):
+            return type("mem", (), {"rss": 123 * 2**20})()
+
+    import psutil
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    monkeypatch.setattr(io, "open", no_proc)
+    monkeypatch.setattr(psutil, "Process", FakeProcess)
+    mb, out = tutorial_memory.PeakMemory()(lambda: "done")
+    assert out == "done" and mb == 123
+
+
+def test_memory_callable_falls_back_to_a_lower_bound_without_psutil(monkeypatch):
+    import psutil
+
+    def broken():
+        raise psutil.Error("no /proc")
+
+    monkeypatch.setattr(psutil, "Process", broken)
+    rss, exact = tutorial_memory.rss_source()
+    assert not exact and rss() > 0
+    assert "lower bound" in page_stamp.describe_environment()["memory"]
+
+
+# --- the notebook's first cell ----------------------------------------------
+
+def _run_cell(monkeypatch, installed: dict[str, str]):
+    calls = []
+    installed = dict(installed)
+
+    def check_call(cmd, **kwargs):
+        calls.append(cmd)
+        for req in cmd[cmd.index("--quiet") + 1:]:
+            name, minimum = req.split(">=")
+            installed[name] = minimum
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(subprocess, "check_call", check_call)
+    source = notebook_cell.install_cell(REPO / "requirements-minimum.txt")
+    exec(compile(source, "first_cell", "exec"), {})
+    return [c[c.index("--quiet") + 1:] for c in calls]
+
+
+def test_notebook_cell_installs_only_what_is_missing_or_too_old(monkeypatch):
+    mins = dict(notebook_cell.minimums(REPO / "requirements-minimum.txt"))
+    assert mins["torch"] == "2.11.0"
+    newer = {"torch": "2.15.0+cu128", "numpy": "2.4.6", "matplotlib": "3.11.2"}
+    assert _run_cell(monkeypatch, newer) == [], "a newer torch must not be replaced"
+    assert _run_cell(monkeypatch, {**newer, "torch": "2.11.0"}) == []
+    old = {"torch": "2.10.1", "numpy": "2.4.6"}  # and no matplotlib
+    assert _run_cell(monkeypatch, old) == [[f"torch>={mins['torch']}", f"matplotlib>={mins['matplotlib']}"]]
+
+
+def test_minimums_agree_with_the_pins():
+    pins = check_versions.pins()
+    for name, minimum in notebook_cell.minimums(REPO / "requirements-minimum.txt"):
+        v = lambda s: tuple(int(x) for x in s.split("+")[0].split(".")[:3])  # noqa: E731
+        assert v(pins[name]) >= v(minimum), f"{name}: pinned {pins[name]} is older than {minimum}"
+
+
+# --- check-versions -----------------------------------------------------------
+
+def test_check_versions_hashes_sources_as_sphinx_gallery_does(tmp_path):
+    from sphinx_gallery.utils import get_md5sum
+
+    src = tmp_path / "page.py"
+    src.write_bytes(b"print(1)\r\nprint(2)\r\n")
+    assert check_versions.md5_text(src) == get_md5sum(src, mode="t")
+
+
+def test_version_matrix_is_oldest_pinned_newest_exactly():
+    m = check_versions.matrix()
+    assert m[0] == "2.11.0" and m[1] == check_versions.pins()["torch"] and m[-1] == check_versions.NEWEST_TORCH
+    assert all(len(v.split(".")) == 3 for v in m)
+
+
+@pytest.fixture
+def one_env(monkeypatch, tmp_path):
+    # This environment stands in for one of the matrix.
+    monkeypatch.setattr(check_versions, "environment", lambda version, root: __import__("pathlib").Path(sys.executable))
+    return tmp_path
+
+
+def test_check_versions_fails_on_a_deprecation_the_page_triggers(one_env):
+    page = one_env / "deprecated.py"
+    page.write_text("import warnings\nwarnings.warn('old api', DeprecationWarning)\nprint('ok')\n")
+    fine = one_env / "fine.py"
+    fine.write_text("import warnings\nwarnings.warn('a user note', UserWarning)\nprint('ok')\n")
+    broken = one_env / "broken.py"
+    broken.write_text("raise SystemExit(2)\n")
+    rec = check_versions.check("x", [page, fine, broken], one_env)
+    assert rec["pages"]["fine"]["result"] == "passed"
+    assert rec["pages"]["deprecated"]["result"] == "failed"
+    assert "DeprecationWarning" in rec["pages"]["deprecated"]["problems"][0]
+    assert rec["pages"]["broken"]["result"] == "failed"
+
+
+def test_stamp_states_only_versions_checked_for_the_current_source(tmp_path):
+    (tmp_path / "tutorials").mkdir()
+    (tmp_path / ".github").mkdir()
+    src = tmp_path / "tutorials" / "page.py"
+    src.write_text("print(1)\n")
+    md5 = check_versions.md5_text(src)
+    record = {"checked": {
+        "2.11.0": {"pages": {"page": {"md5": md5, "result": "passed"}}},
+        "2.13.0+cpu": {"pages": {"page": {"md5": md5, "result": "failed"}}},
+        "2.15.0": {"pages": {"page": {"md5": "an older version", "result": "passed"}}},
+    }}
+    (tmp_path / ".github" / "checked-versions.json").write_text(json.dumps(record))
+    assert page_stamp.checked_versions(tmp_path, "page") == ["2.11.0"]
+    assert "PyTorch 2.11.0 (make check-versions)" in page_stamp.stamp_text(tmp_path, "page")[-1]
+
+
+# --- the browser tests on a machine without Chromium --------------------------
+
+def test_browser_tests_can_be_deselected_without_chromium(tmp_path):
+    # PATH without chromium/chromedriver: deselecting must not error, and
+    # selecting them must fail with the install hint, before any build.
+    env = {**os.environ, "PATH": str(tmp_path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(REPO / "tests" / "test_browser.py")]
+    deselected = subprocess.run([*cmd, "-m", "not browser"], env=env, capture_output=True, text=True,
+                                cwd=REPO / "tests", timeout=300)
+    assert deselected.returncode == 5, deselected.stdout[-2000:]  # 5: every test deselected
+    assert "error" not in deselected.stdout.lower(), deselected.stdout[-2000:]
+    selected = subprocess.run([*cmd, "-x", "-k", "index.html"], env=env, capture_output=True, text=True,
+                              cwd=REPO / "tests", timeout=300)
+    assert selected.returncode == 1 and "chromium-driver" in selected.stdout, selected.stdout[-2000:]

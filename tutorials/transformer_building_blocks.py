@@ -733,6 +733,7 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 #   memory-efficient or cuDNN kernel, the math path, a compiled graph), with
 #   the number of calls.
 
+import gc
 import time
 
 from torch.utils import benchmark
@@ -779,6 +780,7 @@ def profile_call(fn):
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # free what earlier calls left behind before counting
     cuda = torch.cuda.is_available()
     if cuda:
         _sync()

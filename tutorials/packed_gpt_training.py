@@ -1,0 +1,1339 @@
+"""
+A packed GPT, trained and served without padding
+================================================
+
+Pretrain a small modern decoder-only model on packed documents, the way
+Hugging Face's ``DataCollatorWithFlattening``, torchtune's packing and
+torchtitan's varlen attention do, against the best padded trainer a reader
+would write: same weights, same documents, same optimizer. Then generate from
+it with a KV cache that keeps each sequence's own length.
+
+**Author:** the ragged-transformers tutorial contributors
+
+.. grid:: 2
+
+    .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
+       :class-card: card-prerequisites
+
+       * How to write a GPT (RMSNorm, rotary positions that restart at every
+         document, SwiGLU, grouped-query attention) whose modules run on a
+         packed batch and, unchanged, on a padded one
+       * How to train it on packed documents, prove that it computes what the
+         padded model computes, and measure real tokens per second against
+         the work bound
+       * How to prefill packed prompts and decode into a KV cache with
+         per-sequence lengths, and how that compares with padded generation
+
+    .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
+       :class-card: card-prerequisites
+
+       * The toolkit of the building-blocks page (copied below, so this file
+         runs on its own)
+       * PyTorch 2.11 or later; a CPU is enough, a CUDA GPU runs it at a
+         larger scale in ``bfloat16``
+
+Fine-tuning and pretraining data comes in documents of very different
+lengths. Padding them into a ``(B, S)`` rectangle makes every layer work on
+the longest document's length for every row; packing them end to end, with
+attention kept inside each document, makes every layer work on the real
+tokens only. This page measures what that buys for a whole model, end to
+end: data, forward, loss, backward and optimizer step.
+"""
+
+# sphinx_gallery_tags = ["GPT", "training", "packing", "KV cache", "benchmarks"]
+
+# %%
+# Setup
+# -----
+
+import copy
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
+    raise RuntimeError(f"This page needs PyTorch 2.11 or later; this is {torch.__version__}. "
+                       "Upgrade with `pip install -U torch`.")
+
+def default_dtype(device):
+    """The dtype a page computes in: ``bfloat16`` on CUDA (``float16`` on a GPU
+    without it), ``float32`` on CPU. ``TUTORIALS_DTYPE`` overrides it, so the
+    low-precision paths can be exercised on a CPU too."""
+    name = os.environ.get("TUTORIALS_DTYPE")
+    if name:
+        if name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}")
+        return getattr(torch, name)
+    if device != "cuda":
+        return torch.float32
+    if torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    print("This GPU has no bfloat16: the page runs in float16 instead.")
+    return torch.float16
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = default_dtype(DEVICE)
+QUICK = os.environ.get("TUTORIALS_QUICK") == "1"
+SEED = 0
+print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick mode: {QUICK}")
+
+# sphinx_gallery_start_ignore
+import logging
+import warnings
+
+warnings.filterwarnings("ignore", message=r".*nested tensors is in prototype stage")
+warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
+
+
+class _DropNotes(logging.Filter):
+    def filter(self, record):
+        return not record.getMessage().startswith(("is_fx_tracing", "Failed to pickle cache key"))
+
+
+for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
+    logging.getLogger(_name).addFilter(_DropNotes())
+# sphinx_gallery_end_ignore
+
+# %%
+# Sizes
+# ~~~~~
+# Every size is set here. On CPU the model is small (width 256, two layers)
+# so that both trainers run in about a minute on two cores; on CUDA it is a
+# few times wider and deeper and trains in ``bfloat16`` autocast. Documents
+# are drawn from the site's length generator, uncapped but for the model's
+# context length, which a real trainer would cap at too.
+
+if DEVICE == "cuda":
+    MODEL = dict(vocab_size=4096, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
+                 max_seq_len=4096)
+    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 128, 300, 1e-3, 1.1
+    PROMPTS, NEW_TOKENS = 64, 64
+else:  # real runs: width 2048 and up, 16+ layers, thousands of documents per step
+    MODEL = dict(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
+                 max_seq_len=1024)
+    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 32, 150, 3e-3, 1.2
+    PROMPTS, NEW_TOKENS = 16, 32
+if QUICK:
+    MODEL.update(vocab_size=128, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176)
+    DOCS_PER_BATCH, STEPS, LR, PROMPTS, NEW_TOKENS = 16, 60, 1e-2, 8, 8
+TOPICS = 4  # the corpus below has this many kinds of document
+WARMUP_STEPS = 5  # steps left out of the throughput figures (first calls, compilation)
+RUN_TIME = 0.2 if QUICK else 1.0
+print(f"model {MODEL}")
+print(f"{STEPS} steps of {DOCS_PER_BATCH} documents, Zipf exponent {ZIPF_ALPHA}")
+
+# %%
+# The toolkit
+# -----------
+# An identical copy of the building-blocks page's toolkit, the parts this page
+# uses: lengths, offsets, ``ragged_attention`` and its backends, the float32
+# reference, ``measure`` and the work bound. That page explains each of them.
+
+import gc
+import inspect
+import time
+from dataclasses import dataclass, field
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils import benchmark
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # not in this build of PyTorch
+    varlen_attn = None
+
+STOP_RANKS = (3, 386, 858)
+BACKENDS = ("varlen", "sdpa_njt", "flex", "loop", "bucketed", "padded")
+
+
+def zipf_stop_probability(alpha):
+    """Chance that a word drawn from Zipf(``alpha``) ends a sentence: that it is
+    ".", "!" or "?", which have ranks 3, 386 and 858 in WikiText-2."""
+    n = 10_000
+    ranks = np.arange(1, n + 1, dtype=np.float64)
+    # zeta(alpha): a partial sum plus the Euler-Maclaurin estimate of the tail
+    zeta = (ranks**-alpha).sum() + n ** (1 - alpha) / (alpha - 1) - 0.5 * n**-alpha
+    return float(sum(r**-alpha for r in STOP_RANKS) / zeta)
+
+
+def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
+    """Lengths of ``batch`` sentences of Zipf(``alpha``) words, each ending at its
+    first stop word: one geometric draw per sentence. Returns (B,) int64."""
+    lengths = rng.geometric(zipf_stop_probability(alpha), size=batch)
+    if max_len is not None:
+        lengths = np.minimum(lengths, max_len)
+    return torch.from_numpy(lengths).long()
+
+
+def offsets_from_lengths(lengths, device=None):
+    """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
+    tensor, then where the last one ends (FlashAttention's ``cu_seqlens``)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
+    return F.pad(lengths.cumsum(0), (1, 0))
+
+
+def ragged_batch(rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32):
+    """A random ragged batch: packed values (T, dim) and offsets (B + 1,)."""
+    lengths = sentence_lengths(rng, batch, alpha, max_len)
+    gen = torch.Generator(device).manual_seed(int(rng.integers(2**62)))
+    values = torch.randn(int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype)
+    return values, offsets_from_lengths(lengths, device)
+
+
+def token_index(offsets):
+    """The sequence of every packed token and its position in that sequence,
+    both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2]."""
+    lengths = offsets.diff()
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths)
+    return seq, torch.arange(len(seq), device=offsets.device) - offsets[seq]
+
+
+def to_padded(values, offsets, pad_value=0.0):
+    """Packed (T, ...) -> padded (B, S, ...) and a (B, S) mask, True on real tokens."""
+    lengths = offsets.diff()
+    S = int(lengths.max()) if len(lengths) else 0
+    padded = values.new_full((len(lengths), S, *values.shape[1:]), pad_value)
+    padded = padded.index_put(token_index(offsets), values)
+    return padded, torch.arange(S, device=values.device) < lengths[:, None]
+
+
+def from_padded(padded, offsets):
+    """Padded (B, S, ...) -> packed (T, ...): the real tokens, in packed order."""
+    return padded[token_index(offsets)]
+
+
+def _varlen_keywords():
+    # varlen_attn's keyword arguments differ between releases: read them
+    return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+
+
+def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, gqa=False):
+    """None if backend ``name`` can run this job here, else why it cannot."""
+    cuda = torch.device(device).type == "cuda"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    if name == "varlen":
+        if varlen_attn is None:
+            return "this PyTorch has no torch.nn.attention.varlen"
+        if not cuda:
+            return "needs CUDA (it calls the FlashAttention kernel)"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "needs a GPU of compute capability 8.0 or newer (FlashAttention)"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"needs float16 or bfloat16, not {dtype}"
+    if name == "sdpa_njt" and gqa:
+        return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
+    if name == "sdpa_njt" and is_causal and not cuda:
+        return "on CPU only SDPA's math path takes nested tensors, and it refuses is_causal"
+    if name == "flex" and needs_grad and not cuda:
+        return "FlexAttention has no backward on CPU"
+    return None
+
+
+def default_backend(device, dtype):
+    """The backend ``ragged_attention`` uses when none is named: ``varlen``
+    where it runs, else ``sdpa_njt`` on CUDA, else the per-sequence loop."""
+    for name in ("varlen", "sdpa_njt") if torch.device(device).type == "cuda" else ():
+        if backend_support(name, device, dtype, is_causal=True, needs_grad=True) is None:
+            return name
+    return "loop"
+
+
+def check_offsets(offsets, total, name="offsets"):
+    """Raise ValueError, naming the problem, unless ``offsets`` describe a packed
+    tensor of ``total`` tokens."""
+    if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
+                         f"got shape {tuple(offsets.shape)} and {offsets.dtype}")
+    if int(offsets[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
+    steps = offsets.diff()
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0])
+        raise ValueError(f"{name} must not decrease: {name}[{i}] = {int(offsets[i])} "
+                         f"> {name}[{i + 1}] = {int(offsets[i + 1])}")
+    if int(offsets[-1]) != total:
+        raise ValueError(f"{name} must end at the token count, {total}, got {int(offsets[-1])}")
+
+
+@dataclass
+class RaggedInfo:
+    """The lengths of one batch, read from its offsets once, on the host."""
+
+    q_lengths: list  # queries per sequence
+    kv_lengths: list  # keys each sequence uses (``kv_used``, or all of its rows)
+    kv_rows: list  # key rows each sequence has in the packed tensor
+    plans: dict = field(default_factory=dict)  # index tensors a backend built for it
+
+
+_INFO_CACHE = []  # the last few batches; holding their tensors keeps the ids unique
+
+
+def ragged_info(q_offsets, kv_offsets, n_q, n_kv, kv_used=None, is_causal=False):
+    """Check a batch's description and read its lengths, once per batch."""
+    key = (q_offsets, kv_offsets, kv_used)
+    versions = tuple(None if t is None else t._version for t in key) + (n_q, n_kv, is_causal)
+    for cached, cached_versions, info in _INFO_CACHE:
+        if all(a is b for a, b in zip(cached, key)) and cached_versions == versions:
+            return info
+    check_offsets(q_offsets, n_q, "q_offsets")
+    check_offsets(kv_offsets, n_kv, "kv_offsets")
+    if len(q_offsets) != len(kv_offsets):
+        raise ValueError(f"q_offsets and kv_offsets describe different batch sizes: "
+                         f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences")
+    kv_rows = kv_offsets.diff().tolist()
+    kv_lengths = kv_rows if kv_used is None else kv_used.tolist()
+    if len(kv_lengths) != len(kv_rows) or any(not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)):
+        raise ValueError(f"kv_used must hold one count per sequence, between 0 and its key "
+                         f"rows {kv_rows}; got {kv_lengths}")
+    info = RaggedInfo(q_offsets.diff().tolist(), kv_lengths, kv_rows)
+    if is_causal and any(0 < lkv < lq for lq, lkv in zip(info.q_lengths, info.kv_lengths)):
+        raise ValueError("is_causal needs at least as many keys as queries in every sequence "
+                         "(the last query sees every key)")
+    _INFO_CACHE.insert(0, (key, versions, info))
+    del _INFO_CACHE[8:]
+    return info
+
+
+def _causal_mask(lq, lkv, device):
+    # (lq, lkv), True where a query may see a key; aligned bottom-right, as in
+    # FlashAttention and varlen_attn: the last query sees every key
+    return torch.ones(lq, lkv, dtype=torch.bool, device=device).tril(lkv - lq)
+
+
+def _dense(q, k, v, is_causal, scale, mask=None):
+    # q: (N, H, Lq, D), k and v: (N, H_kv, Lkv, D); ``mask``, if given, holds
+    # everything a query may see. Every query has at least one key.
+    lq, lkv, gqa = q.shape[-2], k.shape[-2], q.shape[1] != k.shape[1]
+    if mask is None and is_causal and lq == lkv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if mask is None and is_causal and lq > 1:
+        mask = _causal_mask(lq, lkv, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _loop(q, k, v, info, is_causal, scale, kv_used):
+    """One dense SDPA call per sequence, on views of the packed tensors."""
+    # (T, H, D) -> (1, H, T, D) once; ``split`` then gives one view per sequence,
+    # and its backward is a single concatenation
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = []
+    for qi, ki, vi, n, rows in zip(qh.split(info.q_lengths, 2), kh.split(info.kv_rows, 2),
+                                   vh.split(info.kv_rows, 2), info.kv_lengths, info.kv_rows):
+        if n < rows:  # a cache with spare room: only the rows in use
+            ki, vi = ki[:, :, :n], vi[:, :, :n]
+        out.append(_dense(qi, ki, vi, is_causal, scale))  # (1, H, L_q, D)
+    return torch.cat(out, 2)[0].transpose(0, 1)  # (T_q, H, D)
+
+
+def _bucket_plan(info, device, buckets, is_causal):
+    # Sequences sorted by length and cut into groups; for each group, indices
+    # that gather its rows into a padded block (padding slots read row 0, and
+    # are masked or dropped), its mask, and which slots are real queries.
+    order = sorted(range(len(info.q_lengths)), key=lambda i: -info.kv_lengths[i])
+    q_start = np.concatenate([[0], np.cumsum(info.q_lengths)])
+    kv_start = np.concatenate([[0], np.cumsum(info.kv_rows)])
+    plan, rows = [], []
+    for group in np.array_split(np.array(order), min(buckets, len(order))):
+        lq = torch.tensor([info.q_lengths[i] for i in group])
+        lkv = torch.tensor([info.kv_lengths[i] for i in group])
+        sq, skv = int(lq.max()), int(lkv.max())
+        q_real = torch.arange(sq) < lq[:, None]  # (n, Sq)
+        kv_real = torch.arange(skv) < lkv[:, None]  # (n, Skv)
+        q_idx = torch.where(q_real, torch.as_tensor(q_start[group])[:, None] + torch.arange(sq), 0)
+        kv_idx = torch.where(kv_real, torch.as_tensor(kv_start[group])[:, None] + torch.arange(skv), 0)
+        mask = kv_real[:, None, :]  # (n, 1, Skv): real keys only
+        if is_causal:  # query i sees keys up to i + Lkv - Lq
+            mask = mask & (torch.arange(skv) <= torch.arange(sq)[:, None] + (lkv - lq)[:, None, None])
+        # right padding: with equal lengths a causal query never reaches a
+        # padding key, and the kernel's own causal mask is enough
+        mask = None if is_causal and bool((lq == lkv).all()) else mask[:, None].to(device)
+        plan.append((q_idx.to(device), kv_idx.to(device), mask, q_real.to(device)))
+        rows.append(q_idx[q_real])
+    # where each packed query row lands among the groups' outputs
+    return plan, torch.argsort(torch.cat(rows)).to(device)
+
+
+def _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=4):
+    """Pad sequences in groups of similar length; one dense SDPA call per group."""
+    key = ("bucketed", buckets, is_causal)
+    if key not in info.plans:
+        info.plans[key] = _bucket_plan(info, q.device, buckets, is_causal)
+    plan, inverse = info.plans[key]
+    out = []
+    for q_idx, kv_idx, mask, q_real in plan:
+        qb, kb, vb = (t[idx].transpose(1, 2) for t, idx in ((q, q_idx), (k, kv_idx), (v, kv_idx)))
+        ob = _dense(qb, kb, vb, is_causal and mask is None, scale, mask)  # (n, H, Sq, D)
+        out.append(ob.transpose(1, 2)[q_real])  # the real rows, (sum Lq, H, D)
+    return torch.cat(out)[inverse]
+
+
+def _padded(q, k, v, info, is_causal, scale, kv_used):
+    """Every sequence padded to the longest one, one call: the baseline."""
+    return _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=1)
+
+
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, info, is_causal, scale, kv_used):
+    """FlexAttention over the whole packed batch, with a document mask."""
+    key = ("flex", is_causal)
+    if key not in info.plans:  # one BlockMask per batch, shared by every layer
+        q_seq, q_pos = token_index(offsets_from_lengths(info.q_lengths, q.device))
+        kv_seq, kv_pos = token_index(offsets_from_lengths(info.kv_rows, q.device))
+        kv_len = torch.tensor(info.kv_lengths, device=q.device)
+        shift = kv_len - torch.tensor(info.q_lengths, device=q.device)
+
+        def document_mask(b, h, q_idx, kv_idx):
+            same = (q_seq[q_idx] == kv_seq[kv_idx]) & (kv_pos[kv_idx] < kv_len[kv_seq[kv_idx]])
+            if is_causal:
+                same = same & (kv_pos[kv_idx] <= q_pos[q_idx] + shift[q_seq[q_idx]])
+            return same
+
+        info.plans[key] = create_block_mask(document_mask, None, None, len(q_seq), len(kv_seq),
+                                            device=q.device)
+    if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
+        q, k, v = q.detach(), k.detach(), v.detach()
+    # (T, H, D) -> (1, H, T, D): the whole batch as one long sequence
+    qf, kf, vf = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = _compiled_flex_attention(qf, kf, vf, block_mask=info.plans[key], scale=scale,
+                                   enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
+    """SDPA on nested jagged tensors built from the same values and offsets."""
+    if is_causal and info.q_lengths != info.kv_lengths and max(info.q_lengths) > 1:
+        raise NotImplementedError("SDPA on nested tensors aligns is_causal top-left: it "
+                                  "needs equal query and key lengths")
+
+    def njt(x, lengths):  # (T, H, D) -> (B, H, j, D)
+        offsets = offsets_from_lengths(lengths, x.device)
+        nt = torch.nested.nested_tensor_from_jagged(x.contiguous(), offsets, max_seqlen=max(lengths))
+        return nt.transpose(1, 2)
+
+    causal = is_causal and max(info.q_lengths) > 1  # one query per sequence sees every key
+    out = F.scaled_dot_product_attention(njt(q, info.q_lengths), njt(k, info.kv_rows),
+                                         njt(v, info.kv_rows), is_causal=causal, scale=scale)
+    return out.transpose(1, 2).values()
+
+
+def _varlen(q, k, v, info, is_causal, scale, kv_used):
+    """``varlen_attn``: FlashAttention's variable-length kernel on the packed batch."""
+    keywords = _varlen_keywords()
+    kw = {"scale": scale}
+    if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
+        kw.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in keywords:
+            kw["enable_gqa"] = True
+        else:  # older releases: repeat each key/value head for its query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if kv_used is not None:
+        kw["seqused_k"] = kv_used.to(torch.int32)
+    cu_q = offsets_from_lengths(info.q_lengths, q.device).to(torch.int32)
+    cu_k = offsets_from_lengths(info.kv_rows, q.device).to(torch.int32)
+    return varlen_attn(q, k, v, cu_q, cu_k, max(info.q_lengths), max(info.kv_rows), **kw)
+
+
+_BACKEND_FNS = {"varlen": _varlen, "sdpa_njt": _sdpa_njt, "flex": _flex,
+                "loop": _loop, "bucketed": _bucketed, "padded": _padded}
+
+
+def _compact_plan(info, device):
+    # Keep the sequences that have queries and keys, and only the key rows they
+    # use: the query rows kept, the key rows kept, and the smaller batch.
+    keep = [i for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)) if lq and lkv]
+    q_start = np.cumsum([0] + info.q_lengths)
+    kv_start = np.cumsum([0] + info.kv_rows)
+    q_rows = [np.arange(q_start[i], q_start[i] + info.q_lengths[i]) for i in keep]
+    kv_rows = [np.arange(kv_start[i], kv_start[i] + info.kv_lengths[i]) for i in keep]
+    used = [info.kv_lengths[i] for i in keep]
+    return (torch.as_tensor(np.concatenate(q_rows or [[]]), dtype=torch.long, device=device),
+            torch.as_tensor(np.concatenate(kv_rows or [[]]), dtype=torch.long, device=device),
+            RaggedInfo([info.q_lengths[i] for i in keep], used, used))
+
+
+@torch.compiler.disable  # host-side bookkeeping; a compiled model calls it as is
+def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
+                     scale=None, backend=None):
+    """Attention within each sequence of a packed batch.
+
+    q: (T_q, H, D); k, v: (T_kv, H_kv, D), with H a multiple of H_kv.
+    q_offsets, kv_offsets: (B + 1,), where each sequence starts and the last
+    one ends; kv_offsets defaults to q_offsets (self-attention).
+    kv_used: optional (B,), how many key rows each sequence uses from its start.
+    is_causal: query i of a sequence with L_q queries and L_kv keys sees keys
+    0 .. i + L_kv - L_q (with L_q == L_kv, the usual causal mask).
+    backend: one of BACKENDS, or None for ``default_backend``.
+    Returns (T_q, H, D); a query without keys gets zeros.
+    """
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
+                         f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
+    name = backend or default_backend(q.device, q.dtype)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=needs_grad,
+                          gqa=q.shape[1] != k.shape[1])
+    if why:
+        raise RuntimeError(f"ragged_attention: backend {name!r} cannot run this here: {why}")
+    fn = _BACKEND_FNS[name]
+    reads_kv_used = name in ("loop", "flex") or (name == "varlen" and "seqused_k" in _varlen_keywords())
+    if all(info.q_lengths) and all(info.kv_lengths) and (kv_used is None or reads_kv_used):
+        return fn(q, k, v, info, is_causal, scale, kv_used)
+    if "compact" not in info.plans:
+        info.plans["compact"] = _compact_plan(info, q.device)
+    q_rows, kv_rows, kept = info.plans["compact"]
+    out = q.new_zeros(q.shape)
+    if len(q_rows):
+        out = out.index_copy(0, q_rows, fn(q[q_rows], k[kv_rows], v[kv_rows], kept, is_causal, scale, None))
+    return out
+
+
+def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
+                        scale=None):
+    """The same attention in float32, sequence by sequence, on SDPA's math
+    backend, with key/value heads repeated and the causal mask built
+    explicitly: a reference that shares no kernel with the backends."""
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    q_start, kv_start = q_offsets.tolist(), kv_offsets.tolist()
+    with sdpa_kernel(SDPBackend.MATH):
+        for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)):
+            if lq and lkv:
+                qi = q[q_start[i]:q_start[i] + lq].float().transpose(0, 1)  # (H, Lq, D)
+                ki, vi = (t[kv_start[i]:kv_start[i] + lkv].float().repeat_interleave(group, 1)
+                          .transpose(0, 1) for t in (k, v))  # (H, Lkv, D)
+                mask = _causal_mask(lq, lkv, q.device) if is_causal else None
+                out[q_start[i]:q_start[i] + lq] = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1)
+    return out
+
+
+def tolerances(dtype):
+    """``assert_close`` tolerances for results computed in ``dtype``."""
+    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+            torch.float16: dict(atol=5e-3, rtol=5e-3)}[dtype]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+_KERNELS = {  # profiler operator -> the kernel it names
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "CPU flash",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cuDNN",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_flash_attention_forward": "flash varlen",
+    "aten::_efficient_attention_forward": "memory-efficient varlen",
+    "aten::_cudnn_attention_forward": "cuDNN varlen",
+}
+
+
+def _kernel_label(events):
+    """The attention kernels among profiler events, with their call counts."""
+    counts = {}
+    for e in events:
+        base = e.name.removesuffix("_backward")
+        parent = e.cpu_parent
+        while parent is not None and parent.name.removesuffix("_backward") not in _KERNELS:
+            parent = parent.cpu_parent
+        if base in _KERNELS and parent is None:  # not called by another attention op
+            label = _KERNELS[base] + (" backward" if e.name.endswith("_backward") else "")
+            counts[label] = counts.get(label, 0) + 1
+    if not counts and any(e.name.startswith("triton_tem_fused") for e in events):
+        counts["FlexAttention Triton kernel"] = 1
+    if not counts and any(e.name.startswith("Torch-Compiled Region") for e in events):
+        counts["compiled graph (inductor kernel)"] = 1
+    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items()) or "no attention op"
+
+
+def profile_call(fn):
+    """Run ``fn`` once under the profiler: the memory it needed beyond what was
+    allocated before, in MiB, and the attention kernels that ran."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # free what earlier calls left behind before counting
+    cuda = torch.cuda.is_available()
+    if cuda:
+        _sync()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, profile_memory=not cuda) as prof:
+        fn()
+        _sync()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - before
+    else:  # the running sum of the allocation and free events, in time order
+        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
+                                      for e in prof.profiler.kineto_results.events()
+                                      if e.name() == "[memory]")]
+        peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
+    return peak / 2**20, _kernel_label(prof.events())
+
+
+@dataclass
+class Timing:
+    """Median and IQR of the timed runs in ms, the first call in s, peak
+    memory in MiB, and the attention kernels that ran."""
+
+    median_ms: float
+    iqr_ms: float
+    first_call_s: float
+    peak_mib: float = float("nan")
+    kernels: str = ""
+
+    def __str__(self):
+        return (f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f})  peak {self.peak_mib:7.1f} MiB"
+                + (f"  [{self.kernels}]" if self.kernels else ""))
+
+
+def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
+    """Time callables side by side. ``fns`` maps a name to a function of no
+    arguments; returns name -> Timing."""
+    first = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn()
+        _sync()
+        first[name] = time.perf_counter() - start
+    times = {name: [] for name in fns}
+    for _ in range(rounds):  # take turns, so that a busy machine slows all alike
+        for name, fn in fns.items():
+            timer = benchmark.Timer("fn()", globals={"fn": fn})
+            times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
+    out = {}
+    for name, fn in fns.items():
+        q1, median, q3 = np.percentile(times[name], [25, 50, 75]) * 1e3
+        peak, kernels = profile_call(fn) if profile else (float("nan"), "")
+        out[name] = Timing(median, q3 - q1, first[name], peak, kernels)
+    return out
+
+
+def where_time_goes(fn, top=6):
+    """Profile one call of ``fn``: the operators that took most of its time."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    rows = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in rows) or 1
+    rows = sorted(rows, key=own, reverse=True)[:top]
+    return "\n".join(f"  {e.key[:52]:52s} {own(e) / 1e3:8.2f} ms {100 * own(e) / total:5.1f}%  "
+                     f"x{e.count}" for e in rows)
+
+
+def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
+                     backward=False, backends=BACKENDS, min_run_time=0.5):
+    """Check and time one attention job on each backend. Returns name -> Timing,
+    or name -> the reason it did not run. Prints one line per backend."""
+    gqa = q.shape[1] != k.shape[1]
+    kw = dict(is_causal=is_causal, kv_used=kv_used)
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    reference = reference_attention(q, k, v, q_offsets, kv_offsets, **kw)
+    grad_out = torch.randn_like(reference) if backward else None
+    if backward:
+        ref_grads = torch.autograd.grad(reference, (q, k, v), grad_out)
+    results, fns = {}, {}
+    for name in backends:
+        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
+        if why is None:
+            def run(name=name):
+                with torch.set_grad_enabled(backward):
+                    out = ragged_attention(q, k, v, q_offsets, kv_offsets, backend=name, **kw)
+                    return (out, torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+                            if backward else None)
+            try:
+                out, grads = run()
+            except Exception as err:  # one clear line instead of a traceback
+                why = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
+        if why:
+            results[name] = why
+            continue
+        torch.testing.assert_close(out.float(), reference, **tolerances(q.dtype),
+                                   msg=lambda m, name=name: f"{name} disagrees with the reference: {m}")
+        for g, r in zip(grads or (), ref_grads if backward else ()):
+            torch.testing.assert_close(g.float(), r, **tolerances(q.dtype),
+                                       msg=lambda m, name=name: f"{name}'s gradients disagree: {m}")
+        fns[name] = run
+    results.update(measure(fns, min_run_time=min_run_time))
+    for name in backends:
+        r = results[name]
+        print(f"  {name:9s} {r}" if isinstance(r, Timing) else f"  {name:9s} not available: {r}")
+    return results
+
+
+def fastest(results):
+    """The backend with the lowest median time among those that ran."""
+    timed = {n: r for n, r in results.items() if isinstance(r, Timing)}
+    return min(timed, key=lambda n: timed[n].median_ms)
+
+
+def pairs_scored(q_lengths, kv_lengths, causal):
+    """Query-key pairs a kernel scores: the causal half, L(L+1)/2 per sequence,
+    when it skips the masked half, else every pair."""
+    q, kv = torch.as_tensor(q_lengths).double(), torch.as_tensor(kv_lengths).double()
+    return float((q * (q + 1) / 2 if causal else q * kv).sum())
+
+
+def work_bound(q_lengths, kv_lengths=None, *, per_token, per_pair, per_kv_token=0.0,
+               causal=False, padded_causal=None):
+    """The work of the padded batch over the work of the ragged batch.
+    ``padded_causal``: whether the padded side skips the masked half of the
+    scores (a causal kernel) or computes the whole square (a merged mask)."""
+    q = torch.as_tensor(q_lengths)
+    kv = q if kv_lengths is None else torch.as_tensor(kv_lengths)
+    padded_causal = causal if padded_causal is None else padded_causal
+
+    def work(ql, kvl, c):
+        return (per_token * float(ql.sum()) + per_kv_token * float(kvl.sum())
+                + per_pair * pairs_scored(ql, kvl, c))
+
+    full_q, full_kv = torch.full_like(q, int(q.max())), torch.full_like(kv, int(kv.max()))
+    return work(full_q, full_kv, padded_causal) / work(q, kv, causal)
+
+
+def speedup_line(label, padded, ragged, bound):
+    """The speedup of ``ragged`` over ``padded``, beside the work bound."""
+    s = padded.median_ms / ragged.median_ms
+    return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
+
+
+# %%
+# A corpus of packed documents
+# ----------------------------
+# The documents must be learnable, so that the two trainers can be compared
+# on a loss that falls, and they must need attention within the document.
+# Each document has a topic, its first token; after that, every token is
+# drawn from four likely successors of the previous token, and the table of
+# successors is the topic's own. A model that does not look back at the
+# document's first token cannot know which table applies, and one that looks
+# into the previous document would read the wrong topic, so the document
+# boundaries matter. The lengths come from the site's sentence-length
+# generator, capped at the model's context length.
+
+
+def successor_tables(rng, topics, vocab):
+    """For each topic and token: four successor tokens (topic ids excluded)."""
+    return rng.integers(topics, vocab, size=(topics, vocab, 4))
+
+
+SUCCESSOR_PROBS = np.array([0.55, 0.25, 0.12, 0.08])
+
+
+def documents(rng, tables, lengths):
+    """Packed token ids (T,) of one document per length, generated together."""
+    B, longest = len(lengths), int(lengths.max())
+    topic = rng.integers(0, tables.shape[0], size=B)
+    ids = np.zeros((B, longest), dtype=np.int64)
+    ids[:, 0] = topic
+    token = rng.integers(tables.shape[0], tables.shape[1], size=B)
+    for p in range(1, longest):
+        ids[:, p] = token
+        token = tables[topic, token, rng.choice(4, size=B, p=SUCCESSOR_PROBS)]
+    return torch.from_numpy(np.concatenate([ids[b, :n] for b, n in enumerate(lengths.tolist())]))
+
+
+def next_token_targets(tokens, offsets):
+    """The token each position must predict; -100 (ignored) at each document's end."""
+    targets = tokens.roll(-1).clone()
+    targets[offsets[1:] - 1] = -100
+    return targets
+
+
+rng = np.random.default_rng(SEED)
+tables = successor_tables(rng, TOPICS, MODEL["vocab_size"])
+batches, cut = [], 0
+for _ in range(STEPS):
+    lengths = sentence_lengths(rng, DOCS_PER_BATCH, ZIPF_ALPHA)
+    cut += int((lengths > MODEL["max_seq_len"]).sum())
+    lengths = lengths.clamp(max=MODEL["max_seq_len"])
+    offsets = offsets_from_lengths(lengths)
+    batches.append((documents(rng, tables, lengths).to(DEVICE), offsets.to(DEVICE)))
+real = sum(len(tokens) for tokens, _ in batches)
+slots = sum(DOCS_PER_BATCH * int(offsets.diff().max()) for _, offsets in batches)
+print(f"{real} real tokens in {STEPS} batches; padded batches would hold {slots} token slots, "
+      f"{slots / real:.2f}x the real tokens ({cut} documents cut at the context length)")
+tokens, offsets = batches[0]
+print(f"first batch: lengths {offsets.diff().tolist()[:12]} ...")
+
+# %%
+# The model
+# ---------
+# The usual modern decoder-only stack, written flat in the style of
+# ``gpt-fast``: token embedding; blocks of RMSNorm, grouped-query attention
+# with rotary position embeddings, RMSNorm and a SwiGLU feed-forward network,
+# each with a residual connection; a final RMSNorm and an output layer. The
+# output layer is a separate matrix, not tied to the embedding, as in Llama.
+#
+# Every module works on the last dimension only, so the same weights run on
+# a packed batch ``(T, dim)`` and on a padded one ``(B, S, dim)``. The one
+# place that must know which it is, attention, gets a small *layout* object:
+#
+# * ``Packed``: the offsets, and ``ragged_attention`` with a backend;
+# * ``Padded``: one SDPA call over ``(B, H, S, D)``. With right padding and
+#   ``is_causal`` a real token never sees a padding token, so training needs
+#   no mask at all and runs a fused causal kernel; generation with left
+#   padding passes an explicit mask.
+#
+# Both layouts can also write the new keys and values into a KV cache first;
+# that is for generation, at the end of the page. Rotary embeddings take each
+# token's position *in its own document*, which for the packed batch comes
+# from ``token_index``: positions restart at every document, exactly the
+# ``position_ids`` of Hugging Face's packed format.
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    max_seq_len: int
+    rope_base: float = 10000.0
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_heads
+
+
+class KVCache:
+    """Keys and values of every layer for ``batch`` sequences with room for
+    ``capacity`` tokens each: (layers, batch, capacity, H_kv, D)."""
+
+    def __init__(self, cfg, batch, capacity, device, dtype):
+        shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        # seen as packed rows (batch * capacity, H_kv, D), sequence b owns rows
+        # b * capacity ... (b + 1) * capacity - 1: these are its kv_offsets
+        self.row_offsets = torch.arange(batch + 1, device=device) * capacity
+
+    def write_rows(self, layer, k, v, rows):
+        """Packed new keys (T, H_kv, D) into their rows; returns all rows."""
+        k_all, v_all = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
+        k_all.index_copy_(0, rows, k)
+        v_all.index_copy_(0, rows, v)
+        return k_all, v_all
+
+    def write_columns(self, layer, k, v, start):
+        """Padded new keys (B, S, H_kv, D) into columns ``start ...``; returns
+        every column up to the last one written."""
+        end = start + k.shape[1]
+        self.k[layer, :, start:end], self.v[layer, :, start:end] = k, v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+
+@dataclass
+class Packed:
+    """A packed batch: offsets of the new tokens, the attention backend, and
+    for a KV cache each new token's row and each sequence's keys in use."""
+
+    offsets: torch.Tensor  # (B + 1,)
+    backend: str | None = None
+    cache: KVCache | None = None
+    rows: torch.Tensor | None = None  # (T,)
+    kv_used: torch.Tensor | None = None  # (B,)
+
+    def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D)
+        kv_offsets = None
+        if self.cache is not None:
+            k, v = self.cache.write_rows(layer, k, v, self.rows)
+            kv_offsets = self.cache.row_offsets
+        return ragged_attention(q, k, v, self.offsets, kv_offsets, is_causal=True,
+                                kv_used=self.kv_used, backend=self.backend)
+
+
+@dataclass
+class Padded:
+    """A padded batch (B, S): no mask (right padding, a causal kernel) or a
+    (B, 1, S, S_kv) mask, True where a query may see a key; for a KV cache,
+    the column the new tokens start at."""
+
+    mask: torch.Tensor | None = None
+    cache: KVCache | None = None
+    start: int = 0
+
+    def attend(self, q, k, v, layer):  # (B, S, H, D), (B, S, H_kv, D)
+        if self.cache is not None:
+            k, v = self.cache.write_columns(layer, k, v, self.start)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
+
+
+def apply_rope(x, cos, sin):
+    # x: (..., H, D); cos and sin: (..., 1, D / 2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv_heads = layer, cfg.n_heads, cfg.n_kv_heads
+        self.sizes = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+        self.wqkv = nn.Linear(cfg.dim, sum(self.sizes), bias=False)  # one matmul for q, k, v
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, layout):
+        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
+        q = apply_rope(q.unflatten(-1, (self.n_heads, -1)), cos, sin)
+        k = apply_rope(k.unflatten(-1, (self.n_kv_heads, -1)), cos, sin)
+        v = v.unflatten(-1, (self.n_kv_heads, -1))
+        return self.wo(layout.attend(q, k, v, self.layer).flatten(-2))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_hidden, bias=False)  # gate and up, one matmul
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = nn.RMSNorm(cfg.dim), nn.RMSNorm(cfg.dim)
+        self.attn, self.ffn = Attention(cfg, layer), FeedForward(cfg)
+
+    def forward(self, x, cos, sin, layout):
+        x = x + self.attn(self.attn_norm(x), cos, sin, layout)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        half = cfg.head_dim // 2
+        freqs = cfg.rope_base ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), freqs)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, tokens, positions, layout):
+        # tokens, positions: (T,) packed or (B, S) padded -> logits (..., vocab)
+        x = self.tok_embeddings(tokens)
+        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)  # (..., 1, D / 2)
+        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, layout)
+        return self.output(self.norm(x))
+
+
+cfg = GPTConfig(**MODEL)
+torch.manual_seed(SEED)
+ragged_model = GPT(cfg).to(DEVICE)
+padded_model = copy.deepcopy(ragged_model)  # the same initial weights
+n_params = sum(p.numel() for p in ragged_model.parameters())
+print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads")
+
+# %%
+# One training step, two ways
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The packed step feeds the documents as they are, ``(T,)`` ids with their
+# offsets. The padded step is the best padded trainer a reader would write:
+# the same model on right-padded ``(B, S)`` ids, SDPA with ``is_causal`` and
+# no mask, the loss masked at padding with ``ignore_index``. Both average the
+# loss over the same real targets. On CUDA both run under ``bfloat16``
+# autocast, as mixed-precision training does; the weights stay in float32.
+
+
+def packed_loss(model, tokens, offsets, backend):
+    positions = token_index(offsets)[1]
+    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
+        logits = model(tokens, positions, Packed(offsets, backend))  # (T, vocab)
+    return F.cross_entropy(logits.float(), next_token_targets(tokens, offsets))
+
+
+def padded_loss(model, tokens, offsets):
+    ids, valid = to_padded(tokens, offsets)  # (B, S), right padding with id 0
+    targets = to_padded(next_token_targets(tokens, offsets), offsets, -100)[0]
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
+        logits = model(ids, positions, Padded())  # (B, S, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# %%
+# Before timing anything, the proof that the two steps compute the same
+# thing: same loss, and the same gradient for every parameter, on the first
+# batch. The packed side uses the per-sequence loop here, which every device
+# has; the check is against the padded model, which shares no attention code
+# with it.
+
+tolerance = tolerances(DTYPE)
+loss_r = packed_loss(ragged_model, tokens, offsets, "loop")
+loss_p = padded_loss(padded_model, tokens, offsets)
+loss_r.backward()
+loss_p.backward()
+torch.testing.assert_close(loss_r, loss_p, **tolerance)
+for (name, p_r), p_p in zip(ragged_model.named_parameters(), padded_model.parameters()):
+    torch.testing.assert_close(p_r.grad, p_p.grad, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+print(f"loss {loss_r.item():.4f} (packed) and {loss_p.item():.4f} (padded); "
+      f"gradients of all {n_params:,} parameters agree "
+      f"(largest difference {max((a.grad - b.grad).abs().max().item() for a, b in zip(ragged_model.parameters(), padded_model.parameters())):.1e})")
+ragged_model.zero_grad(set_to_none=True)
+padded_model.zero_grad(set_to_none=True)
+
+# %%
+# Which attention backend trains fastest here
+# -------------------------------------------
+# The model's attention job, measured on this device: causal, grouped-query
+# (``n_heads`` query heads over ``n_kv_heads`` key/value heads), forward and
+# backward, on the first batch. The packed model trains with the winner.
+
+q_job = torch.randn(len(tokens), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True, backward=True,
+                            min_run_time=RUN_TIME)
+TRAINING_BACKEND = fastest(backends)
+print(f"training backend on {DEVICE}: {TRAINING_BACKEND}")
+
+# %%
+# Compile where it helps
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Every batch has a new token count (packed) or a new longest document
+# (padded), so a model compiled for fixed shapes would recompile at almost
+# every step. ``torch.compile(dynamic=True)`` compiles each graph once for
+# symbolic sizes instead. On the packed side the attention call is not
+# traced (``ragged_attention`` is host-side bookkeeping around one kernel
+# call per backend), so the compiled packed model is a few graphs around it.
+# Whether compiling pays off depends on the device and the sizes, so each
+# side trains a few steps both ways, on copies of the models, and keeps the
+# faster. The first compiled steps are left out: they compile.
+
+
+def train_step(model, optimizer, loss):
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def probe(make_loss, model, compiled, steps):
+    """Tokens per second of ``steps`` training steps on a copy of ``model``,
+    after the first ``WARMUP_STEPS``, and how long those took."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    runner = torch.compile(model, dynamic=True) if compiled else model
+    elapsed = []
+    for tokens_i, offsets_i in batches[:steps]:
+        start = time.perf_counter()
+        train_step(model, optimizer, make_loss(runner, tokens_i, offsets_i))
+        _sync()
+        elapsed.append(time.perf_counter() - start)
+    timed = sum(len(t) for t, _ in batches[WARMUP_STEPS:steps])
+    return timed / sum(elapsed[WARMUP_STEPS:]), sum(elapsed[:WARMUP_STEPS])
+
+
+def packed_step_loss(model, tokens, offsets):
+    return packed_loss(model, tokens, offsets, TRAINING_BACKEND)
+
+
+PROBE_STEPS = WARMUP_STEPS + (4 if QUICK else 10)
+speeds = {}
+for side, make_loss, model in (("packed", packed_step_loss, ragged_model),
+                               ("padded", padded_loss, padded_model)):
+    for compiled in (False, True):
+        name = f"{side}, {'compiled' if compiled else 'eager'}"
+        speeds[name], warm = probe(make_loss, model, compiled, PROBE_STEPS)
+        print(f"{name:17s} {speeds[name]:9,.0f} tokens/s; its first {WARMUP_STEPS} steps took {warm:5.1f} s")
+COMPILE = {side: speeds[f"{side}, compiled"] > speeds[f"{side}, eager"] for side in ("packed", "padded")}
+print("compile: " + ", ".join(f"{side} {'yes' if c else 'no'}" for side, c in COMPILE.items()))
+
+# %%
+# Training
+# --------
+# Both trainers start from the same weights and see the same batches in the
+# same order, with the same optimizer (AdamW) and learning-rate schedule
+# (linear warm-up, cosine decay). They take turns, one step each, so that
+# whatever else the machine does slows both alike. Each step is timed from
+# the batch on the device to the optimizer's update, with the device
+# synchronized; throughput counts *real* tokens (the padded trainer gets no
+# credit for padding) over the steps after the first ``WARMUP_STEPS``.
+
+
+def schedule(step):
+    warmup = max(STEPS // 20, 1)
+    return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / STEPS, 1.0)))
+
+
+trainers = {}
+for side, model, make_loss in (("packed", ragged_model, packed_step_loss),
+                               ("padded", padded_model, padded_loss)):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    trainers[side] = dict(model=model, runner=torch.compile(model, dynamic=True) if COMPILE[side] else model,
+                          optimizer=optimizer, make_loss=make_loss, losses=[], seconds=[],
+                          scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+for tokens_i, offsets_i in batches:
+    for t in trainers.values():
+        start = time.perf_counter()
+        loss = train_step(t["model"], t["optimizer"], t["make_loss"](t["runner"], tokens_i, offsets_i))
+        t["scheduler"].step()
+        _sync()
+        t["seconds"].append(time.perf_counter() - start)
+        t["losses"].append(loss.item())
+
+timed_tokens = sum(len(t) for t, _ in batches[WARMUP_STEPS:])
+for t in trainers.values():
+    t["tokens/s"] = timed_tokens / sum(t["seconds"][WARMUP_STEPS:])
+    per_step = np.array([len(b[0]) for b in batches[WARMUP_STEPS:]]) / np.array(t["seconds"][WARMUP_STEPS:])
+    q1, q3 = np.percentile(per_step, [25, 75])
+    t["spread"] = q3 - q1
+for side, t in trainers.items():
+    print(f"{side}: loss {np.mean(t['losses'][:5]):.3f} -> {np.mean(t['losses'][-10:]):.3f}, "
+          f"{t['tokens/s']:,.0f} real tokens/s (per-step IQR {t['spread']:,.0f})")
+
+# %%
+# The work bound of this run
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What each trainer must compute, counted per token and per query-key pair
+# over the timed batches: the projections, feed-forward layers and output
+# layer cost ``2 x`` their weights per token, and attention ``4 H D`` per
+# pair per layer, the causal half on both sides (the padded trainer's
+# causal kernel skips the masked half too). The forward and backward passes
+# scale both sides alike, so the ratio is the bound.
+
+per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding table
+per_pair = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim
+work = {"packed": 0.0, "padded": 0.0}
+for _, offsets_i in batches[WARMUP_STEPS:]:
+    lengths_i = offsets_i.diff().cpu()
+    longest = torch.full_like(lengths_i, int(lengths_i.max()))
+    work["packed"] += per_token * float(lengths_i.sum()) + per_pair * pairs_scored(lengths_i, lengths_i, True)
+    work["padded"] += per_token * float(longest.sum()) + per_pair * pairs_scored(longest, longest, True)
+bound = work["padded"] / work["packed"]
+R, P = trainers["packed"]["tokens/s"], trainers["padded"]["tokens/s"]
+print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, speedup {R / P:.2f}x, "
+      f"work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
+
+# %%
+# Peak memory of one training step on each side (forward and backward of the
+# last batch, on copies so the trained models are untouched):
+
+tokens_l, offsets_l = batches[-1]
+for side, t in trainers.items():
+    model_copy = copy.deepcopy(t["model"])
+    peak, kernels = profile_call(lambda: t["make_loss"](model_copy, tokens_l, offsets_l).backward())
+    print(f"{side}: peak {peak:.1f} MiB above the weights, attention kernels: {kernels}")
+
+# %%
+# The two loss curves must agree: the trainers compute the same thing, so
+# they can only drift apart by rounding. The page stops unless the packed
+# model learned (its last ten losses average below 60% of its first five)
+# and the two curves' averages over the last ten steps agree within 2%.
+
+import matplotlib.pyplot as plt
+
+first, last = np.mean(trainers["packed"]["losses"][:5]), np.mean(trainers["packed"]["losses"][-10:])
+last_padded = np.mean(trainers["padded"]["losses"][-10:])
+assert last < 0.6 * first, f"the packed model did not learn: loss {first:.3f} -> {last:.3f}"
+assert abs(last - last_padded) < 0.02 * last_padded, f"the curves disagree: {last:.4f} vs {last_padded:.4f}"
+print(f"packed loss {first:.3f} -> {last:.3f}; last ten steps, packed {last:.4f} and padded {last_padded:.4f}")
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
+for side, style in (("packed", "-"), ("padded", "--")):
+    t = trainers[side]
+    ax1.plot(t["losses"], style, label=f"{side} ({t['tokens/s']:,.0f} tokens/s)")
+    ax2.plot(np.cumsum(t["seconds"]), t["losses"], style, label=side)
+ax1.set(xlabel="step", ylabel="training loss", title=f"Same weights, same documents ({DEVICE})")
+ax2.set(xlabel="seconds", ylabel="training loss", title="Loss against wall-clock time")
+ax1.legend()
+ax2.legend()
+plt.show()
+
+# sphinx_gallery_thumbnail_number = 1
+
+# %%
+# Generation
+# ----------
+# The trained model now writes. Prompts are the beginnings of new documents;
+# ``NEW_TOKENS`` tokens are generated greedily for each. Two ways:
+#
+# * **packed**: the prompts' tokens packed end to end and prefilled in one
+#   call, each writing its keys and values into its sequence's rows of the KV
+#   cache; then each step feeds one token per sequence, at that sequence's own
+#   position, and attends to that sequence's own keys (``kv_used``).
+# * **padded**: the prompts left-padded to the longest one, as Hugging Face's
+#   ``generate`` pads them, so that every sequence ends in the same column;
+#   prefill with a causal mask that also hides the padding, then each step
+#   writes one column of the cache and masks the padding keys.
+
+
+@torch.no_grad()
+def generate_packed(model, prompts, offsets, n_new, backend=None):
+    """Greedy generation for packed prompts (T,) with offsets (B + 1,)."""
+    B, lengths = len(offsets) - 1, offsets.diff()
+    cache = KVCache(model.cfg, B, int(lengths.max()) + n_new, prompts.device, DTYPE)
+    seq, pos = token_index(offsets)
+    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
+        layout = Packed(offsets, backend, cache, seq * cache.capacity + pos, lengths)
+        logits = model(prompts, pos, layout)[offsets[1:] - 1]  # (B, vocab): each prompt's last token
+        one_each, rows = torch.arange(B + 1, device=prompts.device), cache.row_offsets[:-1]
+        out = []
+        for step in range(n_new):
+            out.append(logits.argmax(-1))  # (B,)
+            if step < n_new - 1:
+                pos = lengths + step  # each sequence's own next position
+                logits = model(out[-1], pos, Packed(one_each, backend, cache, rows + pos, pos + 1))
+    return torch.stack(out, 1)  # (B, n_new)
+
+
+@torch.no_grad()
+def generate_padded(model, prompts, offsets, n_new):
+    """Greedy generation for the same prompts, left-padded to (B, S)."""
+    B, lengths = len(offsets) - 1, offsets.diff()
+    S = int(lengths.max())
+    seq, pos = token_index(offsets)
+    pad = S - lengths  # (B,) padding columns on the left
+    ids = torch.zeros(B, S, dtype=torch.long, device=prompts.device)
+    ids[seq, pad[seq] + pos] = prompts
+    valid = torch.arange(S, device=prompts.device) >= pad[:, None]  # (B, S)
+    positions = (torch.arange(S, device=prompts.device) - pad[:, None]).clamp(min=0)
+    causal = torch.ones(S, S, dtype=torch.bool, device=prompts.device).tril()
+    eye = torch.eye(S, dtype=torch.bool, device=prompts.device)
+    # a padding query sees itself, so that no row of the mask is empty
+    mask = (causal & valid[:, None, :]) | (eye & ~valid[:, :, None])  # (B, S, S)
+    cache = KVCache(model.cfg, B, S + n_new, prompts.device, DTYPE)
+    keys_valid = torch.cat([valid, valid.new_ones(B, n_new)], 1)  # (B, S + n_new)
+    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
+        logits = model(ids, positions, Padded(mask[:, None], cache, 0))[:, -1]  # (B, vocab)
+        out = []
+        for step in range(n_new):
+            out.append(logits.argmax(-1))
+            if step < n_new - 1:
+                column = S + step
+                layout = Padded(keys_valid[:, None, None, :column + 1], cache, column)
+                logits = model(out[-1][:, None], (lengths + step)[:, None], layout)[:, -1]
+    return torch.stack(out, 1)
+
+
+# %%
+# Prompts, and the backend for decoding: one query per sequence against that
+# sequence's cached keys, measured like the training job.
+
+prompt_lengths = sentence_lengths(rng, PROMPTS, ZIPF_ALPHA).clamp(max=cfg.max_seq_len - NEW_TOKENS)
+prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
+prompts = documents(rng, tables, prompt_lengths).to(DEVICE)
+model = trainers["packed"]["model"].eval()
+print(f"{PROMPTS} prompts, {len(prompts)} tokens, longest {int(prompt_lengths.max())}; "
+      f"left padding makes {PROMPTS * int(prompt_lengths.max())} token slots")
+
+capacity = int(prompt_lengths.max()) + NEW_TOKENS
+used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)  # a decoding step half way
+q_step = torch.randn(PROMPTS, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+kv_step = torch.randn(PROMPTS * capacity, cfg.n_kv_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+decode_backends = compare_backends(q_step, kv_step, kv_step.clone(), torch.arange(PROMPTS + 1, device=DEVICE),
+                                   torch.arange(PROMPTS + 1, device=DEVICE) * capacity, is_causal=True,
+                                   kv_used=used, min_run_time=RUN_TIME / 2)
+DECODE_BACKEND = fastest(decode_backends)
+print(f"decoding backend on {DEVICE}: {DECODE_BACKEND}")
+
+# %%
+# Both generations must write the same tokens: they run the same model on
+# the same prompts, packed or padded. (In float32 they agree token for
+# token; in bfloat16 rounding can flip a near tie, so the check there asks
+# for 90% of the tokens.)
+
+out_packed = generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)
+out_padded = generate_padded(model, prompts, prompt_offsets, NEW_TOKENS)
+agree = (out_packed == out_padded).float().mean().item()
+assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), f"the generations agree on {agree:.1%} of the tokens"
+print(f"packed and padded generation agree on {agree:.1%} of {out_packed.numel()} tokens")
+print("first prompt:", prompts[:int(prompt_offsets[1])].tolist(), "->", out_packed[0].tolist())
+
+times = measure({"padded": lambda: generate_padded(model, prompts, prompt_offsets, NEW_TOKENS),
+                 "packed": lambda: generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)},
+                min_run_time=2 * RUN_TIME)
+new = PROMPTS * NEW_TOKENS
+for side, t in times.items():
+    print(f"generation, {side}: {t}  {new / t.median_ms * 1e3:,.0f} new tokens/s")
+# the work: the prefill's tokens and pairs, then one token per sequence per
+# step, scoring every key in use (padding keys too, on the padded side)
+steps = torch.arange(NEW_TOKENS - 1)
+work_packed = (per_token * (float(prompt_lengths.sum()) + PROMPTS * (NEW_TOKENS - 1))
+               + per_pair * (pairs_scored(prompt_lengths, prompt_lengths, True)
+                             + float((prompt_lengths[:, None] + steps + 1).sum())))
+longest = int(prompt_lengths.max())
+work_padded = (per_token * PROMPTS * (longest + NEW_TOKENS - 1)
+               + per_pair * PROMPTS * (longest * (longest + 1) / 2 + float((longest + steps + 1).sum())))
+print(speedup_line("generation", times["padded"], times["packed"], work_padded / work_packed))
+
+# %%
+# Where the generation time goes: most of the work the packed side saves is
+# in the prefill, while every decoding step runs the model on one token per
+# sequence on both sides, and the packed side attends sequence by sequence
+# when the loop is its decoding backend. The operators that took most of
+# each generation's time:
+
+for side, fn in (("padded", lambda: generate_padded(model, prompts, prompt_offsets, NEW_TOKENS)),
+                 ("packed", lambda: generate_packed(model, prompts, prompt_offsets, NEW_TOKENS,
+                                                    DECODE_BACKEND))):
+    print(f"{side} generation:")
+    print(where_time_goes(fn))
+
+# %%
+# Conclusion
+# ----------
+# A packed trainer is the padded trainer minus the padding: the same modules,
+# the same loss on the same targets, the same optimizer, and a loss curve that
+# matches step for step. What changes is the work. The training line above
+# compares real tokens per second on this device, beside the work bound of
+# the run and the fraction of it the packed trainer reached; the peak-memory
+# lines show the activations that padding would have held. Generation shows
+# the same pattern in the prefill, where padding costs the most, and a
+# smaller one in the decoding steps, where every sequence adds one token
+# either way.
+#
+# In a real trainer the packed batch is what Hugging Face's
+# ``DataCollatorWithFlattening`` produces (``position_ids`` restarting at 0;
+# ``offsets_from_position_ids`` on the building-blocks page turns them into
+# offsets), and on a GPU ``varlen_attn`` is the attention call.
+#
+# Further reading
+# ---------------
+# * `Packing with FlashAttention 2 <https://huggingface.co/blog/packing-with-FA2>`_
+# * `torchtitan <https://github.com/pytorch/torchtitan>`_ and
+#   `torchtune <https://github.com/pytorch/torchtune>`_ (sample packing)
+# * `gpt-fast <https://github.com/meta-pytorch/gpt-fast>`_ (the model's style, the KV cache)
+# * Ainslie et al., `GQA <https://arxiv.org/abs/2305.13245>`_; Su et al.,
+#   `RoFormer <https://arxiv.org/abs/2104.09864>`_; Shazeer,
+#   `GLU variants <https://arxiv.org/abs/2002.05202>`_

@@ -3,144 +3,699 @@ Decoding ragged batches: a KV cache, grouped-query attention and varlen attentio
 =================================================================================
 
 Generate from a batch of prompts of different lengths with a key/value cache
-that holds each sequence's own length, shrink that cache with grouped-query
-attention, and see where varlen attention fits.
+in which every sequence keeps its own length, prove every step against a
+recomputation, shrink the cache with grouped-query attention, and see which
+attention kernel serves each decoding step on the device at hand.
 
-**Author:** the tutorials maintainers, building on the transformer building
-blocks tutorial by `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
+**Author:** the ragged-transformers tutorial contributors, building on the
+transformer building blocks tutorial by
+`Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
 
 .. grid:: 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites
 
-       * How to prefill a batch of prompts of different lengths without
-         padding, then decode greedily with a key/value cache that keeps each
-         sequence's own length
-       * How to prove the cache correct: at every step, the cached logits
-         match a full recomputation for every sequence
-       * How grouped-query attention shrinks the cache, with
-         ``scaled_dot_product_attention(..., enable_gqa=True)`` and
-         ``flex_attention(..., enable_gqa=True)`` over a packed batch
-       * How ``torch.nn.attention.varlen.varlen_attn`` consumes the offsets of
-         a ragged batch, and what runs in its place without CUDA
+       * How to prefill packed prompts and decode into a KV cache whose
+         sequences each keep their own length, with ``ragged_attention``'s
+         ``kv_used``, and how to prove every cached step correct
+       * What the cache costs in memory, and what grouped-query attention
+         saves, with the kernel that actually ran printed beside each time
+       * How to decode with FlexAttention without rebuilding its block mask at
+         every step, and where ``varlen_attn`` fits
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.11 or later (checked on 2.11 and 2.13 on CPU; the CUDA
-         cells are written for those versions but were not run for this build)
-       * Runs on CPU; the ``varlen_attn`` cells need a CUDA GPU of compute
-         capability 8.0 or newer and fall back to FlexAttention without one
+       * The toolkit of the building-blocks page and the model of the packed
+         GPT page (both copied below, so this file runs on its own)
+       * PyTorch 2.11 or later; ``varlen_attn`` needs a CUDA GPU of compute
+         capability 8.0 or newer, and the page says what runs in its place
+         without one
 
-The transformer building blocks tutorial left three sections pending in 2024:
+The original building-blocks tutorial left three sections pending in 2024:
 key/value caching on nested tensors, grouped-query attention (GQA) on nested
-tensors and FlexAttention on nested tensors. Two waited for pull requests;
-the third had no plan yet. Since then the ground has moved. The nested tensor
-documentation now opens with "Nested tensors are not currently under active
-development", FlexAttention no longer accepts nested inputs, and PyTorch
-points ragged attention at *packed* sequences: all tokens of a batch laid end
-to end, with a vector of offsets saying where each sequence starts. The
-tutorials project plans to move from nested tensors to varlen attention
-(`pytorch/tutorials#3727 <https://github.com/pytorch/tutorials/issues/3727>`_). That is what a jagged nested tensor
-(NJT) holds internally, so the NJT stays useful as a container, and its
-``values()`` and ``offsets()`` are what the attention kernels consume.
-
-This page writes the three sections for today's PyTorch, on one small
-decoder-only model:
-
-1. **KV-cache decoding.** Prefill a ragged batch of prompts, then append one
-   token per sequence per step to a cache, and check every step against a
-   recomputation without the cache.
-2. **Grouped-query attention.** The same model with fewer key/value heads than
-   query heads, on dense SDPA and on FlexAttention over the packed batch.
-3. **varlen attention.** ``varlen_attn`` with cumulative sequence lengths taken
-   from the batch's offsets, checked against SDPA on an NJT and against
-   FlexAttention with a document mask.
+tensors and FlexAttention on nested tensors. Since then PyTorch has pointed
+ragged attention at packed sequences instead: all tokens end to end, with
+offsets saying where each sequence starts, which is the toolkit of this
+site. This page writes the three sections on it, with the packed GPT's model.
 """
 
-# sphinx_gallery_tags = ["KV cache", "GQA", "varlen attention", "FlexAttention"]
+# sphinx_gallery_tags = ["KV cache", "GQA", "varlen attention", "FlexAttention", "decoding"]
 
 # %%
 # Setup
 # -----
-# First the checks that decide what can run. The page needs PyTorch 2.11 or
-# later for everything it does on CPU (FlexAttention with ``enable_gqa``, SDPA with
-# ``enable_gqa``, jagged nested tensors); ``varlen_attn`` additionally needs a
-# CUDA device and half precision. Instead of failing half way with a
-# traceback, the cell prints what is missing and what runs instead.
-#
-# Two warnings that compiled nested-tensor code prints are filtered by their
-# message, and so is the "Failed to pickle cache key" record from inductor, which
-# is logged with a traceback rather than warned. Nothing else is silenced.
 
-import logging
+import copy
+import math
 import os
-import warnings
 
+import numpy as np
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-warnings.filterwarnings("ignore", message=r".*_stable_hash_for_caching.*")
-warnings.filterwarnings("ignore", message=r".*nested tensors is in prototype stage.*")
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
+    raise RuntimeError(f"This page needs PyTorch 2.11 or later; this is {torch.__version__}. "
+                       "Upgrade with `pip install -U torch`.")
 
+def default_dtype(device):
+    """The dtype a page computes in: ``bfloat16`` on CUDA (``float16`` on a GPU
+    without it), ``float32`` on CPU. ``TUTORIALS_DTYPE`` overrides it, so the
+    low-precision paths can be exercised on a CPU too."""
+    name = os.environ.get("TUTORIALS_DTYPE")
+    if name:
+        if name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}")
+        return getattr(torch, name)
+    if device != "cuda":
+        return torch.float32
+    if torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    print("This GPU has no bfloat16: the page runs in float16 instead.")
+    return torch.float16
 
-class _DropPickleCacheKey(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to pickle cache key" not in record.getMessage()
-
-
-logging.getLogger("torch._inductor.codecache").addFilter(_DropPickleCacheKey())
-
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-if TORCH_VERSION < (2, 11):
-    raise RuntimeError(
-        f"This page needs PyTorch 2.11 or later (FlexAttention and SDPA with "
-        f"enable_gqa, jagged nested tensors, torch.nn.attention.varlen); found "
-        f"{torch.__version__}. Install a newer torch and run it again."
-    )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = default_dtype(DEVICE)
 QUICK = os.environ.get("TUTORIALS_QUICK") == "1"
+SEED = 0
+print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick mode: {QUICK}")
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # older builds have no varlen module
-    varlen_attn = None
+# sphinx_gallery_start_ignore
+import logging
+import warnings
 
-# ``varlen_attn`` calls Flash Attention: CUDA, compute capability 8.0 or
-# newer, ``float16`` or ``bfloat16`` (``bfloat16`` where the GPU supports it).
-FLASH_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 0)
-HALF = None
-if FLASH_GPU:
-    HALF = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-HAS_VARLEN = varlen_attn is not None and FLASH_GPU
+warnings.filterwarnings("ignore", message=r".*nested tensors is in prototype stage")
+warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
 
-print(f"torch {torch.__version__}, device: {DEVICE}, quick mode: {QUICK}")
-if HAS_VARLEN:
-    print(f"varlen_attn: available, runs in {HALF}")
-elif varlen_attn is None:
-    print("varlen_attn: not in this torch build; FlexAttention runs in its place")
-elif DEVICE == "cuda":
-    print("varlen_attn: needs a GPU of compute capability 8.0 or newer (Flash "
-          "Attention); FlexAttention runs in its place")
-else:
-    print("varlen_attn: needs a CUDA GPU (Flash Attention kernel, float16 or "
-          "bfloat16); FlexAttention runs in its place")
+
+class _DropNotes(logging.Filter):
+    def filter(self, record):
+        return not record.getMessage().startswith(("is_fx_tracing", "Failed to pickle cache key"))
+
+
+for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
+    logging.getLogger(_name).addFilter(_DropNotes())
+# sphinx_gallery_end_ignore
 
 # %%
 # Sizes
 # ~~~~~
-# Every size on the page is set here, per device. The model is tiny and
-# randomly initialized (seeded): the point is the mechanics and their
-# correctness, not the text it writes. For scale, Llama-2-7B has a model
-# width of 4096, 32 layers, 32 query heads of size 128 and a 4096-token
-# context; Llama-2-70B uses GQA with 8 key/value heads for 64 query heads.
+# The model is small and randomly initialized (seeded): the point is the
+# mechanics of decoding and their correctness, not the text it writes. For
+# scale, Llama-2-70B uses GQA with 8 key/value heads for 64 query heads, a
+# width of 8192 and 80 layers, and serves batches of dozens to hundreds of
+# sequences.
 
-from dataclasses import dataclass, replace
+if DEVICE == "cuda":
+    MODEL = dict(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
+                 max_seq_len=4096)
+    PROMPTS, ZIPF_ALPHA, NEW_TOKENS, GEN_LENGTHS = 64, 1.1, 128, (32, 64, 128)
+    RUN_TIME = 1.0
+else:  # real serving: width 4096 and up, 32+ layers, 64-256 sequences
+    MODEL = dict(vocab_size=512, dim=128, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=352,
+                 max_seq_len=1024)
+    PROMPTS, ZIPF_ALPHA, NEW_TOKENS, GEN_LENGTHS = 16, 1.2, 32, (8, 16, 32)
+    RUN_TIME = 0.5
+if QUICK:
+    MODEL.update(dim=64, n_layers=2, ffn_hidden=176, vocab_size=256)
+    PROMPTS, NEW_TOKENS, GEN_LENGTHS, RUN_TIME = 6, 8, (4, 8), 0.1
+print(f"model {MODEL}; {PROMPTS} prompts, {NEW_TOKENS} new tokens each")
+
+# %%
+# The toolkit and the model
+# -------------------------
+# Identical copies: the toolkit from the building-blocks page (lengths,
+# offsets, ``ragged_attention`` with its backends, the reference,
+# ``measure``), then the model, the KV cache, the two layouts and
+# ``generate_packed`` from the packed GPT page. Those pages explain them.
+
+import gc
+import inspect
+import time
+from dataclasses import dataclass, field
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils import benchmark
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # not in this build of PyTorch
+    varlen_attn = None
+
+STOP_RANKS = (3, 386, 858)
+BACKENDS = ("varlen", "sdpa_njt", "flex", "loop", "bucketed", "padded")
+
+
+def zipf_stop_probability(alpha):
+    """Chance that a word drawn from Zipf(``alpha``) ends a sentence: that it is
+    ".", "!" or "?", which have ranks 3, 386 and 858 in WikiText-2."""
+    n = 10_000
+    ranks = np.arange(1, n + 1, dtype=np.float64)
+    # zeta(alpha): a partial sum plus the Euler-Maclaurin estimate of the tail
+    zeta = (ranks**-alpha).sum() + n ** (1 - alpha) / (alpha - 1) - 0.5 * n**-alpha
+    return float(sum(r**-alpha for r in STOP_RANKS) / zeta)
+
+
+def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
+    """Lengths of ``batch`` sentences of Zipf(``alpha``) words, each ending at its
+    first stop word: one geometric draw per sentence. Returns (B,) int64."""
+    lengths = rng.geometric(zipf_stop_probability(alpha), size=batch)
+    if max_len is not None:
+        lengths = np.minimum(lengths, max_len)
+    return torch.from_numpy(lengths).long()
+
+
+def offsets_from_lengths(lengths, device=None):
+    """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
+    tensor, then where the last one ends (FlashAttention's ``cu_seqlens``)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
+    return F.pad(lengths.cumsum(0), (1, 0))
+
+
+def token_index(offsets):
+    """The sequence of every packed token and its position in that sequence,
+    both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2]."""
+    lengths = offsets.diff()
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths)
+    return seq, torch.arange(len(seq), device=offsets.device) - offsets[seq]
+
+
+def to_padded(values, offsets, pad_value=0.0):
+    """Packed (T, ...) -> padded (B, S, ...) and a (B, S) mask, True on real tokens."""
+    lengths = offsets.diff()
+    S = int(lengths.max()) if len(lengths) else 0
+    padded = values.new_full((len(lengths), S, *values.shape[1:]), pad_value)
+    padded = padded.index_put(token_index(offsets), values)
+    return padded, torch.arange(S, device=values.device) < lengths[:, None]
+
+
+def from_padded(padded, offsets):
+    """Padded (B, S, ...) -> packed (T, ...): the real tokens, in packed order."""
+    return padded[token_index(offsets)]
+
+
+def _varlen_keywords():
+    # varlen_attn's keyword arguments differ between releases: read them
+    return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+
+
+def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, gqa=False):
+    """None if backend ``name`` can run this job here, else why it cannot."""
+    cuda = torch.device(device).type == "cuda"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    if name == "varlen":
+        if varlen_attn is None:
+            return "this PyTorch has no torch.nn.attention.varlen"
+        if not cuda:
+            return "needs CUDA (it calls the FlashAttention kernel)"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "needs a GPU of compute capability 8.0 or newer (FlashAttention)"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"needs float16 or bfloat16, not {dtype}"
+    if name == "sdpa_njt" and gqa:
+        return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
+    if name == "sdpa_njt" and is_causal and not cuda:
+        return "on CPU only SDPA's math path takes nested tensors, and it refuses is_causal"
+    if name == "flex" and needs_grad and not cuda:
+        return "FlexAttention has no backward on CPU"
+    return None
+
+
+def default_backend(device, dtype):
+    """The backend ``ragged_attention`` uses when none is named: ``varlen``
+    where it runs, else ``sdpa_njt`` on CUDA, else the per-sequence loop."""
+    for name in ("varlen", "sdpa_njt") if torch.device(device).type == "cuda" else ():
+        if backend_support(name, device, dtype, is_causal=True, needs_grad=True) is None:
+            return name
+    return "loop"
+
+
+def check_offsets(offsets, total, name="offsets"):
+    """Raise ValueError, naming the problem, unless ``offsets`` describe a packed
+    tensor of ``total`` tokens."""
+    if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
+                         f"got shape {tuple(offsets.shape)} and {offsets.dtype}")
+    if int(offsets[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
+    steps = offsets.diff()
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0])
+        raise ValueError(f"{name} must not decrease: {name}[{i}] = {int(offsets[i])} "
+                         f"> {name}[{i + 1}] = {int(offsets[i + 1])}")
+    if int(offsets[-1]) != total:
+        raise ValueError(f"{name} must end at the token count, {total}, got {int(offsets[-1])}")
+
+
+@dataclass
+class RaggedInfo:
+    """The lengths of one batch, read from its offsets once, on the host."""
+
+    q_lengths: list  # queries per sequence
+    kv_lengths: list  # keys each sequence uses (``kv_used``, or all of its rows)
+    kv_rows: list  # key rows each sequence has in the packed tensor
+    plans: dict = field(default_factory=dict)  # index tensors a backend built for it
+
+
+_INFO_CACHE = []  # the last few batches; holding their tensors keeps the ids unique
+
+
+def ragged_info(q_offsets, kv_offsets, n_q, n_kv, kv_used=None, is_causal=False):
+    """Check a batch's description and read its lengths, once per batch."""
+    key = (q_offsets, kv_offsets, kv_used)
+    versions = tuple(None if t is None else t._version for t in key) + (n_q, n_kv, is_causal)
+    for cached, cached_versions, info in _INFO_CACHE:
+        if all(a is b for a, b in zip(cached, key)) and cached_versions == versions:
+            return info
+    check_offsets(q_offsets, n_q, "q_offsets")
+    check_offsets(kv_offsets, n_kv, "kv_offsets")
+    if len(q_offsets) != len(kv_offsets):
+        raise ValueError(f"q_offsets and kv_offsets describe different batch sizes: "
+                         f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences")
+    kv_rows = kv_offsets.diff().tolist()
+    kv_lengths = kv_rows if kv_used is None else kv_used.tolist()
+    if len(kv_lengths) != len(kv_rows) or any(not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)):
+        raise ValueError(f"kv_used must hold one count per sequence, between 0 and its key "
+                         f"rows {kv_rows}; got {kv_lengths}")
+    info = RaggedInfo(q_offsets.diff().tolist(), kv_lengths, kv_rows)
+    if is_causal and any(0 < lkv < lq for lq, lkv in zip(info.q_lengths, info.kv_lengths)):
+        raise ValueError("is_causal needs at least as many keys as queries in every sequence "
+                         "(the last query sees every key)")
+    _INFO_CACHE.insert(0, (key, versions, info))
+    del _INFO_CACHE[8:]
+    return info
+
+
+def _causal_mask(lq, lkv, device):
+    # (lq, lkv), True where a query may see a key; aligned bottom-right, as in
+    # FlashAttention and varlen_attn: the last query sees every key
+    return torch.ones(lq, lkv, dtype=torch.bool, device=device).tril(lkv - lq)
+
+
+def _dense(q, k, v, is_causal, scale, mask=None):
+    # q: (N, H, Lq, D), k and v: (N, H_kv, Lkv, D); ``mask``, if given, holds
+    # everything a query may see. Every query has at least one key.
+    lq, lkv, gqa = q.shape[-2], k.shape[-2], q.shape[1] != k.shape[1]
+    if mask is None and is_causal and lq == lkv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if mask is None and is_causal and lq > 1:
+        mask = _causal_mask(lq, lkv, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _loop(q, k, v, info, is_causal, scale, kv_used):
+    """One dense SDPA call per sequence, on views of the packed tensors."""
+    # (T, H, D) -> (1, H, T, D) once; ``split`` then gives one view per sequence,
+    # and its backward is a single concatenation
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = []
+    for qi, ki, vi, n, rows in zip(qh.split(info.q_lengths, 2), kh.split(info.kv_rows, 2),
+                                   vh.split(info.kv_rows, 2), info.kv_lengths, info.kv_rows):
+        if n < rows:  # a cache with spare room: only the rows in use
+            ki, vi = ki[:, :, :n], vi[:, :, :n]
+        out.append(_dense(qi, ki, vi, is_causal, scale))  # (1, H, L_q, D)
+    return torch.cat(out, 2)[0].transpose(0, 1)  # (T_q, H, D)
+
+
+def _bucket_plan(info, device, buckets, is_causal):
+    # Sequences sorted by length and cut into groups; for each group, indices
+    # that gather its rows into a padded block (padding slots read row 0, and
+    # are masked or dropped), its mask, and which slots are real queries.
+    order = sorted(range(len(info.q_lengths)), key=lambda i: -info.kv_lengths[i])
+    q_start = np.concatenate([[0], np.cumsum(info.q_lengths)])
+    kv_start = np.concatenate([[0], np.cumsum(info.kv_rows)])
+    plan, rows = [], []
+    for group in np.array_split(np.array(order), min(buckets, len(order))):
+        lq = torch.tensor([info.q_lengths[i] for i in group])
+        lkv = torch.tensor([info.kv_lengths[i] for i in group])
+        sq, skv = int(lq.max()), int(lkv.max())
+        q_real = torch.arange(sq) < lq[:, None]  # (n, Sq)
+        kv_real = torch.arange(skv) < lkv[:, None]  # (n, Skv)
+        q_idx = torch.where(q_real, torch.as_tensor(q_start[group])[:, None] + torch.arange(sq), 0)
+        kv_idx = torch.where(kv_real, torch.as_tensor(kv_start[group])[:, None] + torch.arange(skv), 0)
+        mask = kv_real[:, None, :]  # (n, 1, Skv): real keys only
+        if is_causal:  # query i sees keys up to i + Lkv - Lq
+            mask = mask & (torch.arange(skv) <= torch.arange(sq)[:, None] + (lkv - lq)[:, None, None])
+        # right padding: with equal lengths a causal query never reaches a
+        # padding key, and the kernel's own causal mask is enough
+        mask = None if is_causal and bool((lq == lkv).all()) else mask[:, None].to(device)
+        plan.append((q_idx.to(device), kv_idx.to(device), mask, q_real.to(device)))
+        rows.append(q_idx[q_real])
+    # where each packed query row lands among the groups' outputs
+    return plan, torch.argsort(torch.cat(rows)).to(device)
+
+
+def _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=4):
+    """Pad sequences in groups of similar length; one dense SDPA call per group."""
+    key = ("bucketed", buckets, is_causal)
+    if key not in info.plans:
+        info.plans[key] = _bucket_plan(info, q.device, buckets, is_causal)
+    plan, inverse = info.plans[key]
+    out = []
+    for q_idx, kv_idx, mask, q_real in plan:
+        qb, kb, vb = (t[idx].transpose(1, 2) for t, idx in ((q, q_idx), (k, kv_idx), (v, kv_idx)))
+        ob = _dense(qb, kb, vb, is_causal and mask is None, scale, mask)  # (n, H, Sq, D)
+        out.append(ob.transpose(1, 2)[q_real])  # the real rows, (sum Lq, H, D)
+    return torch.cat(out)[inverse]
+
+
+def _padded(q, k, v, info, is_causal, scale, kv_used):
+    """Every sequence padded to the longest one, one call: the baseline."""
+    return _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=1)
+
+
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, info, is_causal, scale, kv_used):
+    """FlexAttention over the whole packed batch, with a document mask."""
+    key = ("flex", is_causal)
+    if key not in info.plans:  # one BlockMask per batch, shared by every layer
+        q_seq, q_pos = token_index(offsets_from_lengths(info.q_lengths, q.device))
+        kv_seq, kv_pos = token_index(offsets_from_lengths(info.kv_rows, q.device))
+        kv_len = torch.tensor(info.kv_lengths, device=q.device)
+        shift = kv_len - torch.tensor(info.q_lengths, device=q.device)
+
+        def document_mask(b, h, q_idx, kv_idx):
+            same = (q_seq[q_idx] == kv_seq[kv_idx]) & (kv_pos[kv_idx] < kv_len[kv_seq[kv_idx]])
+            if is_causal:
+                same = same & (kv_pos[kv_idx] <= q_pos[q_idx] + shift[q_seq[q_idx]])
+            return same
+
+        info.plans[key] = create_block_mask(document_mask, None, None, len(q_seq), len(kv_seq),
+                                            device=q.device)
+    if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
+        q, k, v = q.detach(), k.detach(), v.detach()
+    # (T, H, D) -> (1, H, T, D): the whole batch as one long sequence
+    qf, kf, vf = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = _compiled_flex_attention(qf, kf, vf, block_mask=info.plans[key], scale=scale,
+                                   enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
+    """SDPA on nested jagged tensors built from the same values and offsets."""
+    if is_causal and info.q_lengths != info.kv_lengths and max(info.q_lengths) > 1:
+        raise NotImplementedError("SDPA on nested tensors aligns is_causal top-left: it "
+                                  "needs equal query and key lengths")
+
+    def njt(x, lengths):  # (T, H, D) -> (B, H, j, D)
+        offsets = offsets_from_lengths(lengths, x.device)
+        nt = torch.nested.nested_tensor_from_jagged(x.contiguous(), offsets, max_seqlen=max(lengths))
+        return nt.transpose(1, 2)
+
+    causal = is_causal and max(info.q_lengths) > 1  # one query per sequence sees every key
+    out = F.scaled_dot_product_attention(njt(q, info.q_lengths), njt(k, info.kv_rows),
+                                         njt(v, info.kv_rows), is_causal=causal, scale=scale)
+    return out.transpose(1, 2).values()
+
+
+def _varlen(q, k, v, info, is_causal, scale, kv_used):
+    """``varlen_attn``: FlashAttention's variable-length kernel on the packed batch."""
+    keywords = _varlen_keywords()
+    kw = {"scale": scale}
+    if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
+        kw.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in keywords:
+            kw["enable_gqa"] = True
+        else:  # older releases: repeat each key/value head for its query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if kv_used is not None:
+        kw["seqused_k"] = kv_used.to(torch.int32)
+    cu_q = offsets_from_lengths(info.q_lengths, q.device).to(torch.int32)
+    cu_k = offsets_from_lengths(info.kv_rows, q.device).to(torch.int32)
+    return varlen_attn(q, k, v, cu_q, cu_k, max(info.q_lengths), max(info.kv_rows), **kw)
+
+
+_BACKEND_FNS = {"varlen": _varlen, "sdpa_njt": _sdpa_njt, "flex": _flex,
+                "loop": _loop, "bucketed": _bucketed, "padded": _padded}
+
+
+def _compact_plan(info, device):
+    # Keep the sequences that have queries and keys, and only the key rows they
+    # use: the query rows kept, the key rows kept, and the smaller batch.
+    keep = [i for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)) if lq and lkv]
+    q_start = np.cumsum([0] + info.q_lengths)
+    kv_start = np.cumsum([0] + info.kv_rows)
+    q_rows = [np.arange(q_start[i], q_start[i] + info.q_lengths[i]) for i in keep]
+    kv_rows = [np.arange(kv_start[i], kv_start[i] + info.kv_lengths[i]) for i in keep]
+    used = [info.kv_lengths[i] for i in keep]
+    return (torch.as_tensor(np.concatenate(q_rows or [[]]), dtype=torch.long, device=device),
+            torch.as_tensor(np.concatenate(kv_rows or [[]]), dtype=torch.long, device=device),
+            RaggedInfo([info.q_lengths[i] for i in keep], used, used))
+
+
+@torch.compiler.disable  # host-side bookkeeping; a compiled model calls it as is
+def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
+                     scale=None, backend=None):
+    """Attention within each sequence of a packed batch.
+
+    q: (T_q, H, D); k, v: (T_kv, H_kv, D), with H a multiple of H_kv.
+    q_offsets, kv_offsets: (B + 1,), where each sequence starts and the last
+    one ends; kv_offsets defaults to q_offsets (self-attention).
+    kv_used: optional (B,), how many key rows each sequence uses from its start.
+    is_causal: query i of a sequence with L_q queries and L_kv keys sees keys
+    0 .. i + L_kv - L_q (with L_q == L_kv, the usual causal mask).
+    backend: one of BACKENDS, or None for ``default_backend``.
+    Returns (T_q, H, D); a query without keys gets zeros.
+    """
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
+                         f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
+    name = backend or default_backend(q.device, q.dtype)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=needs_grad,
+                          gqa=q.shape[1] != k.shape[1])
+    if why:
+        raise RuntimeError(f"ragged_attention: backend {name!r} cannot run this here: {why}")
+    fn = _BACKEND_FNS[name]
+    reads_kv_used = name in ("loop", "flex") or (name == "varlen" and "seqused_k" in _varlen_keywords())
+    if all(info.q_lengths) and all(info.kv_lengths) and (kv_used is None or reads_kv_used):
+        return fn(q, k, v, info, is_causal, scale, kv_used)
+    if "compact" not in info.plans:
+        info.plans["compact"] = _compact_plan(info, q.device)
+    q_rows, kv_rows, kept = info.plans["compact"]
+    out = q.new_zeros(q.shape)
+    if len(q_rows):
+        out = out.index_copy(0, q_rows, fn(q[q_rows], k[kv_rows], v[kv_rows], kept, is_causal, scale, None))
+    return out
+
+
+def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
+                        scale=None):
+    """The same attention in float32, sequence by sequence, on SDPA's math
+    backend, with key/value heads repeated and the causal mask built
+    explicitly: a reference that shares no kernel with the backends."""
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    q_start, kv_start = q_offsets.tolist(), kv_offsets.tolist()
+    with sdpa_kernel(SDPBackend.MATH):
+        for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)):
+            if lq and lkv:
+                qi = q[q_start[i]:q_start[i] + lq].float().transpose(0, 1)  # (H, Lq, D)
+                ki, vi = (t[kv_start[i]:kv_start[i] + lkv].float().repeat_interleave(group, 1)
+                          .transpose(0, 1) for t in (k, v))  # (H, Lkv, D)
+                mask = _causal_mask(lq, lkv, q.device) if is_causal else None
+                out[q_start[i]:q_start[i] + lq] = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1)
+    return out
+
+
+def tolerances(dtype):
+    """``assert_close`` tolerances for results computed in ``dtype``."""
+    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+            torch.float16: dict(atol=5e-3, rtol=5e-3)}[dtype]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+_KERNELS = {  # profiler operator -> the kernel it names
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "CPU flash",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cuDNN",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_flash_attention_forward": "flash varlen",
+    "aten::_efficient_attention_forward": "memory-efficient varlen",
+    "aten::_cudnn_attention_forward": "cuDNN varlen",
+}
+
+
+def _kernel_label(events):
+    """The attention kernels among profiler events, with their call counts."""
+    counts = {}
+    for e in events:
+        base = e.name.removesuffix("_backward")
+        parent = e.cpu_parent
+        while parent is not None and parent.name.removesuffix("_backward") not in _KERNELS:
+            parent = parent.cpu_parent
+        if base in _KERNELS and parent is None:  # not called by another attention op
+            label = _KERNELS[base] + (" backward" if e.name.endswith("_backward") else "")
+            counts[label] = counts.get(label, 0) + 1
+    if not counts and any(e.name.startswith("triton_tem_fused") for e in events):
+        counts["FlexAttention Triton kernel"] = 1
+    if not counts and any(e.name.startswith("Torch-Compiled Region") for e in events):
+        counts["compiled graph (inductor kernel)"] = 1
+    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items()) or "no attention op"
+
+
+def profile_call(fn):
+    """Run ``fn`` once under the profiler: the memory it needed beyond what was
+    allocated before, in MiB, and the attention kernels that ran."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # free what earlier calls left behind before counting
+    cuda = torch.cuda.is_available()
+    if cuda:
+        _sync()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, profile_memory=not cuda) as prof:
+        fn()
+        _sync()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - before
+    else:  # the running sum of the allocation and free events, in time order
+        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
+                                      for e in prof.profiler.kineto_results.events()
+                                      if e.name() == "[memory]")]
+        peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
+    return peak / 2**20, _kernel_label(prof.events())
+
+
+@dataclass
+class Timing:
+    """Median and IQR of the timed runs in ms, the first call in s, peak
+    memory in MiB, and the attention kernels that ran."""
+
+    median_ms: float
+    iqr_ms: float
+    first_call_s: float
+    peak_mib: float = float("nan")
+    kernels: str = ""
+
+    def __str__(self):
+        return (f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f})  peak {self.peak_mib:7.1f} MiB"
+                + (f"  [{self.kernels}]" if self.kernels else ""))
+
+
+def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
+    """Time callables side by side. ``fns`` maps a name to a function of no
+    arguments; returns name -> Timing."""
+    first = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn()
+        _sync()
+        first[name] = time.perf_counter() - start
+    times = {name: [] for name in fns}
+    for _ in range(rounds):  # take turns, so that a busy machine slows all alike
+        for name, fn in fns.items():
+            timer = benchmark.Timer("fn()", globals={"fn": fn})
+            times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
+    out = {}
+    for name, fn in fns.items():
+        q1, median, q3 = np.percentile(times[name], [25, 50, 75]) * 1e3
+        peak, kernels = profile_call(fn) if profile else (float("nan"), "")
+        out[name] = Timing(median, q3 - q1, first[name], peak, kernels)
+    return out
+
+
+def where_time_goes(fn, top=6):
+    """Profile one call of ``fn``: the operators that took most of its time."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    rows = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in rows) or 1
+    rows = sorted(rows, key=own, reverse=True)[:top]
+    return "\n".join(f"  {e.key[:52]:52s} {own(e) / 1e3:8.2f} ms {100 * own(e) / total:5.1f}%  "
+                     f"x{e.count}" for e in rows)
+
+
+def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
+                     backward=False, backends=BACKENDS, min_run_time=0.5):
+    """Check and time one attention job on each backend. Returns name -> Timing,
+    or name -> the reason it did not run. Prints one line per backend."""
+    gqa = q.shape[1] != k.shape[1]
+    kw = dict(is_causal=is_causal, kv_used=kv_used)
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    reference = reference_attention(q, k, v, q_offsets, kv_offsets, **kw)
+    grad_out = torch.randn_like(reference) if backward else None
+    if backward:
+        ref_grads = torch.autograd.grad(reference, (q, k, v), grad_out)
+    results, fns = {}, {}
+    for name in backends:
+        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
+        if why is None:
+            def run(name=name):
+                with torch.set_grad_enabled(backward):
+                    out = ragged_attention(q, k, v, q_offsets, kv_offsets, backend=name, **kw)
+                    return (out, torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+                            if backward else None)
+            try:
+                out, grads = run()
+            except Exception as err:  # one clear line instead of a traceback
+                why = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
+        if why:
+            results[name] = why
+            continue
+        torch.testing.assert_close(out.float(), reference, **tolerances(q.dtype),
+                                   msg=lambda m, name=name: f"{name} disagrees with the reference: {m}")
+        for g, r in zip(grads or (), ref_grads if backward else ()):
+            torch.testing.assert_close(g.float(), r, **tolerances(q.dtype),
+                                       msg=lambda m, name=name: f"{name}'s gradients disagree: {m}")
+        fns[name] = run
+    results.update(measure(fns, min_run_time=min_run_time))
+    for name in backends:
+        r = results[name]
+        print(f"  {name:9s} {r}" if isinstance(r, Timing) else f"  {name:9s} not available: {r}")
+    return results
+
+
+def fastest(results):
+    """The backend with the lowest median time among those that ran."""
+    timed = {n: r for n, r in results.items() if isinstance(r, Timing)}
+    return min(timed, key=lambda n: timed[n].median_ms)
+
+
+def pairs_scored(q_lengths, kv_lengths, causal):
+    """Query-key pairs a kernel scores: the causal half, L(L+1)/2 per sequence,
+    when it skips the masked half, else every pair."""
+    q, kv = torch.as_tensor(q_lengths).double(), torch.as_tensor(kv_lengths).double()
+    return float((q * (q + 1) / 2 if causal else q * kv).sum())
+
+
+def speedup_line(label, padded, ragged, bound):
+    """The speedup of ``ragged`` over ``padded``, beside the work bound."""
+    s = padded.median_ms / ragged.median_ms
+    return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
 
 
 @dataclass(frozen=True)
-class ModelArgs:
+class GPTConfig:
     vocab_size: int
     dim: int
     n_layers: int
@@ -151,902 +706,521 @@ class ModelArgs:
     rope_base: float = 10000.0
 
     @property
-    def head_dim(self) -> int:
+    def head_dim(self):
         return self.dim // self.n_heads
 
 
-# Reduced sizes, with typical serving values for a 7B-class model in
-# brackets: batch (64-256 sequences), prompt length (thousands of tokens),
-# new tokens (hundreds), width (4096), layers (32), query heads (32),
-# key/value heads (8 with GQA).
-if DEVICE == "cuda":
-    # one GPU, a few minutes: width 1024, 8 layers, 16 query heads, 4 key/value heads
-    BATCH, MIN_PROMPT, MAX_PROMPT, N_NEW = 64, 16, 1024, 128
-    GEN_LENGTHS = [16, 32, 64, 128]
-    ARGS = ModelArgs(vocab_size=32000, dim=1024, n_layers=8, n_heads=16,
-                     n_kv_heads=4, ffn_hidden=2816, max_seq_len=MAX_PROMPT + N_NEW)
-    VARLEN_BATCH, VARLEN_MAX = 64, 2048
-elif QUICK:
-    # TUTORIALS_QUICK=1: the smallest sizes that still exercise every path
-    BATCH, MIN_PROMPT, MAX_PROMPT, N_NEW = 6, 4, 48, 12
-    GEN_LENGTHS = [4, 12]
-    ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=8,
-                     n_kv_heads=2, ffn_hidden=176, max_seq_len=MAX_PROMPT + N_NEW)
-    VARLEN_BATCH, VARLEN_MAX = 8, 64
-else:
-    # CPU, 2 cores, the whole page in a few minutes: batch 16, prompts of
-    # 4-96 tokens, 32 new tokens, width 128, 4 layers, 8 query heads, 2 key/value heads
-    BATCH, MIN_PROMPT, MAX_PROMPT, N_NEW = 16, 4, 96, 32
-    GEN_LENGTHS = [4, 8, 16, 32]
-    ARGS = ModelArgs(vocab_size=512, dim=128, n_layers=4, n_heads=8,
-                     n_kv_heads=2, ffn_hidden=352, max_seq_len=MAX_PROMPT + N_NEW)
-    VARLEN_BATCH, VARLEN_MAX = 32, 128
+class KVCache:
+    """Keys and values of every layer for ``batch`` sequences with room for
+    ``capacity`` tokens each: (layers, batch, capacity, H_kv, D)."""
 
-MHA_ARGS = replace(ARGS, n_kv_heads=ARGS.n_heads)  # multi-head baseline
-GQA_ARGS = ARGS  # ``n_heads // n_kv_heads`` query heads share each key/value head
-MIN_RUN_TIME = 0.2 if QUICK else 0.5  # seconds per ``blocked_autorange``
-REPEATS = 3 if QUICK else 5  # full generation runs per throughput figure
-SEED = 0
-DTYPE = torch.float32  # the model; varlen needs HALF, see above
-print(f"batch {BATCH}, prompts {MIN_PROMPT}..{MAX_PROMPT} tokens, {N_NEW} new tokens")
-print(f"model: width {ARGS.dim}, {ARGS.n_layers} layers, {ARGS.n_heads} query heads of "
-      f"{ARGS.head_dim}, key/value heads: {MHA_ARGS.n_kv_heads} (MHA) or "
-      f"{GQA_ARGS.n_kv_heads} (GQA), vocabulary {ARGS.vocab_size}")
+    def __init__(self, cfg, batch, capacity, device, dtype):
+        shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        # seen as packed rows (batch * capacity, H_kv, D), sequence b owns rows
+        # b * capacity ... (b + 1) * capacity - 1: these are its kv_offsets
+        self.row_offsets = torch.arange(batch + 1, device=device) * capacity
 
-# %%
-# A ragged batch of prompts
-# -------------------------
-# Prompt lengths follow a Zipf-like law truncated to
-# ``[MIN_PROMPT, MAX_PROMPT]``: the probability of length ``n`` is
-# proportional to ``n ** -alpha``, so most prompts are short and a few are
-# long, as in real traffic. One vectorized draw from a seeded
-# ``numpy.random.Generator`` gives the same batch on every run.
+    def write_rows(self, layer, k, v, rows):
+        """Packed new keys (T, H_kv, D) into their rows; returns all rows."""
+        k_all, v_all = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
+        k_all.index_copy_(0, rows, k)
+        v_all.index_copy_(0, rows, v)
+        return k_all, v_all
 
-import numpy as np
-
-torch.manual_seed(SEED)
-rng = np.random.default_rng(SEED)
-
-
-def zipf_lengths(rng: np.random.Generator, n: int, lo: int, hi: int,
-                 alpha: float = 1.1) -> torch.Tensor:
-    support = np.arange(lo, hi + 1)
-    p = support.astype(np.float64) ** -alpha
-    return torch.from_numpy(rng.choice(support, size=n, p=p / p.sum()))
-
-
-prompt_lengths = zipf_lengths(rng, BATCH, MIN_PROMPT, MAX_PROMPT)
-# A jagged nested tensor of token ids: shape (B, j1), one row per prompt.
-prompts = torch.nested.nested_tensor(
-    [torch.randint(ARGS.vocab_size, (int(n),)) for n in prompt_lengths],
-    layout=torch.jagged, device=DEVICE,
-)
-print(f"prompt lengths: {prompt_lengths.tolist()}")
-print(f"{int(prompt_lengths.sum())} tokens in total, longest {int(prompt_lengths.max())}; "
-      f"padding to the longest would hold {BATCH * int(prompt_lengths.max())}")
-print(f"offsets: {prompts.offsets().tolist()}")
-
-# %%
-# Everything below works on the packed form: ``prompts.values()`` is a 1-D
-# tensor of all ``T`` tokens, and ``prompts.offsets()`` (``B + 1`` entries)
-# marks where each prompt starts. Two derived vectors describe every token:
-# which sequence it belongs to (``doc``) and its position inside that
-# sequence (``pos``, used by the rotary embedding and by the cache).
+    def write_columns(self, layer, k, v, start):
+        """Padded new keys (B, S, H_kv, D) into columns ``start ...``; returns
+        every column up to the last one written."""
+        end = start + k.shape[1]
+        self.k[layer, :, start:end], self.v[layer, :, start:end] = k, v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
 
 
 @dataclass
-class Ragged:
-    offsets: torch.Tensor  # (B + 1,) int64, offsets[0] == 0
-    doc: torch.Tensor  # (T,) sequence index of each token
-    pos: torch.Tensor  # (T,) position of each token inside its sequence
-    lengths: list  # B Python integers, for splitting without a device sync
+class Packed:
+    """A packed batch: offsets of the new tokens, the attention backend, and
+    for a KV cache each new token's row and each sequence's keys in use."""
+
+    offsets: torch.Tensor  # (B + 1,)
+    backend: str | None = None
+    cache: KVCache | None = None
+    rows: torch.Tensor | None = None  # (T,)
+    kv_used: torch.Tensor | None = None  # (B,)
+
+    def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D)
+        kv_offsets = None
+        if self.cache is not None:
+            k, v = self.cache.write_rows(layer, k, v, self.rows)
+            kv_offsets = self.cache.row_offsets
+        return ragged_attention(q, k, v, self.offsets, kv_offsets, is_causal=True,
+                                kv_used=self.kv_used, backend=self.backend)
 
 
-def ragged_from_lengths(lengths: torch.Tensor) -> Ragged:
-    lengths = lengths.to(DEVICE)
-    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=DEVICE), lengths)
-    pos = torch.arange(int(offsets[-1]), device=DEVICE) - offsets[doc]
-    return Ragged(offsets, doc, pos, lengths.tolist())
+@dataclass
+class Padded:
+    """A padded batch (B, S): no mask (right padding, a causal kernel) or a
+    (B, 1, S, S_kv) mask, True where a query may see a key; for a KV cache,
+    the column the new tokens start at."""
+
+    mask: torch.Tensor | None = None
+    cache: KVCache | None = None
+    start: int = 0
+
+    def attend(self, q, k, v, layer):  # (B, S, H, D), (B, S, H_kv, D)
+        if self.cache is not None:
+            k, v = self.cache.write_columns(layer, k, v, self.start)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
 
 
-prompt_batch = ragged_from_lengths(prompts.offsets().diff())
-
-# %%
-# A small GPT
-# -----------
-# The model is the usual decoder-only stack, written flat in the style of
-# ``gpt-fast``: token embedding, ``n_layers`` norm-first blocks of causal attention
-# and a SwiGLU feed-forward network with residual connections, a final norm
-# and an output projection. Rotary position embeddings (RoPE) rotate queries
-# and keys by each token's position inside its own sequence, which is why
-# ``pos`` matters: in a packed batch the global token index means nothing.
-#
-# Every tensor inside is packed, ``(T, ...)``, with no batch dimension. The
-# only step that needs to know where sequences begin and end is attention,
-# so the model does not do it itself: each call receives an ``attend``
-# function, ``attend(layer, q, k, v) -> out`` on ``(T, heads, head_dim)``
-# tensors. Prefill, decoding with a cache and recomputation without one are
-# different ``attend`` functions around the same weights.
-
-import torch.nn as nn
-import torch.nn.functional as F
-
-
-def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    half = args.head_dim // 2
-    freqs = args.rope_base ** (-torch.arange(half, dtype=torch.float64) / half)
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().to(DTYPE), angles.sin().to(DTYPE)  # (``max_seq_len``, half)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, heads, head_dim); cos, sin: (T, 1, head_dim // 2)
+def apply_rope(x, cos, sin):
+    # x: (..., H, D); cos and sin: (..., 1, D / 2)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, cfg, layer):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        kv_dim = args.n_kv_heads * args.head_dim
-        self.wqkv = nn.Linear(args.dim, args.dim + 2 * kv_dim, bias=False)  # packed
-        self.wo = nn.Linear(args.dim, args.dim, bias=False)
-        self.split = [args.dim, kv_dim, kv_dim]
+        self.layer, self.n_heads, self.n_kv_heads = layer, cfg.n_heads, cfg.n_kv_heads
+        self.sizes = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+        self.wqkv = nn.Linear(cfg.dim, sum(self.sizes), bias=False)  # one matmul for q, k, v
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, attend, layer):
-        T = x.shape[0]  # x: (T, dim)
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)  # (T, H, D)
-        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)  # (T, Hkv, D)
-        v = v.view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
-        return self.wo(attend(layer, q, k, v).reshape(T, -1))  # (T, dim)
+    def forward(self, x, cos, sin, layout):
+        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
+        q = apply_rope(q.unflatten(-1, (self.n_heads, -1)), cos, sin)
+        k = apply_rope(k.unflatten(-1, (self.n_kv_heads, -1)), cos, sin)
+        v = v.unflatten(-1, (self.n_kv_heads, -1))
+        return self.wo(layout.attend(q, k, v, self.layer).flatten(-2))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, cfg):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.ffn_hidden, bias=False)  # packed
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_hidden, bias=False)  # gate and up, one matmul
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
 
     def forward(self, x):
-        x1, x3 = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(x1) * x3)
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, cfg, layer):
         super().__init__()
-        self.attn_norm, self.ffn_norm = nn.RMSNorm(args.dim), nn.RMSNorm(args.dim)
-        self.attn, self.ffn = Attention(args), FeedForward(args)
+        self.attn_norm, self.ffn_norm = nn.RMSNorm(cfg.dim), nn.RMSNorm(cfg.dim)
+        self.attn, self.ffn = Attention(cfg, layer), FeedForward(cfg)
 
-    def forward(self, x, cos, sin, attend, layer):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attend, layer)
+    def forward(self, x, cos, sin, layout):
+        x = x + self.attn(self.attn_norm(x), cos, sin, layout)
         return x + self.ffn(self.ffn_norm(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, cfg):
         super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = nn.RMSNorm(args.dim)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        half = cfg.head_dim // 2
+        freqs = cfg.rope_base ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), freqs)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, tokens, pos, attend):
-        # ``tokens``, ``pos``: (T,) -> logits: (T, ``vocab_size``)
+    def forward(self, tokens, positions, layout):
+        # tokens, positions: (T,) packed or (B, S) padded -> logits (..., vocab)
         x = self.tok_embeddings(tokens)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (T, 1, D/2)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attend, i)
+        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)  # (..., 1, D / 2)
+        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, layout)
         return self.output(self.norm(x))
 
 
+@torch.no_grad()
+def generate_packed(model, prompts, offsets, n_new, backend=None):
+    """Greedy generation for packed prompts (T,) with offsets (B + 1,)."""
+    B, lengths = len(offsets) - 1, offsets.diff()
+    cache = KVCache(model.cfg, B, int(lengths.max()) + n_new, prompts.device, DTYPE)
+    seq, pos = token_index(offsets)
+    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
+        layout = Packed(offsets, backend, cache, seq * cache.capacity + pos, lengths)
+        logits = model(prompts, pos, layout)[offsets[1:] - 1]  # (B, vocab): each prompt's last token
+        one_each, rows = torch.arange(B + 1, device=prompts.device), cache.row_offsets[:-1]
+        out = []
+        for step in range(n_new):
+            out.append(logits.argmax(-1))  # (B,)
+            if step < n_new - 1:
+                pos = lengths + step  # each sequence's own next position
+                logits = model(out[-1], pos, Packed(one_each, backend, cache, rows + pos, pos + 1))
+    return torch.stack(out, 1)  # (B, n_new)
+
+
+# %%
+# A batch of prompts
+# ------------------
+# Prompt lengths come from the site's length generator: most prompts are
+# short, a few are long. Two models share everything but the number of
+# key/value heads: multi-head attention (MHA, one key/value head per query
+# head) and grouped-query attention (GQA, ``n_heads / n_kv_heads`` query
+# heads share each key/value head).
+
+rng = np.random.default_rng(SEED)
+prompt_lengths = sentence_lengths(rng, PROMPTS, ZIPF_ALPHA).clamp(max=MODEL["max_seq_len"] - NEW_TOKENS)
+prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
+gen = torch.Generator(DEVICE).manual_seed(SEED)
+prompts = torch.randint(MODEL["vocab_size"], (int(prompt_lengths.sum()),), generator=gen, device=DEVICE)
+print(f"prompt lengths {prompt_lengths.tolist()}")
+print(f"{len(prompts)} prompt tokens, longest {int(prompt_lengths.max())}; "
+      f"padding to the longest would hold {PROMPTS * int(prompt_lengths.max())}")
+
+gqa_cfg = GPTConfig(**MODEL)
+mha_cfg = GPTConfig(**dict(MODEL, n_kv_heads=MODEL["n_heads"]))
 torch.manual_seed(SEED)
-mha_model = GPT(MHA_ARGS).to(DEVICE).eval()
-print(f"{sum(p.numel() for p in mha_model.parameters()) / 1e6:.2f} M parameters")
+gqa_model = GPT(gqa_cfg).to(DEVICE).eval()
+torch.manual_seed(SEED)
+mha_model = GPT(mha_cfg).to(DEVICE).eval()
+if DTYPE != torch.float32:  # serving runs the weights in the low precision too
+    gqa_model, mha_model = gqa_model.to(DTYPE), mha_model.to(DTYPE)
+print(f"MHA: {mha_cfg.n_heads} query heads, {mha_cfg.n_kv_heads} key/value heads; "
+      f"GQA: {gqa_cfg.n_heads} query heads, {gqa_cfg.n_kv_heads} key/value heads")
 
 # %%
-# Attention without a cache: one causal SDPA per sequence
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The simplest correct ``attend`` for a packed batch splits it at the
-# offsets and runs a causal ``scaled_dot_product_attention`` on each
-# sequence. It needs no mask and no compiler, works with GQA through
-# ``enable_gqa=True``, and on a few CPU cores it is often as fast as the
-# alternatives. The jagged SDPA would be the natural call here, but on CPU it
-# refuses ``is_causal=True``, and a causal decoder is exactly what needs it.
-# This function is also the reference the cache is checked against.
-
-
-def attend_per_sequence(batch: Ragged):
-    def attend(layer, q, k, v):
-        outs = [
-            F.scaled_dot_product_attention(
-                qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
-                is_causal=True, enable_gqa=True,
-            ).transpose(0, 1)  # (n_i, H, D)
-            for qi, ki, vi in zip(q.split(batch.lengths), k.split(batch.lengths),
-                                  v.split(batch.lengths))
-        ]
-        return torch.cat(outs)  # (T, H, D)
-
-    return attend
-
-
-# %%
-# The KV cache
-# ------------
+# The KV cache, step by step
+# --------------------------
 # During decoding each sequence adds one token per step, and that token's
-# query must see the keys and values of everything before it. Recomputing
-# them every step makes the work of generating ``n`` tokens grow with
-# ``n`` squared; caching them costs one pass per new token. The question for a ragged
-# batch is the layout. Two designs were weighed against each other:
+# query must see the keys and values of everything before it. The cache
+# keeps them: ``KVCache`` holds, per layer, room for ``capacity`` tokens per
+# sequence, ``(B, capacity, H_kv, D)``. Seen as packed rows, sequence ``b``
+# owns rows ``b * capacity ...``, so the cache is a packed batch whose
+# offsets are ``capacity`` apart, of which each sequence uses the first
+# ``kv_used`` rows: exactly what ``ragged_attention`` (and ``varlen_attn``,
+# whose ``seqused_k`` is the same thing) takes.
 #
-# * **Padded, preallocated**: one ``(B, Hkv, S_max, D)`` buffer per layer for
-#   keys and one for values, with ``S_max`` the longest prompt plus the
-#   number of new tokens, and a ``lengths`` vector of ``B`` entries. Token
-#   ``p`` of sequence ``b`` lives at ``[b, :, p]``. A step writes ``B`` rows at
-#   ``[arange(B), :, lengths]`` with one advanced-indexing assignment (an
-#   ``index_put_``), then attends with one batched SDPA call and a boolean
-#   mask ``key_position < length``. The buffer is allocated once and never
-#   grows. (This page reads only its filled prefix, ``[:, :, :max(lengths)]``;
-#   a decoder compiled with CUDA graphs would read the whole buffer under
-#   the same mask, so that every step has the same shapes.)
-# * **Packed, ragged**: one ``(sum_b capacity_b, Hkv, D)`` buffer, each
-#   sequence owning a slot of ``capacity_b = prompt_b + n_new`` rows that
-#   starts at its own offset. It allocates only what each sequence can use.
-#   Attention must then respect slot boundaries: a loop of per-sequence SDPA
-#   calls, FlexAttention with a mask built from the slots, or on CUDA
-#   ``varlen_attn(..., seqused_k=lengths)``, which reads exactly this layout.
+# * **Prefill**: all prompt tokens, packed, go through the model at once;
+#   each writes its key and value into its sequence's row ``b * capacity + p``
+#   and attends causally to its own prompt.
+# * **Decode**: one token per sequence, at that sequence's own position
+#   ``lengths[b]``, written into its next row; its query sees every key its
+#   sequence has.
 #
-# A nested tensor does not help with either. An NJT cannot grow along its
-# ragged dimension (``torch.cat`` on it fails), so a cache of NJTs would be
-# rebuilt at each step; and an NJT *view* of a packed buffer with unused
-# capacity, ``nested_tensor_from_jagged(values, offsets, lengths=...)``, is
-# a tensor "with holes" that ``to_padded_tensor`` and SDPA refuse.
-# ``index_put_`` does work on an NJT, but the buffers below are plain tensors
-# anyway.
-#
-# The page uses the padded layout, for the speed measured in the next cells,
-# and shows its memory price next to the packed one. The prefill writes all
-# ``T`` prompt tokens with the same indexing, using ``doc`` and ``pos``.
-
-
-class KVCache:
-    """Per-layer ``(B, Hkv, S_max, D)`` keys and values plus a length per sequence."""
-
-    def __init__(self, args: ModelArgs, batch_size: int, max_len: int):
-        shape = (args.n_layers, batch_size, args.n_kv_heads, max_len, args.head_dim)
-        self.k = torch.zeros(shape, dtype=DTYPE, device=DEVICE)
-        self.v = torch.zeros(shape, dtype=DTYPE, device=DEVICE)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=DEVICE)
-        self.max_length = 0  # host copy of lengths.max(), so no sync per step
-        self.rows = torch.arange(batch_size, device=DEVICE)
-
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def prefill(self, batch: Ragged, attend_fn):
-        """Write every prompt token, then attend with ``attend_fn`` (no cache read)."""
-        inner = attend_fn(batch)
-
-        def attend(layer, q, k, v):
-            # (T, Hkv, D) rows land at ``[doc, :, pos]`` of a (B, Hkv, S_max, D) buffer
-            self.k[layer][batch.doc, :, batch.pos] = k
-            self.v[layer][batch.doc, :, batch.pos] = v
-            return inner(layer, q, k, v)
-
-        return attend
-
-    def decode(self, decode_attn):
-        """One new token per sequence at position ``lengths[b]``; T == B."""
-        new_len = self.lengths + 1  # (B,)
-        s = self.max_length + 1  # read only the filled prefix of the buffer
-        mask = (torch.arange(s, device=DEVICE) < new_len[:, None])[:, None, None, :]
-
-        def attend(layer, q, k, v):
-            self.k[layer][self.rows, :, self.lengths] = k  # (B, Hkv, D)
-            self.v[layer][self.rows, :, self.lengths] = v
-            keys, values = self.k[layer, :, :, :s], self.v[layer, :, :, :s]
-            # q: (B, H, D) -> (B, H, 1, D), one query per sequence
-            return decode_attn(q.unsqueeze(2), keys, values, mask, new_len).squeeze(2)
-
-        return attend
-
-    def advance(self, batch_lengths=None):
-        if batch_lengths is None:
-            self.lengths += 1
-            self.max_length += 1
-        else:
-            self.lengths.copy_(batch_lengths)
-            self.max_length = int(batch_lengths.max())
-
-
-# %%
-# Decode attention: measure, then choose
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# With the cache filled by a prefill of the prompts, three ways of attending
-# one query per sequence to that sequence's own keys are timed:
-#
-# * **masked SDPA**: one batched call over the ``(B, Hkv, s, D)`` prefix of
-#   the buffer with a ``(B, 1, 1, s)`` boolean mask; it computes scores for
-#   the padding and throws them away.
-# * **per-sequence SDPA**: ``B`` calls, each on exactly ``lengths[b]`` keys.
-# * **FlexAttention** (compiled) on the same dense buffer with the mask
-#   ``kv_idx < lengths[b]``. Its ``BlockMask`` depends on the lengths, so it
-#   has to be rebuilt at every step; the fair cost per layer is the kernel plus
-#   ``create_block_mask`` divided by ``n_layers``.
-#
-# Timings use ``torch.utils.benchmark`` after a warm-up call, with the
-# median and the interquartile range (IQR) of the measured blocks.
-
-import time
-
-import torch.utils.benchmark as benchmark
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-flex = torch.compile(flex_attention, dynamic=False)  # static shapes, see below
-
-
-def timeit(fn, min_run_time=MIN_RUN_TIME):
-    """Median and IQR of ``fn()`` in seconds, after one warm-up call."""
-    fn()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    return m.median, m.iqr
-
-
-def decode_masked_sdpa(q, keys, values, mask, lengths):
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-
-def decode_per_sequence(q, keys, values, mask, lengths):
-    return torch.cat([
-        F.scaled_dot_product_attention(q[b:b + 1], keys[b:b + 1, :, :n],
-                                       values[b:b + 1, :, :n], enable_gqa=True)
-        for b, n in enumerate(lengths.tolist())
-    ])
-
-
-def length_block_mask(lengths, s):
-    def within_length(b, h, q_idx, kv_idx):
-        return kv_idx < lengths[b]
-
-    return create_block_mask(within_length, len(lengths), None, 1, s, device=DEVICE)
-
+# The loop below is ``generate_packed`` unrolled, with a check at every step:
+# the cached logits must equal a recomputation of the whole history without
+# any cache, for every sequence. Both run the reference backend for exact
+# attention, the per-sequence loop.
 
 torch.manual_seed(SEED)
-cache = KVCache(MHA_ARGS, BATCH, MAX_PROMPT + N_NEW)
+history = [prompts[int(a):int(b)].tolist() for a, b in zip(prompt_offsets[:-1], prompt_offsets[1:])]
+cache = KVCache(gqa_cfg, PROMPTS, int(prompt_lengths.max()) + NEW_TOKENS, DEVICE, DTYPE)
+lengths = prompt_lengths.to(DEVICE)
+seq, pos = token_index(prompt_offsets)
+one_each = torch.arange(PROMPTS + 1, device=DEVICE)
+worst = 0.0
 with torch.no_grad():
-    mha_model(prompts.values(), prompt_batch.pos, cache.prefill(prompt_batch, attend_per_sequence))
-cache.advance(prompts.offsets().diff())
-
-s = cache.max_length
-lengths = cache.lengths
-mask = (torch.arange(s, device=DEVICE) < lengths[:, None])[:, None, None, :]
-q = torch.randn(BATCH, MHA_ARGS.n_heads, 1, MHA_ARGS.head_dim, device=DEVICE)
-keys, values = cache.k[0, :, :, :s], cache.v[0, :, :, :s]
-
-t0 = time.perf_counter()
-block_mask = length_block_mask(lengths, s)
-out_flex = flex(q, keys, values, block_mask=block_mask, enable_gqa=True)
-flex_compile_s = time.perf_counter() - t0
-
-out_ref = decode_per_sequence(q, keys, values, mask, lengths)
-torch.testing.assert_close(decode_masked_sdpa(q, keys, values, mask, lengths), out_ref)
-torch.testing.assert_close(out_flex, out_ref)
-
-decode_times = {
-    "masked SDPA": timeit(lambda: decode_masked_sdpa(q, keys, values, mask, lengths)),
-    "per-sequence SDPA": timeit(lambda: decode_per_sequence(q, keys, values, mask, lengths)),
-    "FlexAttention kernel": timeit(lambda: flex(q, keys, values, block_mask=block_mask,
-                                                enable_gqa=True)),
-}
-mask_build = timeit(lambda: length_block_mask(lengths, s))
-flex_total = decode_times["FlexAttention kernel"][0] + mask_build[0] / MHA_ARGS.n_layers
-print(f"one layer, {BATCH} queries against up to {s} cached keys each "
-      f"(FlexAttention compiled in {flex_compile_s:.1f} s):")
-for name, (med, iqr) in decode_times.items():
-    print(f"  {name:22s} {med * 1e6:8.1f} us  (IQR {iqr * 1e6:.1f} us)")
-print(f"  create_block_mask      {mask_build[0] * 1e6:8.1f} us  (IQR {mask_build[1] * 1e6:.1f} us) "
-      f"per step; FlexAttention with it shared by {MHA_ARGS.n_layers} layers: "
-      f"{flex_total * 1e6:.1f} us per layer")
-per_layer = {"masked SDPA": decode_times["masked SDPA"][0],
-             "per-sequence SDPA": decode_times["per-sequence SDPA"][0],
-             "FlexAttention kernel alone": decode_times["FlexAttention kernel"][0],
-             "FlexAttention + block mask": flex_total}
-print("  fastest per layer: " + ", then ".join(sorted(per_layer, key=per_layer.get)))
-
-padded_keys = BATCH * s
-print(f"  keys scored by masked SDPA: {padded_keys}, of which real: "
-      f"{int(lengths.sum())} ({padded_keys / int(lengths.sum()):.1f}x)")
+    logits = gqa_model(prompts, pos, Packed(prompt_offsets, "loop", cache, seq * cache.capacity + pos,
+                                            lengths))[prompt_offsets[1:] - 1]
+    for step in range(NEW_TOKENS):
+        token = logits.argmax(-1)  # (B,)
+        for h, t in zip(history, token.tolist()):
+            h.append(t)
+        # the same step without a cache: the whole packed history, recomputed
+        offsets_h = offsets_from_lengths([len(h) for h in history], DEVICE)
+        tokens_h = torch.tensor([t for h in history for t in h], device=DEVICE)
+        full = gqa_model(tokens_h, token_index(offsets_h)[1], Packed(offsets_h, "loop"))
+        # the cached step: one token per sequence at its own position
+        logits = gqa_model(token, lengths, Packed(one_each, "loop", cache,
+                                                  cache.row_offsets[:-1] + lengths, lengths + 1))
+        lengths = lengths + 1
+        torch.testing.assert_close(logits.float(), full[offsets_h[1:] - 1].float(), **tolerances(DTYPE))
+        worst = max(worst, (logits.float() - full[offsets_h[1:] - 1].float()).abs().max().item())
+print(f"{NEW_TOKENS} steps x {PROMPTS} sequences: every cached step matches the recomputation "
+      f"(largest logit difference {worst:.1e})")
 
 # %%
-# What the numbers say, on a CPU with few cores: the per-sequence loop pays
-# a fixed cost per call ``B`` times; the FlexAttention kernel is quick, but its
-# block mask has to be rebuilt at every step and that costs more than the
-# attention itself; the single masked call scores the padding too (the
-# ratio is printed above), but with one query per sequence that waste is
-# small next to the cost of extra calls. The two plain SDPA variants are
-# exact and need no compiler, so the page decodes with whichever of them
-# measured faster in this run, printed below.
-
-DECODE_ATTN = min((decode_masked_sdpa, decode_per_sequence),
-                  key=lambda f: decode_times[
-                      "masked SDPA" if f is decode_masked_sdpa else "per-sequence SDPA"][0])
-print(f"decoding with: {DECODE_ATTN.__name__}")
-
-# %%
-# Greedy generation, checked at every step
-# ----------------------------------------
-# ``generate`` runs the prefill, takes the logits of each prompt's last
-# token, and then loops: pick the greedy token, feed the ``B`` new tokens as
-# one packed batch of length ``B`` at positions ``lengths``, get ``B`` rows of
-# logits. With ``use_cache=False`` every step instead recomputes the whole
-# ragged batch of prompts plus generated tokens from scratch.
-#
-# With ``check=True`` each cached step is also recomputed without the cache
-# on the same token history, and the last-token logits of every sequence are
-# compared with ``torch.testing.assert_close``. Feeding the reference the
-# cached run's own tokens keeps both on the same path even if a near-tie
-# made an argmax differ in the last bit.
-
-RTOL, ATOL = 1e-4, 1e-4  # float32; measured differences are printed below
+# What the cache buys
+# ~~~~~~~~~~~~~~~~~~~
+# Without a cache, step ``t`` runs the whole history again: every prompt
+# token plus ``t`` generated tokens per sequence. With it, each step runs one
+# token per sequence. The work bound counts the tokens each side pushes
+# through the model (the projections and feed-forward layers, most of the
+# arithmetic) and the query-key pairs its attention scores.
 
 
 @torch.no_grad()
-def generate(model, prompts, n_new, use_cache=True, check=False, prefill_attend=None):
-    prefill_attend = prefill_attend or attend_per_sequence
-    lengths = prompts.offsets().diff()  # (B,)
-    B = len(lengths)
-    batch = ragged_from_lengths(lengths)
-    # token history, padded; int64 bookkeeping only, the model never sees it
-    history = torch.zeros(B, int(lengths.max()) + n_new, dtype=torch.long, device=DEVICE)
-    history[batch.doc, batch.pos] = prompts.values()
-    max_diff = 0.0
-
-    def full_forward(lengths):
-        b = ragged_from_lengths(lengths)
-        logits = model(history[b.doc, b.pos], b.pos, attend_per_sequence(b))
-        return logits[b.offsets[1:] - 1]  # (B, vocab) logits of each last token
-
-    if use_cache:
-        cache = KVCache(model.args, B, history.shape[1])
-        logits = model(prompts.values(), batch.pos, cache.prefill(batch, prefill_attend))
-        last = logits[batch.offsets[1:] - 1]
-        cache.advance(lengths)
-    else:
-        last = full_forward(lengths)
-
+def generate_no_cache(model, prompts, offsets, n_new, backend=None):
+    """Greedy generation that recomputes the whole packed history at every step."""
+    lengths = offsets.diff()
+    tokens = prompts
+    out = []
     for step in range(n_new):
-        token = last.argmax(-1)  # (B,)
-        history[torch.arange(B, device=DEVICE), lengths] = token
+        seq, pos = token_index(offsets)
+        logits = model(tokens, pos, Packed(offsets, backend))[offsets[1:] - 1]
+        out.append(logits.argmax(-1))
+        # insert each sequence's new token at its end: rebuild the packed ids
         lengths = lengths + 1
-        if step == n_new - 1:
-            break
-        if use_cache:
-            last = model(token, cache.lengths, cache.decode(DECODE_ATTN))  # (B, vocab)
-            cache.advance()
-            if check:
-                ref = full_forward(lengths)
-                torch.testing.assert_close(last, ref, rtol=RTOL, atol=ATOL)
-                max_diff = max(max_diff, (last - ref).abs().max().item())
-        else:
-            last = full_forward(lengths)
-    return history, lengths, max_diff
+        new_offsets = offsets_from_lengths(lengths, tokens.device)
+        grown = torch.empty(len(tokens) + len(lengths), dtype=tokens.dtype, device=tokens.device)
+        grown[new_offsets[1:] - 1] = out[-1]
+        keep = torch.ones(len(grown), dtype=torch.bool, device=tokens.device)
+        keep[new_offsets[1:] - 1] = False
+        grown[keep] = tokens
+        tokens, offsets = grown, new_offsets
+    return torch.stack(out, 1)
 
 
-history, final_lengths, max_diff = generate(mha_model, prompts, N_NEW, check=True)
-history_nc, _, _ = generate(mha_model, prompts, N_NEW, use_cache=False)
-print(f"{N_NEW - 1} decoding steps x {BATCH} sequences: cached logits match recomputation, "
-      f"max |difference| {max_diff:.2e} (rtol={RTOL}, atol={ATOL})")
-same = (history == history_nc).all().item()
-print(f"greedy tokens identical with and without the cache: {same}")
-print("first sequence, generated ids:",
-      history[0, int(prompt_lengths[0]):int(final_lengths[0])].tolist()[:16], "...")
-
-# %%
-# Tokens per second, with and without the cache
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A single generation is too noisy to time once. Each figure below is the
-# median over ``REPEATS`` full generation runs (prefill plus all steps) of
-# ``B * n_new`` tokens each, after one warm-up run, with the IQR across runs
-# turned into a spread in tokens/s. Without the cache,
-# step ``t`` processes every prompt token again plus ``t`` tokens per
-# sequence, so its throughput falls as the output grows; with the cache each
-# step processes ``B`` tokens and only the attention grows. Beside each
-# speedup is the ratio of tokens the two runs push through the model. It
-# bounds what the cache saves in the projections and the feed-forward
-# layers, the bulk of the arithmetic; the two runs' fixed costs per step
-# differ as well (one batched attention call against ``B`` calls per layer),
-# so on a small model the measured figure can land on either side of it.
-
-
-def tokens_per_second(model, n_new, use_cache):
-    run = lambda: generate(model, prompts, n_new, use_cache=use_cache)
-    run()  # warm-up
-    timer = benchmark.Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
-    runs = [timer.timeit(number=1).median for _ in range(REPEATS)]  # seconds per run
-    med = float(np.median(runs))
-    iqr = float(np.subtract(*np.percentile(runs, [75, 25])))
-    tokens = BATCH * n_new
-    return tokens / med, tokens * iqr / med**2  # tokens/s and its spread (from the IQR)
-
-
-def work_ratio(n_new):
-    # tokens pushed through the model: n_new full passes without the cache,
-    # one prefill plus n_new - 1 single-token steps with it
-    P = int(prompt_lengths.sum())
-    no_cache = n_new * P + BATCH * n_new * (n_new - 1) // 2
-    return no_cache / (P + BATCH * (n_new - 1))
-
-
+per_token = 2 * sum(p.numel() for n, p in gqa_model.named_parameters() if "embeddings" not in n)
+per_pair = gqa_cfg.n_layers * 4 * gqa_cfg.n_heads * gqa_cfg.head_dim
+with torch.no_grad():
+    torch.testing.assert_close(generate_no_cache(gqa_model, prompts, prompt_offsets, 4, "loop"),
+                               generate_packed(gqa_model, prompts, prompt_offsets, 4, "loop"))
 throughput = {"cache": [], "no cache": []}
 for n_new in GEN_LENGTHS:
-    for name, use_cache in (("cache", True), ("no cache", False)):
-        throughput[name].append(tokens_per_second(mha_model, n_new, use_cache))
-    (tc, sc), (tn, sn) = throughput["cache"][-1], throughput["no cache"][-1]
-    print(f"{n_new:4d} new tokens: {tc:7.0f} tokens/s (spread {sc:.0f}) with cache, "
-          f"{tn:7.0f} (spread {sn:.0f}) without: "
-          f"{tc / tn:4.1f}x (bound from tokens processed: {work_ratio(n_new):.1f}x)")
+    times = measure({"no cache": lambda: generate_no_cache(gqa_model, prompts, prompt_offsets, n_new, "loop"),
+                     "cache": lambda: generate_packed(gqa_model, prompts, prompt_offsets, n_new, "loop")},
+                    min_run_time=RUN_TIME, profile=False)
+    P, steps = prompt_lengths, torch.arange(n_new)
+    grown = P[:, None] + steps  # each sequence's length at each step, (B, n_new)
+    work_cached = per_token * (float(P.sum()) + PROMPTS * (n_new - 1)) + per_pair * (
+        pairs_scored(P, P, True) + float((grown[:, 1:] + 1).sum()))
+    work_recomputed = per_token * float(grown.sum()) + per_pair * pairs_scored(grown.flatten(), grown.flatten(), True)
+    for name in throughput:
+        throughput[name].append(PROMPTS * n_new / times[name].median_ms * 1e3)
+    print(f"{n_new:4d} new tokens: " + speedup_line("cache over no cache", times["no cache"], times["cache"],
+                                                    work_recomputed / work_cached))
+
+# %%
+# The cache wins by more as the output grows, but less than the work bound
+# says: each cached step runs only one token per sequence through the model,
+# small matrix multiplies and one attention call per sequence and layer, so
+# fixed costs per call weigh more than in the recomputation's big calls.
+# The operators that took most of the cached generation's time:
+
+print(where_time_goes(lambda: generate_packed(gqa_model, prompts, prompt_offsets, NEW_TOKENS, "loop")))
 
 # %%
 # Cache memory: allocated and used
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The cache's size is read from its buffers, ``k.nbytes + v.nbytes``, and
-# equals ``2 * n_layers * B * Hkv * S_max * head_dim * 4`` bytes in float32,
-# with ``S_max`` the longest prompt plus ``n_new``. Of its ``B * S_max``
-# token slots, ``sum(lengths)`` hold data: few right after the prefill, more
-# at each step. A packed cache would allocate ``sum(prompt + n_new)`` slots,
-# which the last step fills exactly.
+# The cache holds ``2 x layers x B x capacity x H_kv x D`` numbers, read here
+# from its buffers. Of its ``B x capacity`` token slots, ``sum(lengths)``
+# hold data: few right after the prefill, more at each step. A cache that
+# gives each sequence only the room it can use, ``prompt + new tokens``
+# (paged or packed), would allocate ``sum(prompt + new)`` slots; with
+# ``varlen_attn``'s ``block_table`` or a FlexAttention mask over pages,
+# attention reads such a cache directly.
 
 
-def cache_report(args: ModelArgs, name: str):
-    s_max = int(prompt_lengths.max()) + N_NEW  # what ``generate`` allocates
-    c = KVCache(args, BATCH, s_max)
-    per_slot = c.nbytes() / (BATCH * s_max)  # bytes per token slot, all layers, k and v
-    used = per_slot * (int(prompt_lengths.sum()) + BATCH * np.arange(N_NEW + 1))  # per step
-    packed = per_slot * int((prompt_lengths + N_NEW).sum())
-    print(f"{name}: padded cache {c.nbytes() / 1e6:.2f} MB allocated; used "
-          f"{used[0] / 1e6:.2f} MB after the prefill ({used[0] / c.nbytes():.0%}), "
-          f"{used[-1] / 1e6:.2f} MB at the end ({used[-1] / c.nbytes():.0%}); "
-          f"a packed cache would allocate {packed / 1e6:.2f} MB")
-    return c.nbytes(), used, packed
+def cache_report(cfg, name):
+    capacity = int(prompt_lengths.max()) + NEW_TOKENS
+    c = KVCache(cfg, PROMPTS, capacity, DEVICE, DTYPE)
+    allocated = c.k.nbytes + c.v.nbytes
+    per_slot = allocated / (PROMPTS * capacity)  # bytes per token, all layers, keys and values
+    used = per_slot * (float(prompt_lengths.sum()) + PROMPTS * np.arange(NEW_TOKENS + 1))
+    exact = per_slot * float((prompt_lengths + NEW_TOKENS).sum())
+    print(f"{name}: {allocated / 2**20:.2f} MiB allocated; used {used[0] / 2**20:.2f} MiB after the "
+          f"prefill ({used[0] / allocated:.0%}), {used[-1] / 2**20:.2f} MiB at the end "
+          f"({used[-1] / allocated:.0%}); room for exactly what each sequence uses: {exact / 2**20:.2f} MiB")
+    return allocated, used, exact
 
 
-mha_memory = cache_report(MHA_ARGS, "MHA")
-
-# %%
-# Grouped-query attention
-# -----------------------
-# In grouped-query attention the ``H`` query heads are split into ``Hkv``
-# groups that share one key head and one value head. The projections of
-# ``k`` and ``v`` shrink by ``H / Hkv``, and so does the cache, which is what
-# bounds batch size and context length in serving. The model above already
-# supports it: ``wqkv`` produces ``Hkv`` key and value heads, and every
-# attention call passes ``enable_gqa=True``.
-#
-# First the kernels on their own, against a reference that makes the
-# sharing explicit by repeating each key/value head ``H / Hkv`` times with
-# ``repeat_interleave`` (head ``h`` uses key head ``h // (H / Hkv)``).
-
-group = GQA_ARGS.n_heads // GQA_ARGS.n_kv_heads
-H, Hkv, D = GQA_ARGS.n_heads, GQA_ARGS.n_kv_heads, GQA_ARGS.head_dim
-T = int(prompt_batch.offsets[-1])
-torch.manual_seed(SEED)
-q = torch.randn(T, H, D, device=DEVICE)
-k = torch.randn(T, Hkv, D, device=DEVICE)
-v = torch.randn(T, Hkv, D, device=DEVICE)
-k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-
-reference = attend_per_sequence(prompt_batch)(0, q, k_rep, v_rep)  # (T, H, D), plain MHA
-
-# dense SDPA, one sequence at a time, with ``enable_gqa=True``
-sdpa_gqa = attend_per_sequence(prompt_batch)(0, q, k, v)
-torch.testing.assert_close(sdpa_gqa, reference)
-print(f"SDPA enable_gqa=True vs repeated heads: max |difference| "
-      f"{(sdpa_gqa - reference).abs().max().item():.1e}")
+memory = {"MHA": cache_report(mha_cfg, "MHA"), "GQA": cache_report(gqa_cfg, "GQA")}
+ratio = memory["MHA"][0] / memory["GQA"][0]
+assert math.isclose(ratio, gqa_cfg.n_heads / gqa_cfg.n_kv_heads)
+print(f"MHA / GQA cache: {ratio:.1f}x (n_heads / n_kv_heads = {gqa_cfg.n_heads // gqa_cfg.n_kv_heads})")
 
 # %%
-# The jagged SDPA does not take the GQA route: with nested inputs and
-# ``enable_gqa=True`` it fails inside a batched ``matmul`` that cannot
-# broadcast nested batch dimensions. The call is tried here so that the page
-# notices when a future release fixes it.
+# Decoding attention: measure, then choose
+# ----------------------------------------
+# One decoding step of attention: one query per sequence against that
+# sequence's cached keys, in the middle of generation. The candidates, each
+# checked against the float32 reference (with the key/value heads repeated
+# explicitly, so that it shares no GQA code with them), for the MHA and the
+# GQA cache. The kernel column says what actually ran: whether a GQA call
+# read the small cache directly or repeated its heads first shows up there.
 
-def as_njt(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    # packed (T, heads, D) -> nested (B, heads, j1, D), a view of the same memory
-    return torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2)
-
-
-try:
-    F.scaled_dot_product_attention(as_njt(q, prompt_batch.offsets), as_njt(k, prompt_batch.offsets),
-                                   as_njt(v, prompt_batch.offsets), enable_gqa=True)
-    print("SDPA on nested tensors with enable_gqa=True: runs in this build")
-except RuntimeError as err:
-    print(f"SDPA on nested tensors with enable_gqa=True: {type(err).__name__}: "
-          f"{str(err).splitlines()[0][:90]}...")
-
-# %%
-# FlexAttention on the packed batch
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# FlexAttention takes the whole packed batch at once, laid out as one
-# "sequence" of ``T`` tokens, ``(1, H, T, D)``, with a *document-causal*
-# mask: query ``i`` may see key ``j`` only when both belong to the same
-# prompt and ``j <= i``. ``create_block_mask`` evaluates the mask over the
-# ``T x T`` grid once and records, for each 128 x 128 block, whether it is
-# empty, full or partial; the compiled kernel skips the empty blocks, so the
-# cross-sequence part of the square costs almost nothing. The mask depends only on the offsets, so one
-# ``BlockMask`` serves every layer. It runs forward only here: FlexAttention
-# has no backward on CPU, which is fine for inference.
-
-
-def document_causal_block_mask(batch: Ragged):
-    doc = batch.doc
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
-
-    T = len(doc)
-    return create_block_mask(document_causal, None, None, T, T, device=DEVICE)
-
-
-def attend_flex(batch: Ragged):
-    block_mask = document_causal_block_mask(batch)
-
-    def attend(layer, q, k, v):
-        # (T, heads, D) -> (1, heads, T, D), the packed layout FlexAttention wants
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        out = flex(q, k, v, block_mask=block_mask, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)  # (T, H, D)
-
-    return attend
-
-
-t0 = time.perf_counter()
-flex_gqa = attend_flex(prompt_batch)(0, q, k, v)
-flex_prefill_compile_s = time.perf_counter() - t0
-torch.testing.assert_close(flex_gqa, reference)
-print(f"FlexAttention enable_gqa=True, document-causal, vs repeated heads: max |difference| "
-      f"{(flex_gqa - reference).abs().max().item():.1e} "
-      f"(compile and block mask {flex_prefill_compile_s:.1f} s)")
+capacity = int(prompt_lengths.max()) + NEW_TOKENS
+used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)
+row_offsets = torch.arange(PROMPTS + 1, device=DEVICE) * capacity
+decode_results = {}
+for name, cfg in (("MHA", mha_cfg), ("GQA", gqa_cfg)):
+    q_step = torch.randn(PROMPTS, cfg.n_heads, cfg.head_dim, generator=gen, device=DEVICE).to(DTYPE)
+    k_cache = torch.randn(PROMPTS * capacity, cfg.n_kv_heads, cfg.head_dim, generator=gen,
+                          device=DEVICE).to(DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    print(f"{name}, {PROMPTS} queries against {int(used.sum())} cached keys in use:")
+    decode_results[name] = compare_backends(q_step, k_cache, v_cache, one_each, row_offsets, is_causal=True,
+                                            kv_used=used, min_run_time=RUN_TIME)
+DECODE_BACKEND = fastest(decode_results["GQA"])
+print(f"decoding backend on {DEVICE}: {DECODE_BACKEND}")
 
 # %%
-# The same attention inside the model: a prefill with ``attend_flex`` and one
-# with the per-sequence loop must give the same logits for all ``T`` prompt
-# tokens, and the prefill times are compared here.
+# FlexAttention without rebuilding the mask
+# -----------------------------------------
+# The ``flex`` backend builds a ``BlockMask`` for each batch it sees, and
+# while decoding the lengths change at every step. ``create_block_mask``
+# evaluates the mask over the whole grid, which at every step costs more
+# than the attention itself. FlexAttention's inference examples build the
+# mask once, for the cache's capacity, and then only refresh it. Here the
+# mask function reads the current lengths from a tensor the loop updates in
+# place, every listed block is *partial* (so the mask function runs inside
+# the kernel), and each step only recomputes how many key blocks each
+# sequence has, ``ceil(length / 128)``. Both ways are checked against the
+# reference and timed per decoding step, for the GQA cache laid out as
+# ``(B, H_kv, capacity, D)``.
 
-torch.manual_seed(SEED)
-gqa_model = GPT(GQA_ARGS).to(DEVICE).eval()
-tokens, pos = prompts.values(), prompt_batch.pos
+BLOCK = 128
+current = used.clone()  # the lengths the mask reads, updated in place
 
+
+def within_length(b, h, q_idx, kv_idx):
+    return kv_idx < current[b]
+
+
+n_blocks = (capacity + BLOCK - 1) // BLOCK
+kv_num_blocks = torch.zeros(PROMPTS, 1, 1, dtype=torch.int32, device=DEVICE)
+kv_indices = torch.arange(n_blocks, dtype=torch.int32, device=DEVICE).expand(PROMPTS, 1, 1, n_blocks).contiguous()
+refreshed_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=BLOCK,
+                                          mask_mod=within_length, seq_lengths=(1, capacity))
+
+
+def refresh(lengths):
+    current.copy_(lengths)
+    kv_num_blocks.copy_(((lengths + BLOCK - 1) // BLOCK).view(-1, 1, 1))
+
+
+q_dense = q_step[:, :, None]  # (B, H, 1, D)
+k_dense = k_cache.view(PROMPTS, capacity, *k_cache.shape[1:]).transpose(1, 2)  # (B, H_kv, capacity, D)
+v_dense = v_cache.view(PROMPTS, capacity, *v_cache.shape[1:]).transpose(1, 2)
+
+
+def flex_rebuilt():
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < used[b], PROMPTS, None, 1, capacity,
+                             device=DEVICE)
+    return _compiled_flex_attention(q_dense, k_dense, v_dense, block_mask=mask, enable_gqa=True)
+
+
+def flex_refreshed():
+    refresh(used)
+    return _compiled_flex_attention(q_dense, k_dense, v_dense, block_mask=refreshed_mask, enable_gqa=True)
+
+
+reference_step = reference_attention(q_step, k_cache, v_cache, one_each, row_offsets, is_causal=True, kv_used=used)
 with torch.no_grad():
-    flex_attend = attend_flex(prompt_batch)  # block mask built once, outside the timing
-    loop_attend = attend_per_sequence(prompt_batch)
-    logits_flex = gqa_model(tokens, pos, flex_attend)
-    logits_loop = gqa_model(tokens, pos, loop_attend)
-    torch.testing.assert_close(logits_flex, logits_loop, rtol=RTOL, atol=ATOL)
-    prefill_flex = timeit(lambda: gqa_model(tokens, pos, flex_attend))
-    prefill_loop = timeit(lambda: gqa_model(tokens, pos, loop_attend))
-print(f"GQA prefill of {T} tokens: FlexAttention {prefill_flex[0] * 1e3:.2f} ms "
-      f"(IQR {prefill_flex[1] * 1e3:.2f}), per-sequence SDPA {prefill_loop[0] * 1e3:.2f} ms "
-      f"(IQR {prefill_loop[1] * 1e3:.2f}); logits max |difference| "
-      f"{(logits_flex - logits_loop).abs().max().item():.1e}")
+    for fn in (flex_rebuilt, flex_refreshed):
+        torch.testing.assert_close(fn()[:, :, 0].float(), reference_step, **tolerances(DTYPE))
+    flex_times = measure({"mask rebuilt every step": flex_rebuilt, "mask built once, refreshed": flex_refreshed},
+                         min_run_time=RUN_TIME)
+for name, t in flex_times.items():
+    print(f"FlexAttention decode step, {name:26s} {t}")
+print(f"building the mask once saves {flex_times['mask rebuilt every step'].median_ms / flex_times['mask built once, refreshed'].median_ms:.1f}x per step")
 
 # %%
-# Decoding with the GQA model
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The GQA model generates with the same cache code, now holding ``Hkv``
-# heads, and passes the same step-by-step check against recomputation. Its
-# prefill uses FlexAttention this time.
+# Grouped-query attention, end to end
+# -----------------------------------
+# GQA's promise is a smaller cache, which is what bounds batch size and
+# context length in serving, and less memory to read at every step. Both
+# models generate with the decoding backend chosen above; the kernels that
+# ran are printed beside each time.
 
-history_gqa, _, max_diff_gqa = generate(gqa_model, prompts, N_NEW, check=True,
-                                        prefill_attend=attend_flex)
-print(f"GQA: cached logits match recomputation at all {N_NEW - 1} decoding steps, "
-      f"max |difference| {max_diff_gqa:.2e}")
-
-gqa_memory = cache_report(GQA_ARGS, "GQA")
-print(f"cache memory MHA / GQA: {mha_memory[0] / gqa_memory[0]:.1f}x "
-      f"(H / Hkv = {MHA_ARGS.n_heads} / {GQA_ARGS.n_kv_heads} = {group}x)")
-
-n_new = GEN_LENGTHS[-1]
-gqa_tps = tokens_per_second(gqa_model, n_new, use_cache=True)
-mha_tps = tokens_per_second(mha_model, n_new, use_cache=True)
-print(f"decode, {n_new} new tokens with cache: MHA {mha_tps[0]:.0f} tokens/s "
-      f"(spread {mha_tps[1]:.0f}), GQA {gqa_tps[0]:.0f} tokens/s (spread {gqa_tps[1]:.0f}); "
-      f"GQA / MHA: {gqa_tps[0] / mha_tps[0]:.2f}x")
+for name, model in (("MHA", mha_model), ("GQA", gqa_model)):
+    t = measure({name: lambda: generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)},
+                min_run_time=RUN_TIME)[name]
+    throughput[name] = PROMPTS * NEW_TOKENS / t.median_ms * 1e3
+    print(f"{name}: {t}  {throughput[name]:,.0f} new tokens/s")
+print(f"GQA / MHA decoding throughput: {throughput['GQA'] / throughput['MHA']:.2f}x; "
+      f"cache {ratio:.1f}x smaller")
 
 # %%
-# The memory ratio is exact by construction. The speed ratio is a
-# measurement: GQA does less work in two places, the key/value projection
-# (``wqkv`` is ``(H + 2 Hkv) / 3H`` of its MHA size) and the cache reads of
-# every decoding step. On a GPU at large batch, decoding is bound by reading
-# the cache from memory, and the second effect dominates; in this small CPU
-# model both are modest next to the per-step overheads, so expect the
-# printed ratio to move from run to run.
-#
-# The figure shows both results: throughput against the number of generated
-# tokens, and the cache's memory during generation for both models, allocated
-# (padded and packed layouts) and used.
+# Nested tensors do not take the GQA route: SDPA on nested inputs cannot
+# share key/value heads, and ``backend_support`` says so, which is why the
+# ``sdpa_njt`` rows above are missing for GQA. The call is tried here, so that
+# the page notices when a release fixes it.
 
-import matplotlib.pyplot as plt
-
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
-for name, style in (("cache", "o-"), ("no cache", "s--")):
-    tps = [t for t, _ in throughput[name]]
-    err = [e / 2 for _, e in throughput[name]]
-    ax1.errorbar(GEN_LENGTHS, tps, yerr=err, fmt=style, capsize=3, label=f"MHA, {name}")
-ax1.plot([n_new], [gqa_tps[0]], "^", color="C2", label="GQA, cache")
-ax1.set(xlabel="generated tokens per sequence", ylabel="tokens/s (median)",
-        title=f"Greedy decoding, batch of {BATCH}, {DEVICE}")
-ax1.legend()
-
-steps = np.arange(N_NEW + 1)
-for color, (name, (padded, used, packed)) in zip(
-        ("C0", "C3"), (("MHA", mha_memory), ("GQA", gqa_memory))):
-    ax2.plot(steps, used / 1e6, "-", color=color, label=f"{name}, used")
-    ax2.axhline(padded / 1e6, color=color, ls="--", label=f"{name}, allocated (padded)")
-    ax2.axhline(packed / 1e6, color=color, ls=":", label=f"{name}, allocated (packed)")
-ax2.set(xlabel="decoding step", ylabel="KV cache (MB)", ylim=(0, None),
-        title=f"Cache memory, {ARGS.n_layers} layers, float32")
-ax2.legend(fontsize="small")
-plt.show()
+njt = lambda x: torch.nested.nested_tensor_from_jagged(x, prompt_offsets).transpose(1, 2)  # noqa: E731
+q_p = torch.randn(len(prompts), gqa_cfg.n_heads, gqa_cfg.head_dim, device=DEVICE, dtype=DTYPE)
+kv_p = torch.randn(len(prompts), gqa_cfg.n_kv_heads, gqa_cfg.head_dim, device=DEVICE, dtype=DTYPE)
+try:
+    F.scaled_dot_product_attention(njt(q_p), njt(kv_p), njt(kv_p), enable_gqa=True)
+    print("SDPA on nested tensors with enable_gqa=True: runs in this build")
+except (RuntimeError, NotImplementedError) as err:
+    print(f"SDPA on nested tensors with enable_gqa=True: {type(err).__name__}: "
+          f"{str(err).strip().splitlines()[0][:100]}")
 
 # %%
 # varlen attention
 # ----------------
-# ``torch.nn.attention.varlen.varlen_attn`` is the attention PyTorch now
-# recommends for packed ragged batches. It takes packed ``(T, H, D)``
-# queries, keys and values, the cumulative sequence lengths of queries and
-# keys (``cu_seq_q``, ``cu_seq_k``: exactly the ``offsets()`` of an NJT, as
-# ``int32``), and the longest query and key lengths. In 2.13 it has no
-# ``is_causal`` argument: causal attention is ``window_size=(-1, 0)``, and
-# ``(-1, -1)`` is full attention within each sequence. It calls the Flash
-# Attention kernel, so it needs CUDA and ``float16`` or ``bfloat16``; its keyword
-# arguments on the installed build are:
+# ``torch.nn.attention.varlen.varlen_attn`` is FlashAttention's
+# variable-length kernel: packed ``(T, H, D)`` queries, keys and values, the
+# offsets as ``int32`` ``cu_seq_q`` and ``cu_seq_k``, and the longest lengths.
+# Its keyword arguments changed between releases, so the toolkit reads them
+# from the signature: causal is ``is_causal=True`` in 2.10 and
+# ``window_size=(-1, 0)`` later; ``enable_gqa`` (without it, the toolkit
+# repeats the key/value heads) and ``seqused_k`` (without it, the toolkit
+# gathers the rows in use) arrived after 2.11. What this build has:
 
-import inspect
-
-if varlen_attn is not None:
-    print(inspect.signature(varlen_attn))
+if varlen_attn is None:
+    print("this PyTorch has no torch.nn.attention.varlen")
 else:
-    print("varlen_attn is not available in this torch build")
+    keywords = _varlen_keywords()
+    print(f"varlen_attn{inspect.signature(varlen_attn)}")
+    print("causal through: " + ("window_size=(-1, 0)" if "window_size" in keywords else "is_causal=True"))
+    print("grouped-query attention: " + ("enable_gqa=True" if "enable_gqa" in keywords
+                                         else "not supported: the toolkit repeats the key/value heads"))
+    print("keys in use per sequence: " + ("seqused_k" if "seqused_k" in keywords
+                                          else "not supported: the toolkit gathers the rows in use"))
+why = backend_support("varlen", DEVICE, DTYPE, is_causal=True, gqa=True)
+print(f"varlen_attn on this device: {why or 'runs'}; decoding here uses {DECODE_BACKEND}")
 
 # %%
-# The comparison: the same packed ``q``, ``k``, ``v`` through three paths,
-# with attention confined to each sequence (no causal mask, so SDPA on a
-# nested tensor, which is non-causal only on CPU, can take part).
-#
-# * SDPA on NJT inputs, ``(B, H, j1, D)`` after the usual transpose.
-# * FlexAttention with a *document* mask, ``doc[q] == doc[k]``.
-# * ``varlen_attn`` with ``cu_seq_q = cu_seq_k = offsets``, on CUDA.
-#
-# On CUDA the three run in ``HALF`` and are compared at half-precision
-# tolerances; on CPU they run in float32 and ``varlen_attn`` is skipped, with
-# FlexAttention standing in for it. The causal case is checked too, against
-# the per-sequence loop, for FlexAttention and ``varlen_attn``.
+# The figure: throughput with and without the cache as the output grows, and
+# the cache's memory during generation for both models.
 
-vl_lengths = zipf_lengths(rng, VARLEN_BATCH, 1, VARLEN_MAX)
-vl = ragged_from_lengths(vl_lengths)
-VL_DTYPE = HALF if HAS_VARLEN else DTYPE
-T_vl, H_vl, D_vl = int(vl.offsets[-1]), 16 if DEVICE == "cuda" else 8, 64 if DEVICE == "cuda" else 16
-torch.manual_seed(SEED)
-qv, kv_, vv = (torch.randn(T_vl, H_vl, D_vl, device=DEVICE, dtype=VL_DTYPE) for _ in range(3))
-tol = dict(rtol=2e-2, atol=2e-2) if VL_DTYPE != torch.float32 else dict(rtol=1e-5, atol=1e-5)
-print(f"{VARLEN_BATCH} sequences, {T_vl} tokens, longest {int(vl_lengths.max())}; "
-      f"{H_vl} heads of {D_vl}, {VL_DTYPE}")
+import matplotlib.pyplot as plt
 
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
+ax1.plot(GEN_LENGTHS, throughput["cache"], "o-", label="KV cache")
+ax1.plot(GEN_LENGTHS, throughput["no cache"], "s--", label="recomputed every step")
+ax1.set(xlabel="new tokens per sequence", ylabel="new tokens/s (median)", title=f"Greedy decoding, {DEVICE}")
+ax1.legend()
+steps = np.arange(NEW_TOKENS + 1)
+for color, (name, (allocated, used_bytes, exact)) in zip(("C0", "C3"), memory.items()):
+    ax2.plot(steps, used_bytes / 2**20, "-", color=color, label=f"{name}, used")
+    ax2.axhline(allocated / 2**20, color=color, ls="--", label=f"{name}, allocated")
+    ax2.axhline(exact / 2**20, color=color, ls=":", label=f"{name}, exact room")
+ax2.set(xlabel="decoding step", ylabel="KV cache (MiB)", ylim=(0, None),
+        title=f"Cache memory, {MODEL['n_layers']} layers, {str(DTYPE).removeprefix('torch.')}")
+ax2.legend(fontsize="small")
+plt.show()
 
-def sdpa_njt(q, k, v):
-    q, k, v = (as_njt(x, vl.offsets) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v)  # (B, H, j1, D)
-    return out.transpose(1, 2).values()  # (T, H, D)
-
-
-def document_block_mask(batch: Ragged, causal: bool):
-    doc = batch.doc
-
-    def document(b, h, q_idx, kv_idx):
-        same = doc[q_idx] == doc[kv_idx]
-        return same & (q_idx >= kv_idx) if causal else same
-
-    return create_block_mask(document, None, None, len(doc), len(doc), device=DEVICE)
-
-
-def flex_packed(q, k, v, block_mask):
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
-    return flex(q, k, v, block_mask=block_mask).squeeze(0).transpose(0, 1)
-
-
-doc_mask = document_block_mask(vl, causal=False)
-doc_causal_mask = document_block_mask(vl, causal=True)
-paths = {
-    "SDPA on NJT": lambda: sdpa_njt(qv, kv_, vv),
-    "FlexAttention, document mask": lambda: flex_packed(qv, kv_, vv, doc_mask),
-}
-if HAS_VARLEN:
-    cu_seq = vl.offsets.to(torch.int32)  # (B + 1,)
-    max_len = int(vl_lengths.max())
-    paths["varlen_attn"] = lambda: varlen_attn(qv, kv_, vv, cu_seq, cu_seq, max_len, max_len)
-
-with torch.no_grad():
-    outputs = {name: fn() for name, fn in paths.items()}
-    base = outputs["SDPA on NJT"]
-    for name, out in list(outputs.items())[1:]:
-        torch.testing.assert_close(out, base, **tol)
-        print(f"  {name:30s} max |difference| to SDPA on NJT: "
-              f"{(out - base).abs().max().item():.1e}")
-
-    # causal: the per-sequence loop is the reference
-    causal_ref = attend_per_sequence(vl)(0, qv, kv_, vv)
-    causal_flex = flex_packed(qv, kv_, vv, doc_causal_mask)
-    torch.testing.assert_close(causal_flex, causal_ref, **tol)
-    causal_paths = {"FlexAttention, document-causal": causal_flex}
-    if HAS_VARLEN:
-        causal_paths["varlen_attn, window_size=(-1, 0)"] = varlen_attn(
-            qv, kv_, vv, cu_seq, cu_seq, max_len, max_len, window_size=(-1, 0))
-        torch.testing.assert_close(causal_paths["varlen_attn, window_size=(-1, 0)"],
-                                   causal_ref, **tol)
-    for name, out in causal_paths.items():
-        print(f"  {name:30s} max |difference| to the causal loop: "
-              f"{(out - causal_ref).abs().max().item():.1e}")
-
-ran = "varlen_attn (CUDA)" if HAS_VARLEN else "FlexAttention in place of varlen_attn"
-print(f"path that ran for varlen attention: {ran}")
-
-# %%
-# And their speed, measured the same way. On CPU only the first two exist;
-# on CUDA all three run on the same inputs.
-
-with torch.no_grad():
-    for name, fn in paths.items():
-        med, iqr = timeit(fn)
-        print(f"  {name:30s} {med * 1e3:8.3f} ms (IQR {iqr * 1e3:.3f})")
+# sphinx_gallery_thumbnail_number = 1
 
 # %%
 # Conclusion
 # ----------
-# The three sections the building blocks tutorial left pending all work in
-# PyTorch 2.13, though not on nested tensors as planned:
+# The three sections the building-blocks tutorial left pending work today,
+# on packed values and offsets rather than nested tensors:
 #
-# * A **KV cache** for a ragged batch is easiest as a preallocated padded
-#   buffer with a length per sequence, written by advanced indexing and read
-#   with one masked SDPA call. In the one-layer timing above, the
-#   FlexAttention kernel alone can match or beat it; only once the block
-#   mask that FlexAttention has to rebuild at every step is counted is the
-#   masked call the fastest way to attend during decoding on this CPU (the
-#   ranking is printed above). It matched a full recomputation, to about
-#   ``1e-6``, at every step of every sequence. Its price is memory spent on
-#   padding, printed above; a packed cache with per-sequence capacity avoids
-#   it, and on CUDA ``varlen_attn`` is documented to read such a cache
-#   directly, with the slot starts as ``cu_seq_k`` and ``seqused_k=lengths``.
-# * **GQA** is one flag, ``enable_gqa=True``, on dense SDPA and on
-#   FlexAttention, and it divides the cache by ``H / Hkv``. It does not work
-#   on nested tensors.
-# * **Packed attention** over the whole ragged batch is FlexAttention with a
-#   document mask built from the offsets on any device, and ``varlen_attn``
-#   with the same offsets on CUDA. On a CPU with two cores, a plain loop of
-#   per-sequence SDPA calls prefilled about as fast as FlexAttention and
-#   needs no compiler: measure before choosing. The nested tensor stays a
-#   convenient container for the offsets.
+# * **A KV cache** for a ragged batch is a buffer with room per sequence and
+#   a count of the rows each sequence uses; ``ragged_attention``'s
+#   ``kv_used`` (``seqused_k`` in ``varlen_attn``) reads it without
+#   copying, and every cached step matched a full recomputation.
+# * **GQA** shrinks the cache by ``n_heads / n_kv_heads``; whether a step
+#   also reads less memory depends on the kernel, which the tables above
+#   name for this device.
+# * **FlexAttention** decodes from the same cache with a mask built once and
+#   refreshed per step, and **varlen_attn** takes the same offsets on CUDA.
 #
 # References
 # ----------
-# * Transformer building blocks tutorial:
-#   https://pytorch.org/tutorials/intermediate/transformer_building_blocks.html
 # * ``varlen_attn``: https://docs.pytorch.org/docs/stable/nn.attention.varlen.html
-# * FlexAttention blog post: https://pytorch.org/blog/flexattention/
-# * Attention Gym, document masking examples:
-#   https://github.com/pytorch-labs/attention-gym
-# * ``gpt-fast``, a simple KV-cache decoder: https://github.com/pytorch-labs/gpt-fast
-# * "GQA: Training Generalized Multi-Query Transformer Models from
-#   Multi-Head Checkpoints", 2023: https://arxiv.org/abs/2305.13245
-# * "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021: https://arxiv.org/abs/2104.09864
-
-# sphinx_gallery_thumbnail_number = 1
+# * FlexAttention for inference: https://pytorch.org/blog/flexattention-for-inference/
+# * ``gpt-fast``: https://github.com/meta-pytorch/gpt-fast
+# * Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models
+#   from Multi-Head Checkpoints", 2023: https://arxiv.org/abs/2305.13245

@@ -27,6 +27,7 @@ help:
 	@echo "make test                      run the test suite (builds the site once)"
 	@echo "make serve [PORT=8000]         serve _build/html on http://localhost:PORT"
 	@echo "make check-versions            run every page under the oldest, pinned and newest PyTorch"
+	@echo "make gpu-check                 on a CUDA machine: every page as a plain script, one line each"
 	@echo "make clean                     remove every build output"
 
 venv: $(STAMP)
@@ -80,3 +81,13 @@ html-merged:
 # writes .github/checked-versions.json, which the pages quote.
 check-versions:
 	$(PYTHON) scripts/check_versions.py
+
+# --- the GPU check -------------------------------------------------------------
+.PHONY: gpu-check
+
+# On a bare CUDA machine (PyTorch, numpy and matplotlib; no Sphinx, no
+# network): every page as a plain script at its CUDA sizes, outputs in
+# gpu-check/, one summary line per page. Uses the machine's own python, not
+# the virtual environment. Stops at once, naming CUDA, where there is none.
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -258,7 +258,8 @@ _KERNELS = {  # profiler operator -> the kernel it names
 
 
 def _kernel_label(events):
-    """The attention kernels among profiler events, with their call counts."""
+    """The attention kernels among profiler events, with their call counts
+    (empty if no attention ran)."""
     counts = {}
     for e in events:
         base = e.name.removesuffix("_backward")
@@ -272,7 +273,7 @@ def _kernel_label(events):
         counts["FlexAttention Triton kernel"] = 1
     if not counts and any(e.name.startswith("Torch-Compiled Region") for e in events):
         counts["compiled graph (inductor kernel)"] = 1
-    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items()) or "no attention op"
+    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
 
 
 def profile_call(fn):

@@ -1,0 +1,121 @@
+"""Run every tutorial as a plain script on a CUDA GPU, and summarize.
+
+For a bare GPU machine with only PyTorch, numpy and matplotlib (no Sphinx,
+no network): each page in ``tutorials/`` runs at its CUDA sizes, in reading
+order, in its own folder under ``--out`` (its printed output is kept there as
+``output.txt``, with any figure it saves). One line per page says whether it
+passed, how long it took, and the fractions of the work bound it printed;
+the exit status is 1 if any page failed, 2 if there is no CUDA GPU.
+
+    python scripts/gpu_check.py                  # every page
+    python scripts/gpu_check.py --pages gpt      # pages whose name matches
+
+``--allow-cpu`` runs the same on a machine without CUDA (for testing this
+script; the pages then pick their CPU sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "sphinxext"))
+from gallery_order import reading_order_key  # noqa: E402  (standard library only)
+
+BUDGET_S = 8 * 60  # the whole check, on one H200
+FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")
+TRAINING = re.compile(r"^training: ragged .*$", re.M)
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Whether this Python's PyTorch sees a CUDA GPU, and a line that says so."""
+    probe = ("import torch; ok = torch.cuda.is_available(); "
+             "print(ok, torch.__version__, torch.version.cuda, torch.cuda.get_device_name() if ok else '')")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, (f"gpu-check needs PyTorch with CUDA, and PyTorch does not import in {sys.executable} "
+                       f"({last}); run it with the Python that has it: make gpu-check PYTHON=...")
+    ok, version, cuda, *name = proc.stdout.split(maxsplit=3)
+    if ok != "True":
+        build = "a CPU-only build" if cuda == "None" else f"a CUDA {cuda} build"
+        return False, (f"no CUDA GPU is visible (torch.cuda.is_available() is False; PyTorch {version}, "
+                       f"{build}): gpu-check needs a machine with an NVIDIA GPU and a CUDA build of PyTorch")
+    return True, f"PyTorch {version}, CUDA {cuda}, {' '.join(name).strip()}"
+
+
+def summarize(stem: str, ok: bool, seconds: float, output: str) -> str:
+    """The one-line summary of a page: status, time, the fractions it printed."""
+    fractions = FRACTION.findall(output)
+    line = f"{'PASS' if ok else 'FAIL'} {stem:40s} {seconds:7.1f} s"
+    if fractions:
+        line += "  fractions of bound: " + ", ".join(fractions)
+    training = TRAINING.search(output)
+    if training:
+        line += f"  | {training.group(0)}"
+    if not ok:
+        last = [ln for ln in output.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        line += f"  | {last[0][:160]}"
+    return line
+
+
+def run_page(path: Path, out: Path, timeout: float, env: dict) -> tuple[bool, float, str]:
+    folder = out / path.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(path)], cwd=folder, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        ok, output = proc.returncode == 0, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        ok = False
+        output = ((err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+                  + f"\nstopped after {timeout:.0f} s (the page's time limit)")
+    seconds = time.perf_counter() - start
+    (folder / "output.txt").write_text(output, encoding="utf-8")
+    return ok, seconds, output
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="folder for the pages' outputs")
+    ap.add_argument("--pages", default="", help="run only pages whose file name matches this regex")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds one page may take")
+    ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
+    args = ap.parse_args(argv)
+
+    ok, status = cuda_status()
+    if not ok and not args.allow_cpu:
+        print(f"error: {status}", file=sys.stderr)
+        return 2
+    print(f"gpu-check: {status}")
+    pages = sorted((p for p in (ROOT / "tutorials").glob("*.py") if re.search(args.pages, p.name)),
+                   key=lambda p: reading_order_key(p.stem))
+    if not pages:
+        print(f"error: no tutorial matches {args.pages!r}", file=sys.stderr)
+        return 1
+    env = {**os.environ, "MPLBACKEND": "agg", "PYTHONUNBUFFERED": "1"}
+    results, total = [], time.perf_counter()
+    for path in pages:
+        passed, seconds, output = run_page(path, args.out, args.timeout, env)
+        line = summarize(path.stem, passed, seconds, output)
+        print(line, flush=True)
+        results.append({"page": path.stem, "passed": passed, "seconds": round(seconds, 1),
+                        "fractions": [float(f) for f in FRACTION.findall(output)], "summary": line})
+    elapsed = time.perf_counter() - total
+    print(f"gpu-check: {sum(r['passed'] for r in results)} of {len(results)} pages passed in {elapsed:.0f} s"
+          + ("" if elapsed <= BUDGET_S else f" (over the {BUDGET_S // 60}-minute budget)"))
+    (args.out / "summary.json").write_text(json.dumps({"status": status, "seconds": round(elapsed, 1),
+                                                       "pages": results}, indent=1) + "\n")
+    return 0 if all(r["passed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""The site's toolkit: one copy of each shared definition, one vocabulary,
+``ragged_attention``'s contract on bad input and empty sequences, varlen
+keyword detection, the dtype switch, and the GPU check's CPU-side parts."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from sitebuild import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check  # noqa: E402
+import sync_toolkit  # noqa: E402
+
+TUTORIALS = REPO / "tutorials"
+ORIGIN = TUTORIALS / "transformer_building_blocks.py"
+PAGES = sorted(TUTORIALS.glob("*.py"))
+
+
+# --- one copy of everything -------------------------------------------------
+
+def test_shared_definitions_are_identical_on_every_page():
+    pairs = sync_toolkit.differing(TUTORIALS)
+    assert not pairs, "copies that differ from their original (python scripts/sync_toolkit.py --write):\n" + \
+        "\n".join(f"{c.path.name}:{c.start} {c.name} vs {o.path.name}:{o.start}" for c, o in pairs)
+
+
+def test_the_check_catches_and_repairs_a_diverging_copy(tmp_path):
+    copy_dir = tmp_path / "tutorials"
+    shutil.copytree(TUTORIALS, copy_dir)
+    page = copy_dir / "packed_gpt_training.py"
+    text = page.read_text()
+    assert "def sentence_lengths(" in text
+    page.write_text(text.replace("lengths = np.minimum(lengths, max_len)", "lengths = np.minimum(lengths, max_len + 1)"))
+    pairs = sync_toolkit.differing(copy_dir)
+    assert [(c.path.name, c.name) for c, _ in pairs] == [("packed_gpt_training.py", "sentence_lengths")]
+    sync_toolkit.write(pairs)
+    assert not sync_toolkit.differing(copy_dir)
+    assert page.read_text() == text
+
+
+def _defined_names(path):
+    return {n.name for n in ast.parse(path.read_text()).body
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+# Names of helpers that the pages used to define, each under its own name, for
+# what the toolkit now does once: a page must use the toolkit's instead.
+RETIRED = {"time_it", "time_ms", "timeit", "compare", "zipf_lengths", "gen_batch", "peak_memory_mb",
+           "peak_mib", "padding_bound", "attention_flops", "valid_mask", "attend_per_sequence",
+           "ragged_from_lengths", "stop_probability", "zipf_sentence_lengths"}
+
+
+# Only these toolkit functions may call these: timing goes through
+# ``measure``, sentence lengths through ``sentence_lengths``.
+ONLY_INSIDE = {"Timer": "measure", "geometric": "sentence_lengths"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_one_vocabulary(page):
+    assert not (_defined_names(page) & RETIRED), f"{page.name} defines {_defined_names(page) & RETIRED}"
+    for node in ast.parse(page.read_text()).body:
+        scope = getattr(node, "name", None)  # the top-level function or class, if any
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            name = getattr(call.func, "attr", getattr(call.func, "id", ""))
+            if name in ONLY_INSIDE:
+                assert scope == ONLY_INSIDE[name], \
+                    f"{page.name}:{call.lineno}: calls {name} outside {ONLY_INSIDE[name]}"
+
+
+def test_every_page_uses_the_toolkit_attention():
+    for page in PAGES:
+        names = _defined_names(page)
+        if "ragged_attention" in page.read_text():
+            assert "ragged_attention" in names, f"{page.name} uses ragged_attention without its copy"
+
+
+# --- the toolkit, loaded from its original page -----------------------------
+
+@pytest.fixture(scope="module")
+def tk():
+    """The building-blocks page up to its first measurement, in quick mode."""
+    source = ORIGIN.read_text()
+    prefix = source[:source.index("# Attention alone: measure, then choose")]
+    module = types.ModuleType("building_blocks_toolkit")
+    sys.modules[module.__name__] = module  # dataclasses look their module up there
+    old = os.environ.get("TUTORIALS_QUICK")
+    os.environ["TUTORIALS_QUICK"] = "1"
+    try:
+        exec(compile(prefix, str(ORIGIN), "exec"), module.__dict__)  # noqa: S102
+    finally:
+        if old is None:
+            del os.environ["TUTORIALS_QUICK"]
+        else:
+            os.environ["TUTORIALS_QUICK"] = old
+    return module
+
+
+def _batch(tk, q_lengths, kv_lengths=None, heads=4, kv_heads=4, dtype=torch.float32, seed=0):
+    kv_lengths = q_lengths if kv_lengths is None else kv_lengths
+    g = torch.Generator().manual_seed(seed)
+    qo, ko = tk.offsets_from_lengths(q_lengths), tk.offsets_from_lengths(kv_lengths)
+    q = torch.randn(int(qo[-1]), heads, 8, generator=g).to(dtype)
+    k = torch.randn(int(ko[-1]), kv_heads, 8, generator=g).to(dtype)
+    v = torch.randn(int(ko[-1]), kv_heads, 8, generator=g).to(dtype)
+    return q, k, v, qo, ko
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([1, 3, 7], "must start at 0, got 1"),
+    ([0, 5, 3, 7], "must not decrease: q_offsets[1] = 5 > q_offsets[2] = 3"),
+    ([0, 3, 6], "must end at the token count, 7, got 6"),
+])
+def test_bad_offsets_are_refused_naming_the_problem(tk, offsets, message):
+    q, k, v, _, ko = _batch(tk, [3, 4])
+    with pytest.raises(ValueError, match="q_offsets " + message.replace("[", r"\[").replace("]", r"\]")):
+        tk.ragged_attention(q, k, v, torch.tensor(offsets), ko)
+
+
+def test_different_batch_sizes_and_bad_kv_used_are_refused(tk):
+    q, k, v, qo, ko = _batch(tk, [3, 4])
+    with pytest.raises(ValueError, match="different batch sizes: 2 and 1"):
+        tk.ragged_attention(q, k, v, qo, torch.tensor([0, 7]))
+    with pytest.raises(ValueError, match="kv_used must hold one count per sequence"):
+        tk.ragged_attention(q, k, v, qo, ko, kv_used=torch.tensor([3, 5]))
+    with pytest.raises(ValueError, match="H a multiple of H_kv"):
+        tk.ragged_attention(q, k[:, :3], v[:, :3], qo, ko)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        tk.ragged_attention(q, k, v, qo, ko, backend="fast")
+
+
+CPU_BACKENDS = ("sdpa_njt", "flex", "loop", "bucketed", "padded")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_empty_sequences_on_every_backend(tk, backend, causal):
+    lengths = [0, 4, 3, 0, 5]
+    kv_lengths = lengths if causal else [2, 4, 0, 0, 6]  # a query sequence with no keys, too
+    q, k, v, qo, ko = _batch(tk, lengths, kv_lengths)
+    needs_grad = backend in ("loop", "bucketed", "padded") or (backend == "sdpa_njt" and not causal)
+    why = tk.backend_support(backend, "cpu", torch.float32, is_causal=causal, needs_grad=needs_grad)
+    if why:
+        pytest.skip(why)
+    for t in (q, k, v):
+        t.requires_grad_(needs_grad)
+    with torch.set_grad_enabled(needs_grad):
+        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=causal, backend=backend)
+    reference = tk.reference_attention(q, k, v, qo, ko, is_causal=causal)
+    assert out.shape == q.shape and out.isfinite().all()
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-4)
+    if not causal:  # the third sequence has queries (rows 4-6) and no keys: zeros
+        assert (out[4:7] == 0).all()
+    if needs_grad:
+        out.sum().backward()
+        assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ("flex", "loop", "bucketed", "padded"))
+def test_decoding_against_a_cache_with_gqa(tk, backend):
+    # one query per sequence, keys in rows of 8 with 3, 8 and 1 in use, 8 heads over 2
+    q, k, v, qo, ko = _batch(tk, [1, 1, 1], [8, 8, 8], heads=8, kv_heads=2)
+    used = torch.tensor([3, 8, 1])
+    with torch.no_grad():
+        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=True, kv_used=used, backend=backend)
+    torch.testing.assert_close(out, tk.reference_attention(q, k, v, qo, ko, kv_used=used), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ("flex", "loop", "bucketed", "padded"))
+def test_low_precision_matches_the_float32_reference(tk, backend):
+    q, k, v, qo, ko = _batch(tk, [5, 1, 9, 3], heads=8, kv_heads=2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=True, backend=backend)
+    assert out.dtype == torch.bfloat16
+    reference = tk.reference_attention(q, k, v, qo, ko, is_causal=True)
+    torch.testing.assert_close(out.float(), reference, **tk.tolerances(torch.bfloat16))
+    # the tolerance is tight enough to catch a wrong mask
+    wrong = tk.reference_attention(q, k, v, qo, ko, is_causal=False)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(out.float(), wrong, **tk.tolerances(torch.bfloat16))
+
+
+# --- varlen_attn across releases ---------------------------------------------
+
+def _fake_varlen(signature_source):
+    """A stand-in for ``varlen_attn`` with a given release's signature, which
+    records the arguments it gets."""
+    namespace = {}
+    exec(signature_source, namespace)  # noqa: S102
+    calls = []
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kw):
+        calls.append({"key_heads": key.shape[1], "cu": (cu_seq_q.dtype, cu_seq_k.tolist()),
+                      "max": (max_q, max_k), **kw})
+        return torch.zeros_like(query)
+
+    varlen_attn.__signature__ = inspect.signature(namespace["varlen_attn"])
+    return varlen_attn, calls
+
+
+RELEASES = {
+    "2.10": "def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, "
+            "return_aux=None, is_causal=False, scale=None): pass",
+    "2.11": "def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, "
+            "return_aux=None, scale=None, window_size=(-1, -1)): pass",
+    "2.15": "def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, "
+            "scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, "
+            "num_splits=None): pass",
+}
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_varlen_arguments_follow_the_installed_signature(tk, release, monkeypatch):
+    fake, calls = _fake_varlen(RELEASES[release])
+    monkeypatch.setattr(tk, "varlen_attn", fake)
+    monkeypatch.setattr(tk, "backend_support", lambda *a, **kw: None)  # as if on a GPU
+    # decoding: one query per sequence, 8 query heads over 2 key/value heads,
+    # rows of 8 keys of which 3 and 8 are in use
+    q, k, v, qo, ko = _batch(tk, [1, 1], [8, 8], heads=8, kv_heads=2, dtype=torch.bfloat16)
+    tk.ragged_attention(q, k, v, qo, ko, is_causal=True, kv_used=torch.tensor([3, 8]), backend="varlen")
+    call = calls[-1]
+    if release == "2.10":
+        assert call["is_causal"] is True and "window_size" not in call
+    else:
+        assert call["window_size"] == (-1, 0) and "is_causal" not in call
+    if release == "2.15":  # reads the cache in place and shares the key/value heads
+        assert call["cu"] == (torch.int32, [0, 8, 16]) and call["seqused_k"].tolist() == [3, 8]
+        assert call["enable_gqa"] is True and call["key_heads"] == 2
+    else:  # no seqused_k: only the rows in use are passed; no enable_gqa: heads repeated
+        assert call["cu"] == (torch.int32, [0, 3, 11]) and "seqused_k" not in call
+        assert "enable_gqa" not in call and call["key_heads"] == 8
+    assert call["max"] == (1, 8)
+
+
+def test_backend_support_names_what_is_missing(tk):
+    assert "needs CUDA" in tk.backend_support("varlen", "cpu", torch.bfloat16)
+    assert "no backward on CPU" in tk.backend_support("flex", "cpu", torch.float32, needs_grad=True)
+    assert "refuses is_causal" in tk.backend_support("sdpa_njt", "cpu", torch.float32, is_causal=True)
+    assert "enable_gqa" in tk.backend_support("sdpa_njt", "cpu", torch.float32, gqa=True)
+    assert tk.backend_support("loop", "cpu", torch.bfloat16, is_causal=True, needs_grad=True, gqa=True) is None
+
+
+def test_default_dtype_reads_the_environment(tk, monkeypatch):
+    monkeypatch.delenv("TUTORIALS_DTYPE", raising=False)
+    assert tk.default_dtype("cpu") == torch.float32
+    monkeypatch.setenv("TUTORIALS_DTYPE", "bfloat16")
+    assert tk.default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setenv("TUTORIALS_DTYPE", "bf16")
+    with pytest.raises(ValueError, match="TUTORIALS_DTYPE must be float32, bfloat16 or float16, got 'bf16'"):
+        tk.default_dtype("cpu")
+
+
+def test_the_kernel_that_ran_is_read_from_the_profiler(tk):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 4, 16, 8)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert tk.profile_call(lambda: sdpa(q, q, q, is_causal=True))[1] == "CPU flash"
+
+    def forced_math():
+        with sdpa_kernel(SDPBackend.MATH):
+            sdpa(q, q, q, is_causal=True)
+
+    assert tk.profile_call(forced_math)[1] == "math"
+    assert tk.profile_call(lambda: q + 1)[1] == ""
+
+
+def test_the_work_bound_counts_what_each_side_computes(tk):
+    lengths = torch.tensor([1, 3])  # padded to 3: 6 slots for 4 tokens
+    assert tk.work_bound(lengths, per_token=1.0, per_pair=0.0) == pytest.approx(6 / 4)
+    # causal on both sides: pairs 2 * 6 = 12 against 1 + 6 = 7
+    assert tk.work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True) == pytest.approx(12 / 7)
+    # a merged mask computes the whole square: 2 * 9 = 18 against 7
+    assert tk.work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True,
+                         padded_causal=False) == pytest.approx(18 / 7)
+
+
+# --- the GPU check, on a machine without one ---------------------------------
+
+def test_gpu_check_stops_at_once_naming_cuda():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py")], capture_output=True,
+                          text=True, timeout=120)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "CUDA" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
+
+
+def test_gpu_check_summary_lines():
+    output = ("forward: speedup 4.48x, work bound 5.19x, fraction of bound 0.86\n"
+              "training: ragged 10240 tokens/s, padded 3094 tokens/s, speedup 3.31x, work bound 3.91x, "
+              "fraction 0.85\n")
+    line = gpu_check.summarize("packed_gpt_training", True, 52.34, output)
+    assert line.startswith("PASS packed_gpt_training")
+    assert "52.3 s" in line and "fractions of bound: 0.86, 0.85" in line
+    assert "| training: ragged 10240 tokens/s" in line
+    failed = gpu_check.summarize("page", False, 1.0, "some output\nRuntimeError: boom\n")
+    assert failed.startswith("FAIL page") and failed.endswith("| RuntimeError: boom")
+
+
+def test_gpu_check_runs_a_page_and_keeps_its_output(tmp_path):
+    env = {**os.environ, "TUTORIALS_QUICK": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--allow-cpu",
+                           "--pages", "intro", "--out", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert any(line.startswith("PASS ragged_batches_intro") for line in proc.stdout.splitlines())
+    assert "fractions of bound:" in proc.stdout
+    assert "nn.Linear" in (tmp_path / "ragged_batches_intro" / "output.txt").read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [p["page"] for p in summary["pages"]] == ["ragged_batches_intro"] and summary["pages"][0]["passed"]

@@ -320,3 +320,17 @@ def test_gpu_check_runs_a_page_and_keeps_its_output(tmp_path):
     assert "nn.Linear" in (tmp_path / "ragged_batches_intro" / "output.txt").read_text()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [p["page"] for p in summary["pages"]] == ["ragged_batches_intro"] and summary["pages"][0]["passed"]
+
+
+# --- every page in low precision, on CPU --------------------------------------
+
+@pytest.mark.lowprecision
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_page_runs_in_bfloat16(page, tmp_path):
+    """The CUDA configuration's dtype on a CPU: every tolerance and every
+    low-precision path of the page runs, at the quick sizes."""
+    env = {**os.environ, "TUTORIALS_QUICK": "1", "TUTORIALS_DTYPE": "bfloat16", "MPLBACKEND": "agg"}
+    proc = subprocess.run([sys.executable, str(page)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"{page.name} failed in bfloat16:\n{proc.stderr[-4000:]}"
+    assert "dtype: torch.bfloat16" in proc.stdout, "the page did not pick up TUTORIALS_DTYPE"

@@ -103,8 +103,8 @@ for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
 # Sizes
 # ~~~~~
 # Every size is set here. On CPU the model is small (width 256, two layers)
-# so that both trainers run in about a minute on two cores; on CUDA it is a
-# few times wider and deeper and trains in ``bfloat16`` autocast. Documents
+# so that the whole page builds in a few minutes on two cores; on CUDA it is
+# four times wider and deeper and trains in ``bfloat16`` autocast. Documents
 # are drawn from the site's length generator, uncapped but for the model's
 # context length, which a real trainer would cap at too.
 
@@ -653,10 +653,12 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     gqa = q.shape[1] != k.shape[1]
     kw = dict(is_causal=is_causal, kv_used=kv_used)
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
-    reference = reference_attention(q, k, v, q_offsets, kv_offsets, **kw)
+    # the reference, and its gradients, in float32 from float32 copies
+    q32, k32, v32 = (t.detach().float().requires_grad_(backward) for t in (q, k, v))
+    reference = reference_attention(q32, k32, v32, q_offsets, kv_offsets, **kw)
     grad_out = torch.randn_like(reference) if backward else None
     if backward:
-        ref_grads = torch.autograd.grad(reference, (q, k, v), grad_out)
+        ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out)
     results, fns = {}, {}
     for name in backends:
         why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
@@ -840,8 +842,8 @@ class KVCache:
     def write_rows(self, layer, k, v, rows):
         """Packed new keys (T, H_kv, D) into their rows; returns all rows."""
         k_all, v_all = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
-        k_all.index_copy_(0, rows, k)
-        v_all.index_copy_(0, rows, v)
+        k_all.index_copy_(0, rows, k.to(k_all.dtype))  # autocast may hand us float32
+        v_all.index_copy_(0, rows, v.to(v_all.dtype))
         return k_all, v_all
 
     def write_columns(self, layer, k, v, start):
@@ -1319,10 +1321,11 @@ for side, fn in (("padded", lambda: generate_padded(model, prompts, prompt_offse
 # matches step for step. What changes is the work. The training line above
 # compares real tokens per second on this device, beside the work bound of
 # the run and the fraction of it the packed trainer reached; the peak-memory
-# lines show the activations that padding would have held. Generation shows
-# the same pattern in the prefill, where padding costs the most, and a
-# smaller one in the decoding steps, where every sequence adds one token
-# either way.
+# lines show the activations that padding would have held. In generation,
+# the work padding adds is in the prefill and in the padding keys that every
+# decoding step scores, while each step runs one token per sequence on both
+# sides; the generation line says how much of that this device turned into
+# speed.
 #
 # In a real trainer the packed batch is what Hugging Face's
 # ``DataCollatorWithFlattening`` produces (``position_ids`` restarting at 0;

@@ -357,8 +357,9 @@ for name, t in times.items():
 print(speedup_line("nn.Linear", times["padded"], times["packed"], slots / real_tokens))
 
 # %%
-# The speedup tracks the bound because a linear layer's work is proportional
-# to the number of token slots it sees. Attention is worse: its cost grows
+# A linear layer's work is proportional to the number of token slots it
+# sees, so the bound is what skipping padding can buy it, and the fraction
+# says how much of that this device delivered. Attention is worse: its cost grows
 # with the square of the padded length, and a padded batch also needs a mask
 # to keep real tokens from attending to padding. The next pages build whole
 # transformer layers and models that never see a pad token.

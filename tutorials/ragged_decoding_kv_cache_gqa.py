@@ -643,10 +643,12 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     gqa = q.shape[1] != k.shape[1]
     kw = dict(is_causal=is_causal, kv_used=kv_used)
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
-    reference = reference_attention(q, k, v, q_offsets, kv_offsets, **kw)
+    # the reference, and its gradients, in float32 from float32 copies
+    q32, k32, v32 = (t.detach().float().requires_grad_(backward) for t in (q, k, v))
+    reference = reference_attention(q32, k32, v32, q_offsets, kv_offsets, **kw)
     grad_out = torch.randn_like(reference) if backward else None
     if backward:
-        ref_grads = torch.autograd.grad(reference, (q, k, v), grad_out)
+        ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out)
     results, fns = {}, {}
     for name in backends:
         why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
@@ -727,8 +729,8 @@ class KVCache:
     def write_rows(self, layer, k, v, rows):
         """Packed new keys (T, H_kv, D) into their rows; returns all rows."""
         k_all, v_all = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
-        k_all.index_copy_(0, rows, k)
-        v_all.index_copy_(0, rows, v)
+        k_all.index_copy_(0, rows, k.to(k_all.dtype))  # autocast may hand us float32
+        v_all.index_copy_(0, rows, v.to(v_all.dtype))
         return k_all, v_all
 
     def write_columns(self, layer, k, v, start):
@@ -998,11 +1000,13 @@ for n_new in GEN_LENGTHS:
                                                     work_recomputed / work_cached))
 
 # %%
-# The cache wins by more as the output grows, but less than the work bound
-# says: each cached step runs only one token per sequence through the model,
-# small matrix multiplies and one attention call per sequence and layer, so
-# fixed costs per call weigh more than in the recomputation's big calls.
-# The operators that took most of the cached generation's time:
+# The work bound grows with the output, since the recomputation redoes the
+# whole history at every step. The fraction says how much of it this device
+# turned into speed: each cached step runs only one token per sequence
+# through the model, small matrix multiplies and one attention call per
+# sequence and layer, so fixed costs per call weigh more than in the
+# recomputation's big calls. The operators that took most of the cached
+# generation's time:
 
 print(where_time_goes(lambda: generate_packed(gqa_model, prompts, prompt_offsets, NEW_TOKENS, "loop")))
 
@@ -1066,8 +1070,8 @@ print(f"decoding backend on {DEVICE}: {DECODE_BACKEND}")
 # -----------------------------------------
 # The ``flex`` backend builds a ``BlockMask`` for each batch it sees, and
 # while decoding the lengths change at every step. ``create_block_mask``
-# evaluates the mask over the whole grid, which at every step costs more
-# than the attention itself. FlexAttention's inference examples build the
+# evaluates the mask over the whole grid, a cost added to every step's
+# attention. FlexAttention's inference examples build the
 # mask once, for the cache's capacity, and then only refresh it. Here the
 # mask function reads the current lengths from a tensor the loop updates in
 # place, every listed block is *partial* (so the mask function runs inside

@@ -651,10 +651,12 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     gqa = q.shape[1] != k.shape[1]
     kw = dict(is_causal=is_causal, kv_used=kv_used)
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
-    reference = reference_attention(q, k, v, q_offsets, kv_offsets, **kw)
+    # the reference, and its gradients, in float32 from float32 copies
+    q32, k32, v32 = (t.detach().float().requires_grad_(backward) for t in (q, k, v))
+    reference = reference_attention(q32, k32, v32, q_offsets, kv_offsets, **kw)
     grad_out = torch.randn_like(reference) if backward else None
     if backward:
-        ref_grads = torch.autograd.grad(reference, (q, k, v), grad_out)
+        ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out)
     results, fns = {}, {}
     for name in backends:
         why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)

@@ -3,8 +3,8 @@ A packed GPT, trained and served without padding
 ================================================
 
 Pretrain a small modern decoder-only model on packed documents, the way
-Hugging Face's ``DataCollatorWithFlattening``, torchtune's packing and
-torchtitan's varlen attention do, against the best padded trainer a reader
+``DataCollatorWithFlattening`` of Hugging Face and the packing of ``torchtune``
+and ``torchtitan`` do, against the best padded trainer a reader
 would write: same weights, same documents, same optimizer. Then generate from
 it with a KV cache that keeps each sequence's own length.
 
@@ -173,7 +173,7 @@ def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
 
 def offsets_from_lengths(lengths, device=None):
     """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
-    tensor, then where the last one ends (FlashAttention's ``cu_seqlens``)."""
+    tensor, then where the last one ends (``cu_seqlens`` in FlashAttention)."""
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
     return F.pad(lengths.cumsum(0), (1, 0))
 
@@ -209,7 +209,7 @@ def from_padded(padded, offsets):
 
 
 def _varlen_keywords():
-    # varlen_attn's keyword arguments differ between releases: read them
+    # the keyword arguments of varlen_attn differ between releases: read them
     return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 
@@ -230,7 +230,7 @@ def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, g
     if name == "sdpa_njt" and gqa:
         return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
     if name == "sdpa_njt" and is_causal and not cuda:
-        return "on CPU only SDPA's math path takes nested tensors, and it refuses is_causal"
+        return "on CPU only the math path of SDPA takes nested tensors, and it refuses is_causal"
     if name == "flex" and needs_grad and not cuda:
         return "FlexAttention has no backward on CPU"
     return None
@@ -246,7 +246,7 @@ def default_backend(device, dtype):
 
 
 def check_offsets(offsets, total, name="offsets"):
-    """Raise ValueError, naming the problem, unless ``offsets`` describe a packed
+    """Raise ``ValueError``, naming the problem, unless ``offsets`` describe a packed
     tensor of ``total`` tokens."""
     if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
@@ -426,7 +426,7 @@ def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
 
 
 def _varlen(q, k, v, info, is_causal, scale, kv_used):
-    """``varlen_attn``: FlashAttention's variable-length kernel on the packed batch."""
+    """``varlen_attn``: the variable-length kernel of FlashAttention, on the packed batch."""
     keywords = _varlen_keywords()
     kw = {"scale": scale}
     if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
@@ -502,8 +502,8 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
 
 def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
                         scale=None):
-    """The same attention in float32, sequence by sequence, on SDPA's math
-    backend, with key/value heads repeated and the causal mask built
+    """The same attention in float32, sequence by sequence, on the math backend
+    of SDPA, with key/value heads repeated and the causal mask built
     explicitly: a reference that shares no kernel with the backends."""
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
@@ -567,7 +567,7 @@ def _kernel_label(events):
 def profile_call(fn):
     """Run ``fn`` once under the profiler: the memory it needed beyond what was
     allocated before, in MiB, and the attention kernels that ran."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the log lines of the profiler quiet
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()  # free what earlier calls left behind before counting
@@ -1089,7 +1089,7 @@ print("compile: " + ", ".join(f"{side} {'yes' if c else 'no'}" for side, c in CO
 # same order, with the same optimizer (AdamW) and learning-rate schedule
 # (linear warm-up, cosine decay). They take turns, one step each, so that
 # whatever else the machine does slows both alike. Each step is timed from
-# the batch on the device to the optimizer's update, with the device
+# the batch on the device to the update of the optimizer, with the device
 # synchronized; throughput counts *real* tokens (the padded trainer gets no
 # credit for padding) over the steps after the first ``WARMUP_STEPS``.
 
@@ -1289,7 +1289,7 @@ times = measure({"padded": lambda: generate_padded(model, prompts, prompt_offset
 new = PROMPTS * NEW_TOKENS
 for side, t in times.items():
     print(f"generation, {side}: {t}  {new / t.median_ms * 1e3:,.0f} new tokens/s")
-# the work: the prefill's tokens and pairs, then one token per sequence per
+# the work: the tokens and pairs of the prefill, then one token per sequence per
 # step, scoring every key in use (padding keys too, on the padded side)
 steps = torch.arange(NEW_TOKENS - 1)
 work_packed = (per_token * (float(prompt_lengths.sum()) + PROMPTS * (NEW_TOKENS - 1))

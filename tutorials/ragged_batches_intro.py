@@ -154,7 +154,7 @@ fig.tight_layout()
 
 def offsets_from_lengths(lengths, device=None):
     """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
-    tensor, then where the last one ends (FlashAttention's ``cu_seqlens``)."""
+    tensor, then where the last one ends (``cu_seqlens`` in FlashAttention)."""
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
     return F.pad(lengths.cumsum(0), (1, 0))
 
@@ -279,7 +279,7 @@ def _kernel_label(events):
 def profile_call(fn):
     """Run ``fn`` once under the profiler: the memory it needed beyond what was
     allocated before, in MiB, and the attention kernels that ran."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the log lines of the profiler quiet
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()  # free what earlier calls left behind before counting

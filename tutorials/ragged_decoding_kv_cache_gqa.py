@@ -38,7 +38,7 @@ key/value caching on nested tensors, grouped-query attention (GQA) on nested
 tensors and FlexAttention on nested tensors. Since then PyTorch has pointed
 ragged attention at packed sequences instead: all tokens end to end, with
 offsets saying where each sequence starts, which is the toolkit of this
-site. This page writes the three sections on it, with the packed GPT's model.
+site. This page writes the three sections on it, with the model of the packed GPT page.
 """
 
 # sphinx_gallery_tags = ["KV cache", "GQA", "varlen attention", "FlexAttention", "decoding"]
@@ -171,7 +171,7 @@ def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
 
 def offsets_from_lengths(lengths, device=None):
     """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
-    tensor, then where the last one ends (FlashAttention's ``cu_seqlens``)."""
+    tensor, then where the last one ends (``cu_seqlens`` in FlashAttention)."""
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
     return F.pad(lengths.cumsum(0), (1, 0))
 
@@ -199,7 +199,7 @@ def from_padded(padded, offsets):
 
 
 def _varlen_keywords():
-    # varlen_attn's keyword arguments differ between releases: read them
+    # the keyword arguments of varlen_attn differ between releases: read them
     return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 
@@ -220,7 +220,7 @@ def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, g
     if name == "sdpa_njt" and gqa:
         return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
     if name == "sdpa_njt" and is_causal and not cuda:
-        return "on CPU only SDPA's math path takes nested tensors, and it refuses is_causal"
+        return "on CPU only the math path of SDPA takes nested tensors, and it refuses is_causal"
     if name == "flex" and needs_grad and not cuda:
         return "FlexAttention has no backward on CPU"
     return None
@@ -236,7 +236,7 @@ def default_backend(device, dtype):
 
 
 def check_offsets(offsets, total, name="offsets"):
-    """Raise ValueError, naming the problem, unless ``offsets`` describe a packed
+    """Raise ``ValueError``, naming the problem, unless ``offsets`` describe a packed
     tensor of ``total`` tokens."""
     if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
@@ -416,7 +416,7 @@ def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
 
 
 def _varlen(q, k, v, info, is_causal, scale, kv_used):
-    """``varlen_attn``: FlashAttention's variable-length kernel on the packed batch."""
+    """``varlen_attn``: the variable-length kernel of FlashAttention, on the packed batch."""
     keywords = _varlen_keywords()
     kw = {"scale": scale}
     if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
@@ -492,8 +492,8 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
 
 def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
                         scale=None):
-    """The same attention in float32, sequence by sequence, on SDPA's math
-    backend, with key/value heads repeated and the causal mask built
+    """The same attention in float32, sequence by sequence, on the math backend
+    of SDPA, with key/value heads repeated and the causal mask built
     explicitly: a reference that shares no kernel with the backends."""
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
@@ -557,7 +557,7 @@ def _kernel_label(events):
 def profile_call(fn):
     """Run ``fn`` once under the profiler: the memory it needed beyond what was
     allocated before, in MiB, and the attention kernels that ran."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the log lines of the profiler quiet
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()  # free what earlier calls left behind before counting
@@ -1005,7 +1005,7 @@ for n_new in GEN_LENGTHS:
 # turned into speed: each cached step runs only one token per sequence
 # through the model, small matrix multiplies and one attention call per
 # sequence and layer, so fixed costs per call weigh more than in the
-# recomputation's big calls. The operators that took most of the cached
+# big calls of the recomputation. The operators that took most of the cached
 # generation's time:
 
 print(where_time_goes(lambda: generate_packed(gqa_model, prompts, prompt_offsets, NEW_TOKENS, "loop")))
@@ -1071,7 +1071,7 @@ print(f"decoding backend on {DEVICE}: {DECODE_BACKEND}")
 # The ``flex`` backend builds a ``BlockMask`` for each batch it sees, and
 # while decoding the lengths change at every step. ``create_block_mask``
 # evaluates the mask over the whole grid, a cost added to every step's
-# attention. FlexAttention's inference examples build the
+# attention. The inference examples of FlexAttention build the
 # mask once, for the cache's capacity, and then only refresh it. Here the
 # mask function reads the current lengths from a tensor the loop updates in
 # place, every listed block is *partial* (so the mask function runs inside
@@ -1129,7 +1129,7 @@ print(f"building the mask once saves {flex_times['mask rebuilt every step'].medi
 # %%
 # Grouped-query attention, end to end
 # -----------------------------------
-# GQA's promise is a smaller cache, which is what bounds batch size and
+# The promise of GQA is a smaller cache, which is what bounds batch size and
 # context length in serving, and less memory to read at every step. Both
 # models generate with the decoding backend chosen above; the kernels that
 # ran are printed beside each time.
@@ -1161,8 +1161,8 @@ except (RuntimeError, NotImplementedError) as err:
 # %%
 # varlen attention
 # ----------------
-# ``torch.nn.attention.varlen.varlen_attn`` is FlashAttention's
-# variable-length kernel: packed ``(T, H, D)`` queries, keys and values, the
+# ``torch.nn.attention.varlen.varlen_attn`` is the variable-length kernel of
+# FlashAttention: packed ``(T, H, D)`` queries, keys and values, the
 # offsets as ``int32`` ``cu_seq_q`` and ``cu_seq_k``, and the longest lengths.
 # Its keyword arguments changed between releases, so the toolkit reads them
 # from the signature: causal is ``is_causal=True`` in 2.10 and

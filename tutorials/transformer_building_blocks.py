@@ -130,7 +130,7 @@ print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick mod
 
 # sphinx_gallery_start_ignore
 # Messages PyTorch prints that say nothing about the code on this page:
-# nested tensors' prototype notice, the inductor's note about caching nested
+# the prototype notice of nested tensors, the note of the inductor about caching nested
 # graphs, and a torch.fx deprecation note that building a block mask triggers.
 import logging
 import warnings
@@ -248,7 +248,7 @@ assert cdf_gap < critical, "the geometric shortcut does not match the word-by-wo
 
 def offsets_from_lengths(lengths, device=None):
     """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
-    tensor, then where the last one ends (FlashAttention's ``cu_seqlens``)."""
+    tensor, then where the last one ends (``cu_seqlens`` in FlashAttention)."""
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
     return F.pad(lengths.cumsum(0), (1, 0))
 
@@ -324,7 +324,7 @@ print(f"5 sequences, lengths {offsets.diff().tolist()}: values {tuple(values.sha
 #
 # Six backends compute it:
 #
-# * ``varlen``: ``varlen_attn``, FlashAttention's variable-length kernel.
+# * ``varlen``: ``varlen_attn``, the variable-length kernel of FlashAttention.
 #   CUDA only, ``float16`` or ``bfloat16``. Its keyword arguments changed
 #   between releases (``is_causal`` in 2.10, ``window_size`` later, then
 #   ``enable_gqa`` and ``seqused_k``), so the code reads its signature.
@@ -361,7 +361,7 @@ BACKENDS = ("varlen", "sdpa_njt", "flex", "loop", "bucketed", "padded")
 
 
 def _varlen_keywords():
-    # varlen_attn's keyword arguments differ between releases: read them
+    # the keyword arguments of varlen_attn differ between releases: read them
     return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 
@@ -382,7 +382,7 @@ def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, g
     if name == "sdpa_njt" and gqa:
         return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
     if name == "sdpa_njt" and is_causal and not cuda:
-        return "on CPU only SDPA's math path takes nested tensors, and it refuses is_causal"
+        return "on CPU only the math path of SDPA takes nested tensors, and it refuses is_causal"
     if name == "flex" and needs_grad and not cuda:
         return "FlexAttention has no backward on CPU"
     return None
@@ -398,7 +398,7 @@ def default_backend(device, dtype):
 
 
 def check_offsets(offsets, total, name="offsets"):
-    """Raise ValueError, naming the problem, unless ``offsets`` describe a packed
+    """Raise ``ValueError``, naming the problem, unless ``offsets`` describe a packed
     tensor of ``total`` tokens."""
     if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
@@ -578,7 +578,7 @@ def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
 
 
 def _varlen(q, k, v, info, is_causal, scale, kv_used):
-    """``varlen_attn``: FlashAttention's variable-length kernel on the packed batch."""
+    """``varlen_attn``: the variable-length kernel of FlashAttention, on the packed batch."""
     keywords = _varlen_keywords()
     kw = {"scale": scale}
     if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
@@ -654,8 +654,8 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
 
 def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
                         scale=None):
-    """The same attention in float32, sequence by sequence, on SDPA's math
-    backend, with key/value heads repeated and the causal mask built
+    """The same attention in float32, sequence by sequence, on the math backend
+    of SDPA, with key/value heads repeated and the causal mask built
     explicitly: a reference that shares no kernel with the backends."""
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
@@ -727,7 +727,7 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 #
 # * **peak memory**, in MiB, beyond what was allocated before the call: on
 #   CUDA ``torch.cuda.max_memory_allocated``; on CPU, which keeps no such
-#   counter, the running sum of the profiler's allocation and free events;
+#   counter, the running sum of the allocation and free events the profiler records;
 # * **the attention kernel that ran**, read from the operator names the
 #   profiler recorded (the CPU flash kernel, FlashAttention, the
 #   memory-efficient or cuDNN kernel, the math path, a compiled graph), with
@@ -778,7 +778,7 @@ def _kernel_label(events):
 def profile_call(fn):
     """Run ``fn`` once under the profiler: the memory it needed beyond what was
     allocated before, in MiB, and the attention kernels that ran."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the log lines of the profiler quiet
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()  # free what earlier calls left behind before counting

@@ -606,6 +606,24 @@ def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
     return out
 
 
+def where_time_goes(fn, top=6):
+    """Profile one call of ``fn``: the operators that took most of its time."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    rows = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in rows) or 1
+    rows = sorted(rows, key=own, reverse=True)[:top]
+    return "\n".join(f"  {e.key[:52]:52s} {own(e) / 1e3:8.2f} ms {100 * own(e) / total:5.1f}%  "
+                     f"x{e.count}" for e in rows)
+
+
 def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
                      backward=False, backends=BACKENDS, min_run_time=0.5):
     """Check and time one attention job on each backend. Returns name -> Timing,
@@ -654,6 +672,36 @@ def fastest(results):
     return min(timed, key=lambda n: timed[n].median_ms)
 
 
+def pairs_scored(q_lengths, kv_lengths, causal):
+    """Query-key pairs a kernel scores: the causal half, L(L+1)/2 per sequence,
+    when it skips the masked half, else every pair."""
+    q, kv = torch.as_tensor(q_lengths).double(), torch.as_tensor(kv_lengths).double()
+    return float((q * (q + 1) / 2 if causal else q * kv).sum())
+
+
+def work_bound(q_lengths, kv_lengths=None, *, per_token, per_pair, per_kv_token=0.0,
+               causal=False, padded_causal=None):
+    """The work of the padded batch over the work of the ragged batch.
+    ``padded_causal``: whether the padded side skips the masked half of the
+    scores (a causal kernel) or computes the whole square (a merged mask)."""
+    q = torch.as_tensor(q_lengths)
+    kv = q if kv_lengths is None else torch.as_tensor(kv_lengths)
+    padded_causal = causal if padded_causal is None else padded_causal
+
+    def work(ql, kvl, c):
+        return (per_token * float(ql.sum()) + per_kv_token * float(kvl.sum())
+                + per_pair * pairs_scored(ql, kvl, c))
+
+    full_q, full_kv = torch.full_like(q, int(q.max())), torch.full_like(kv, int(kv.max()))
+    return work(full_q, full_kv, padded_causal) / work(q, kv, causal)
+
+
+def speedup_line(label, padded, ragged, bound):
+    """The speedup of ``ragged`` over ``padded``, beside the work bound."""
+    s = padded.median_ms / ragged.median_ms
+    return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
+
+
 # %%
 # The jobs
 # --------
@@ -696,11 +744,71 @@ table["inference"] = compare_backends(q, k, v, offsets, is_causal=True, min_run_
 print("training (causal, forward and backward):")
 table["training"] = compare_backends(q, k, v, offsets, is_causal=True, backward=True, min_run_time=RUN_TIME)
 print("decoding (one query per sequence against its cache):")
-table["decoding"] = compare_backends(randn(BATCH, HEADS, HEAD_DIM), k_cache, v_cache, one_each, cache_offsets,
+q_one = randn(BATCH, HEADS, HEAD_DIM)  # one new query per sequence
+table["decoding"] = compare_backends(q_one, k_cache, v_cache, one_each, cache_offsets,
                                      kv_used=lengths.to(DEVICE), min_run_time=RUN_TIME)
 print(f"GQA ({HEADS} query heads, {KV_HEADS} key/value heads, causal, forward):")
 table["GQA"] = compare_backends(q, k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous(), offsets,
                                 is_causal=True, min_run_time=RUN_TIME)
+
+# %%
+# The baseline: padded tensors
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The ``padded`` backend pads packed tensors inside the call, which costs it
+# a gather and a scatter that a model written for padded batches never pays:
+# its tensors are padded from the start. So the baseline of every job is
+# attention on tensors that are already padded, ``(B, H, S, D)`` with right
+# padding: one SDPA call with ``is_causal`` (a causal query never reaches a
+# padding key), or with a key mask where queries see a cache. Each is checked
+# against the same reference on the real tokens.
+
+q_pad, valid = to_padded(q, offsets)  # (B, S, H, D), (B, S)
+k_pad, v_pad = to_padded(k, offsets)[0], to_padded(v, offsets)[0]
+qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q_pad, k_pad, v_pad))  # (B, H, S, D)
+kh_gqa, vh_gqa = kh[:, :KV_HEADS].contiguous(), vh[:, :KV_HEADS].contiguous()
+q_step = q_one
+used = lengths.to(DEVICE)
+k_dense = k_cache.view(BATCH, capacity, HEADS, HEAD_DIM)[:, :int(used.max())].transpose(1, 2).contiguous()
+v_dense = v_cache.view(BATCH, capacity, HEADS, HEAD_DIM)[:, :int(used.max())].transpose(1, 2).contiguous()
+key_in_use = (torch.arange(int(used.max()), device=DEVICE) < used[:, None])[:, None, None, :]  # (B, 1, 1, S)
+grad_h = torch.randn_like(qh)
+qh_train = qh.detach().requires_grad_()
+
+
+def baseline_inference():
+    with torch.no_grad():
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+
+
+def baseline_training():
+    F.scaled_dot_product_attention(qh_train, kh, vh, is_causal=True).backward(grad_h)
+
+
+def baseline_decoding():
+    with torch.no_grad():
+        return F.scaled_dot_product_attention(q_step[:, :, None], k_dense, v_dense, attn_mask=key_in_use)
+
+
+def baseline_gqa():
+    with torch.no_grad():
+        return F.scaled_dot_product_attention(qh, kh_gqa, vh_gqa, is_causal=True, enable_gqa=True)
+
+
+def unpad(out):  # (B, H, S, D) -> packed (T, H, D), float32 for the comparison
+    return from_padded(out.transpose(1, 2), offsets).float()
+
+
+tol = tolerances(DTYPE)
+torch.testing.assert_close(unpad(baseline_inference()), reference_attention(q, k, v, offsets, is_causal=True), **tol)
+torch.testing.assert_close(unpad(baseline_gqa()), reference_attention(q, k[:, :KV_HEADS], v[:, :KV_HEADS], offsets,
+                                                                    is_causal=True), **tol)
+torch.testing.assert_close(baseline_decoding()[:, :, 0].float(),
+                           reference_attention(q_step, k_cache, v_cache, one_each, cache_offsets, kv_used=used), **tol)
+baselines = measure({"inference": baseline_inference, "training": baseline_training, "decoding": baseline_decoding,
+                     "GQA": baseline_gqa}, min_run_time=RUN_TIME)
+for job, t in baselines.items():
+    table[job]["padded tensors"] = t
+    print(f"{job:10s} padded tensors {t}")
 
 # %%
 # A custom score function
@@ -751,77 +859,86 @@ def score_mod_loop():
         ).transpose(0, 1) for a, b, c in zip(q_seqs, k_seqs, v_seqs)])
 
 
-q_pad, valid = to_padded(q, offsets)
-k_pad, v_pad = to_padded(k, offsets)[0], to_padded(v, offsets)[0]
 pad_bias = alibi_bias(q_pad.shape[1]).masked_fill(~valid[:, None, None, :], float("-inf")).to(DTYPE)
 
 
 def score_mod_padded():
     with torch.no_grad():
-        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k_pad.transpose(1, 2), v_pad.transpose(1, 2),
-                                             attn_mask=pad_bias)
-        return from_padded(out.transpose(1, 2), offsets)
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=pad_bias)
 
 
 reference = torch.cat([F.scaled_dot_product_attention(
     a.float().transpose(0, 1), b.float().transpose(0, 1), c.float().transpose(0, 1), attn_mask=alibi_bias(len(a))
 ).transpose(0, 1) for a, b, c in zip(q_seqs, k_seqs, v_seqs)])
-runs = {"flex": score_mod_flex, "loop": score_mod_loop, "padded": score_mod_padded}
+runs = {"flex": score_mod_flex, "loop": score_mod_loop, "padded tensors": score_mod_padded}
 for name, fn in runs.items():
-    torch.testing.assert_close(fn().float(), reference, **tolerances(DTYPE))
+    out = unpad(fn()) if name == "padded tensors" else fn().float()
+    torch.testing.assert_close(out, reference, **tolerances(DTYPE))
 times = measure(runs, min_run_time=RUN_TIME)
 table["score_mod"] = {
     "varlen": "no score function or bias argument",
     "sdpa_njt": "SDPA on nested tensors takes no mask or bias",
     "bucketed": "possible with a bias per bucket; not written here",
+    "padded": "the padded tensors below take the bias; this backend takes none",
     **times,
 }
 print("score_mod (ALiBi, causal, forward):")
-for name in BACKENDS:
+for name in BACKENDS + ("padded tensors",):
     r = table["score_mod"][name]
     print(f"  {name:9s} {r}" if isinstance(r, Timing) else f"  {name:9s} not available: {r}")
 
 # %%
 # The table
 # ---------
-# One row per path, one column per job: the median time in ms, relative to
-# the padded baseline for the same job in brackets, or why the path cannot
-# take the job here. Every number that appears passed its correctness check
-# first. The kernels and the peak memory are in the printouts above.
+# One row per path, one column per job: the median time in ms, and in
+# brackets the speedup over the padded tensors for the same job, or "n/a"
+# where the path cannot take the job here (the printouts above say why).
+# Every number that appears passed its correctness check first. The last
+# row is each job's work bound: the query-key pairs the padded baseline
+# scores over the pairs the sequences need (the causal half on both sides
+# where the job is causal; for decoding, every cached row up to the longest
+# sequence against the rows in use).
 
+ones = torch.ones(BATCH, dtype=torch.long)
+BOUND = {job: work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True)
+         for job in ("inference", "training", "GQA", "score_mod")}
+BOUND["decoding"] = work_bound(ones, lengths, per_token=0.0, per_pair=1.0)
 JOBS = list(table)
 width = 22
 print(f"{'':10s}" + "".join(f"{job:>{width}s}" for job in JOBS))
-for name in BACKENDS:
+ROWS = ("padded tensors",) + BACKENDS
+for name in ROWS:
     cells = []
     for job in JOBS:
-        r, base = table[job][name], table[job].get("padded")
+        r, base = table[job][name], table[job]["padded tensors"]
         if isinstance(r, Timing):
             cells.append(f"{r.median_ms:8.2f} ms ({base.median_ms / r.median_ms:4.1f}x)")
         else:
             cells.append("n/a")
     print(f"{name:10s}" + "".join(f"{c:>{width}s}" for c in cells))
+print(f"{'bound':10s}" + "".join(f"{BOUND[job]:>{width - 1}.1f}x" for job in JOBS))
 
 # %%
-# The same table as a figure: each cell is the speedup over padding for that
-# job (higher is better), blank where the path cannot take the job here.
+# The same table as a figure: each cell is the speedup over the padded
+# tensors for that job (higher is better), "n/a" where the path cannot take
+# the job here.
 
 import matplotlib.pyplot as plt
 
-speedup = np.full((len(BACKENDS), len(JOBS)), np.nan)
-for i, name in enumerate(BACKENDS):
+speedup = np.full((len(ROWS), len(JOBS)), np.nan)
+for i, name in enumerate(ROWS):
     for j, job in enumerate(JOBS):
         r = table[job][name]
         if isinstance(r, Timing):
-            speedup[i, j] = table[job]["padded"].median_ms / r.median_ms
+            speedup[i, j] = table[job]["padded tensors"].median_ms / r.median_ms
 fig, ax = plt.subplots(figsize=(7.5, 4))
 image = ax.imshow(np.log2(speedup), cmap="RdYlGn", vmin=-3, vmax=3, aspect="auto")
-for i in range(len(BACKENDS)):
+for i in range(len(ROWS)):
     for j in range(len(JOBS)):
         text = "n/a" if np.isnan(speedup[i, j]) else f"{speedup[i, j]:.1f}x"
         ax.text(j, i, text, ha="center", va="center", fontsize=9)
 ax.set_xticks(range(len(JOBS)), JOBS)
-ax.set_yticks(range(len(BACKENDS)), BACKENDS)
+ax.set_yticks(range(len(ROWS)), ROWS)
 ax.set_title(f"Speedup over padding, {DEVICE}, {str(DTYPE).removeprefix('torch.')}")
 fig.colorbar(image, ax=ax, label="log2 speedup")
 fig.tight_layout()
@@ -840,12 +957,30 @@ for job in JOBS:
     ran = {n: r for n, r in table[job].items() if isinstance(r, Timing)}
     best = fastest(ran)
     others = sorted((n for n in ran if n != best), key=lambda n: ran[n].median_ms)
-    missing = [n for n in BACKENDS if n not in ran]
-    print(f"{job}: use {best} ({ran[best].median_ms:.2f} ms, "
-          f"{ran['padded'].median_ms / ran[best].median_ms:.1f}x padding"
+    missing = [n for n in ROWS if n not in ran]
+    print(f"{job}: use {best} ({ran[best].median_ms:.2f} ms"
           + (f"; kernel: {ran[best].kernels}" if ran[best].kernels else "") + ")"
           + (f"; then {', '.join(others)}" if others else "")
           + (f"; not here: {', '.join(missing)}" if missing else ""))
+    if best != "padded tensors":
+        print("    " + speedup_line(f"{best} against padded tensors", ran["padded tensors"], ran[best], BOUND[job]))
+
+# %%
+# Where the time goes
+# ~~~~~~~~~~~~~~~~~~~
+# Attention alone has a large work bound for ragged batches, because padding
+# costs it the square of the padded length. No path reaches all of it: a
+# path that does only the real work still pays per call, per sequence or per
+# block, costs that the bound does not count. The profiles of the inference
+# job, for the padded baseline and for the path chosen for it, show what each
+# spent its time on.
+
+best = fastest({n: r for n, r in table["inference"].items() if isinstance(r, Timing) and n in BACKENDS})
+print("inference, padded tensors:")
+print(where_time_goes(baseline_inference))
+print(f"inference, {best}:")
+with torch.no_grad():
+    print(where_time_goes(lambda: ragged_attention(q, k, v, offsets, is_causal=True, backend=best)))
 
 # %%
 # How to read it. The ranking holds for this device, this dtype and these

@@ -116,7 +116,7 @@ if DEVICE == "cuda":
 else:  # real runs: width 2048 and up, 16+ layers, thousands of documents per step
     MODEL = dict(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
                  max_seq_len=1024)
-    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 32, 120, 3e-3, 1.2
+    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 32, 100, 3e-3, 1.2
     PROMPTS, NEW_TOKENS = 16, 32
 if QUICK:
     MODEL.update(vocab_size=128, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176)
@@ -1038,7 +1038,9 @@ print(f"training backend on {DEVICE}: {TRAINING_BACKEND}")
 # every step. ``torch.compile(dynamic=True)`` compiles each graph once for
 # symbolic sizes instead. On the packed side the attention call is not
 # traced (``ragged_attention`` is host-side bookkeeping around one kernel
-# call per backend), so the compiled packed model is a few graphs around it.
+# call per backend), so the compiled packed model is a few graphs around it;
+# the probe prints how many graphs were compiled for how many batch sizes,
+# which shows whether anything recompiled per batch.
 # Whether compiling pays off depends on the device and the sizes, so each
 # side trains a few steps both ways, on copies of the models, and keeps the
 # faster. The first compiled steps are left out: they compile.
@@ -1051,20 +1053,25 @@ def train_step(model, optimizer, loss):
     return loss.detach()
 
 
+from torch._dynamo.utils import counters
+
+
 def probe(make_loss, model, compiled, steps):
     """Tokens per second of ``steps`` training steps on a copy of ``model``,
-    after the first ``WARMUP_STEPS``, and how long those took."""
+    after the first ``WARMUP_STEPS``; how long those took; how many graphs
+    were compiled on the way."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     runner = torch.compile(model, dynamic=True) if compiled else model
-    elapsed = []
+    graphs_before, elapsed = counters["stats"]["unique_graphs"], []
     for tokens_i, offsets_i in batches[:steps]:
         start = time.perf_counter()
         train_step(model, optimizer, make_loss(runner, tokens_i, offsets_i))
         _sync()
         elapsed.append(time.perf_counter() - start)
     timed = sum(len(t) for t, _ in batches[WARMUP_STEPS:steps])
-    return timed / sum(elapsed[WARMUP_STEPS:]), sum(elapsed[:WARMUP_STEPS])
+    graphs = counters["stats"]["unique_graphs"] - graphs_before
+    return timed / sum(elapsed[WARMUP_STEPS:]), sum(elapsed[:WARMUP_STEPS]), graphs
 
 
 def packed_step_loss(model, tokens, offsets):
@@ -1077,8 +1084,10 @@ for side, make_loss, model in (("packed", packed_step_loss, ragged_model),
                                ("padded", padded_loss, padded_model)):
     for compiled in (False, True):
         name = f"{side}, {'compiled' if compiled else 'eager'}"
-        speeds[name], warm = probe(make_loss, model, compiled, PROBE_STEPS)
-        print(f"{name:17s} {speeds[name]:9,.0f} tokens/s; its first {WARMUP_STEPS} steps took {warm:5.1f} s")
+        speeds[name], warm, graphs = probe(make_loss, model, compiled, PROBE_STEPS)
+        print(f"{name:17s} {speeds[name]:9,.0f} tokens/s; its first {WARMUP_STEPS} steps took {warm:5.1f} s"
+              + (f"; {graphs} graphs compiled for {PROBE_STEPS} batches of "
+                 f"{len({len(t) for t, _ in batches[:PROBE_STEPS]})} different sizes" if compiled else ""))
 COMPILE = {side: speeds[f"{side}, compiled"] > speeds[f"{side}, eager"] for side in ("packed", "padded")}
 print("compile: " + ", ".join(f"{side} {'yes' if c else 'no'}" for side, c in COMPILE.items()))
 

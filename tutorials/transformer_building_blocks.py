@@ -162,7 +162,7 @@ if DEVICE == "cuda":
     RUN_TIME = 1.0  # seconds of timed runs per comparison
 else:
     BATCH, EMBED, HEADS = 64, 256, 8  # real workloads: batch 512, E 512 and up
-    RUN_TIME = 0.4
+    RUN_TIME = 0.3
 if QUICK:
     BATCH, EMBED, RUN_TIME = BATCH // 4, EMBED // 2, 0.1
 ZIPF_ALPHA = 1.2  # the original's exponent

@@ -114,9 +114,9 @@ if DEVICE == "cuda":
     TRAIN = dict(batch=128, d_model=256, nhead=8, dim_ff=1024, layers=3, steps=600, lr=1e-3)
     RUN_TIME = 1.0
 else:
-    BENCH = dict(batch=64, d_model=128, nhead=4, dim_ff=512, layers=2)
-    TRAIN = dict(batch=32, d_model=128, nhead=4, dim_ff=512, layers=2, steps=80, lr=2e-3)
-    RUN_TIME = 0.4
+    BENCH = dict(batch=48, d_model=128, nhead=4, dim_ff=512, layers=2)
+    TRAIN = dict(batch=32, d_model=128, nhead=4, dim_ff=512, layers=2, steps=100, lr=3e-3)
+    RUN_TIME = 0.3
 if QUICK:
     BENCH.update(batch=16, d_model=64, nhead=4, dim_ff=128, layers=1)
     TRAIN.update(steps=120, batch=16)

@@ -105,7 +105,7 @@ for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
 if DEVICE == "cuda":
     BATCH, HEADS, HEAD_DIM, ZIPF_ALPHA, RUN_TIME = 256, 16, 64, 1.1, 0.5
 else:
-    BATCH, HEADS, HEAD_DIM, ZIPF_ALPHA, RUN_TIME = 48, 8, 32, 1.2, 0.3
+    BATCH, HEADS, HEAD_DIM, ZIPF_ALPHA, RUN_TIME = 48, 8, 32, 1.2, 0.2
 if QUICK:
     BATCH, RUN_TIME = 12, 0.05
 KV_HEADS = HEADS // 4  # for the grouped-query job

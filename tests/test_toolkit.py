@@ -177,6 +177,17 @@ def test_decoding_against_a_cache_with_gqa(tk, backend):
     torch.testing.assert_close(out, tk.reference_attention(q, k, v, qo, ko, kv_used=used), atol=1e-5, rtol=1e-4)
 
 
+def test_padded_backend_reads_a_rectangular_cache_in_place(tk):
+    # three sequences of 3 new queries each (a chunk of prefill), rows of 8 keys
+    # of which 3, 8 and 5 are in use: bottom-right causal within each
+    q, k, v, qo, ko = _batch(tk, [3, 3, 3], [8, 8, 8], heads=4, kv_heads=2)
+    used = torch.tensor([3, 8, 5])
+    with torch.no_grad():
+        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=True, kv_used=used, backend="padded")
+    torch.testing.assert_close(out, tk.reference_attention(q, k, v, qo, ko, is_causal=True, kv_used=used),
+                               atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ("flex", "loop", "bucketed", "padded"))
 def test_low_precision_matches_the_float32_reference(tk, backend):
     q, k, v, qo, ko = _batch(tk, [5, 1, 9, 3], heads=8, kv_heads=2, dtype=torch.bfloat16)

@@ -314,8 +314,8 @@ class Timing:
     kernels: str = ""
 
     def __str__(self):
-        return (f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f})  peak {self.peak_mib:7.1f} MiB"
-                + (f"  [{self.kernels}]" if self.kernels else ""))
+        memory = "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"  # NaN: not measured
+        return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}" + (f"  [{self.kernels}]" if self.kernels else "")
 
 
 def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):

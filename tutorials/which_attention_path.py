@@ -253,30 +253,45 @@ class RaggedInfo:
 _INFO_CACHE = []  # the last few batches; holding their tensors keeps the ids unique
 
 
-def ragged_info(q_offsets, kv_offsets, n_q, n_kv, kv_used=None, is_causal=False):
-    """Check a batch's description and read its lengths, once per batch."""
-    key = (q_offsets, kv_offsets, kv_used)
-    versions = tuple(None if t is None else t._version for t in key) + (n_q, n_kv, is_causal)
-    for cached, cached_versions, info in _INFO_CACHE:
-        if all(a is b for a, b in zip(cached, key)) and cached_versions == versions:
-            return info
+def _cached(key, compute):
+    # ``compute()`` once per tuple of tensors (by identity and version) and sizes
+    stamp = tuple(t._version if isinstance(t, torch.Tensor) else t for t in key)
+    for cached_key, cached_stamp, value in _INFO_CACHE:
+        if cached_stamp == stamp and all(a is b for a, b in zip(cached_key, key)
+                                         if isinstance(a, torch.Tensor) or a is None):
+            return value
+    value = compute()
+    _INFO_CACHE.insert(0, (key, stamp, value))
+    del _INFO_CACHE[16:]
+    return value
+
+
+def _offsets_lengths(q_offsets, kv_offsets, n_q, n_kv):
     check_offsets(q_offsets, n_q, "q_offsets")
     check_offsets(kv_offsets, n_kv, "kv_offsets")
     if len(q_offsets) != len(kv_offsets):
         raise ValueError(f"q_offsets and kv_offsets describe different batch sizes: "
                          f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences")
-    kv_rows = kv_offsets.diff().tolist()
-    kv_lengths = kv_rows if kv_used is None else kv_used.tolist()
-    if len(kv_lengths) != len(kv_rows) or any(not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)):
-        raise ValueError(f"kv_used must hold one count per sequence, between 0 and its key "
-                         f"rows {kv_rows}; got {kv_lengths}")
-    info = RaggedInfo(q_offsets.diff().tolist(), kv_lengths, kv_rows)
-    if is_causal and any(0 < lkv < lq for lq, lkv in zip(info.q_lengths, info.kv_lengths)):
-        raise ValueError("is_causal needs at least as many keys as queries in every sequence "
-                         "(the last query sees every key)")
-    _INFO_CACHE.insert(0, (key, versions, info))
-    del _INFO_CACHE[8:]
-    return info
+    return q_offsets.diff().tolist(), kv_offsets.diff().tolist()
+
+
+def ragged_info(q_offsets, kv_offsets, n_q, n_kv, kv_used=None, is_causal=False):
+    """Check a batch's description and read its lengths, once per batch (the
+    offsets once, however often ``kv_used`` changes, as in decoding)."""
+
+    def compute():
+        q_lengths, kv_rows = _cached((q_offsets, kv_offsets, n_q, n_kv),
+                                     lambda: _offsets_lengths(q_offsets, kv_offsets, n_q, n_kv))
+        kv_lengths = kv_rows if kv_used is None else kv_used.tolist()
+        if len(kv_lengths) != len(kv_rows) or any(not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)):
+            raise ValueError(f"kv_used must hold one count per sequence, between 0 and its key "
+                             f"rows {kv_rows}; got {kv_lengths}")
+        if is_causal and any(0 < lkv < lq for lq, lkv in zip(q_lengths, kv_lengths)):
+            raise ValueError("is_causal needs at least as many keys as queries in every sequence "
+                             "(the last query sees every key)")
+        return RaggedInfo(q_lengths, kv_lengths, kv_rows)
+
+    return _cached((q_offsets, kv_offsets, kv_used, n_q, n_kv, is_causal), compute)
 
 
 def _causal_mask(lq, lkv, device):
@@ -353,8 +368,24 @@ def _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=4):
 
 
 def _padded(q, k, v, info, is_causal, scale, kv_used):
-    """Every sequence padded to the longest one, one call: the baseline."""
-    return _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=1)
+    """Every sequence padded to the longest one, one call: the baseline. A batch
+    that already is a rectangle (the same number of queries and of key rows
+    per sequence, as in a KV cache with the same room for each) is viewed as
+    one, with no copy, and the keys not in use are masked."""
+    B, lq, rows = len(info.q_lengths), info.q_lengths[0], info.kv_rows[0]
+    if set(info.q_lengths) != {lq} or set(info.kv_rows) != {rows}:
+        return _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=1)
+    n = max(info.kv_lengths)
+    if ("rectangle", is_causal) not in info.plans:  # one mask per batch, shared by every layer
+        used = torch.tensor(info.kv_lengths, device=q.device)[:, None, None, None]
+        key, query = torch.arange(n, device=q.device), torch.arange(lq, device=q.device)[:, None]
+        mask = key < used  # (B, 1, 1, n), or with the causal rule (B, 1, Lq, n)
+        info.plans["rectangle", is_causal] = mask & (key <= query + used - lq) if is_causal else mask
+    qb = q.view(B, lq, *q.shape[1:]).transpose(1, 2)  # (B, H, Lq, D)
+    kb, vb = (t.view(B, rows, *t.shape[1:])[:, :n].transpose(1, 2) for t in (k, v))  # (B, H_kv, n, D)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=info.plans["rectangle", is_causal], scale=scale,
+                                         enable_gqa=qb.shape[1] != kb.shape[1])
+    return out.transpose(1, 2).reshape(q.shape)
 
 
 _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
@@ -466,7 +497,8 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     if why:
         raise RuntimeError(f"ragged_attention: backend {name!r} cannot run this here: {why}")
     fn = _BACKEND_FNS[name]
-    reads_kv_used = name in ("loop", "flex") or (name == "varlen" and "seqused_k" in _varlen_keywords())
+    reads_kv_used = (name in ("loop", "flex") or (name == "varlen" and "seqused_k" in _varlen_keywords())
+                     or (name == "padded" and len(set(info.q_lengths)) == len(set(info.kv_rows)) == 1))
     if all(info.q_lengths) and all(info.kv_lengths) and (kv_used is None or reads_kv_used):
         return fn(q, k, v, info, is_causal, scale, kv_used)
     if "compact" not in info.plans:
@@ -580,8 +612,8 @@ class Timing:
     kernels: str = ""
 
     def __str__(self):
-        return (f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f})  peak {self.peak_mib:7.1f} MiB"
-                + (f"  [{self.kernels}]" if self.kernels else ""))
+        memory = "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"  # NaN: not measured
+        return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}" + (f"  [{self.kernels}]" if self.kernels else "")
 
 
 def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):

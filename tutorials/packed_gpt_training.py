@@ -133,6 +133,10 @@ print(f"{STEPS} steps of {DOCS_PER_BATCH} documents, Zipf exponent {ZIPF_ALPHA}"
 # An identical copy of the building-blocks page's toolkit, the parts this page
 # uses: lengths, offsets, ``ragged_attention`` and its backends, the float32
 # reference, ``measure`` and the work bound. That page explains each of them.
+#
+# .. raw:: html
+#
+#    <details class="toolkit-copy"><summary>Show the code of the toolkit</summary>
 
 import gc
 import inspect
@@ -755,6 +759,11 @@ def speedup_line(label, padded, ragged, bound):
     s = padded.median_ms / ragged.median_ms
     return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
 
+
+# %%
+# .. raw:: html
+#
+#    </details>
 
 # %%
 # A corpus of packed documents

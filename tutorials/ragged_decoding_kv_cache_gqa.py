@@ -131,6 +131,10 @@ print(f"model {MODEL}; {PROMPTS} prompts, {NEW_TOKENS} new tokens each")
 # offsets, ``ragged_attention`` with its backends, the reference,
 # ``measure``), then the model, the KV cache, the two layouts and
 # ``generate_packed`` from the packed GPT page. Those pages explain them.
+#
+# .. raw:: html
+#
+#    <details class="toolkit-copy"><summary>Show the code of the toolkit and the model</summary>
 
 import gc
 import inspect
@@ -898,6 +902,11 @@ def generate_packed(model, prompts, offsets, n_new, backend=None):
                 logits = model(out[-1], pos, Packed(one_each, backend, cache, rows + pos, pos + 1))
     return torch.stack(out, 1)  # (B, n_new)
 
+
+# %%
+# .. raw:: html
+#
+#    </details>
 
 # %%
 # A batch of prompts

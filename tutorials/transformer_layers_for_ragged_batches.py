@@ -131,6 +131,10 @@ print(f"training sizes:  {TRAIN}")
 # An identical copy of the parts of the building-blocks page's toolkit this
 # page uses, and of its ``MultiHeadAttention`` layer; that page explains
 # them. The layers below are built from these pieces only.
+#
+# .. raw:: html
+#
+#    <details class="toolkit-copy"><summary>Show the code of the toolkit</summary>
 
 import gc
 import inspect
@@ -768,6 +772,11 @@ class MultiHeadAttention(nn.Module):
                                                  attn_mask=mask, is_causal=is_causal).transpose(1, 2)
         return self.out_proj(out.flatten(-2))
 
+
+# %%
+# .. raw:: html
+#
+#    </details>
 
 # %%
 # The encoder and decoder layers

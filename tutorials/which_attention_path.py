@@ -119,6 +119,10 @@ print(f"batch {BATCH}, {HEADS} heads of {HEAD_DIM}, GQA with {KV_HEADS} key/valu
 # job it runs every backend that can take it here, checks it against the
 # float32 reference (output and, for training, gradients), times them side by
 # side and names the kernel that ran.
+#
+# .. raw:: html
+#
+#    <details class="toolkit-copy"><summary>Show the code of the toolkit</summary>
 
 import gc
 import inspect
@@ -733,6 +737,11 @@ def speedup_line(label, padded, ragged, bound):
     s = padded.median_ms / ragged.median_ms
     return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
 
+
+# %%
+# .. raw:: html
+#
+#    </details>
 
 # %%
 # The jobs

@@ -1069,7 +1069,7 @@ kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE, d
 backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True, backward=True,
                             min_run_time=RUN_TIME)
 TRAINING_BACKEND = fastest(backends)
-print(f"training backend on {DEVICE}: {TRAINING_BACKEND}")
+print(f"training backend chosen on {DEVICE}: {TRAINING_BACKEND}")
 
 # %%
 # Compile where it helps
@@ -1130,7 +1130,7 @@ for side, make_loss, model in (("packed", packed_step_loss, ragged_model),
               + (f"; {graphs} graphs compiled for {PROBE_STEPS} batches of "
                  f"{len({len(t) for t, _ in batches[:PROBE_STEPS]})} different sizes" if compiled else ""))
 COMPILE = {side: speeds[f"{side}, compiled"] > speeds[f"{side}, eager"] for side in ("packed", "padded")}
-print("compile: " + ", ".join(f"{side} {'yes' if c else 'no'}" for side, c in COMPILE.items()))
+print("compile chosen: " + ", ".join(f"{side} {'yes' if c else 'no'}" for side, c in COMPILE.items()))
 
 # %%
 # Training
@@ -1332,7 +1332,7 @@ generation_times = measure({name: lambda name=name: generate_packed(model, promp
 for name, t in generation_times.items():
     print(f"  generation with {name:9s} {t}")
 DECODE_BACKEND = fastest(generation_times)
-print(f"decoding backend on {DEVICE}: {DECODE_BACKEND}")
+print(f"decoding backend chosen on {DEVICE}: {DECODE_BACKEND}")
 
 # %%
 # Both generations must write the same tokens: they run the same model on
@@ -1345,7 +1345,6 @@ out_padded = generate_padded(model, prompts, prompt_offsets, NEW_TOKENS)
 agree = (out_packed == out_padded).float().mean().item()
 assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), f"the generations agree on {agree:.1%} of the tokens"
 print(f"packed and padded generation agree on {agree:.1%} of {out_packed.numel()} tokens")
-print("first prompt:", prompts[:int(prompt_offsets[1])].tolist(), "->", out_packed[0].tolist())
 
 times = measure({"padded": lambda: generate_padded(model, prompts, prompt_offsets, NEW_TOKENS),
                  "packed": lambda: generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)},

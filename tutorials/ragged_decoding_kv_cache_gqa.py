@@ -1118,7 +1118,7 @@ generation_times = measure({name: lambda name=name: generate_packed(gqa_model, p
 for name, t in generation_times.items():
     print(f"  generation with {name:9s} {t}")
 DECODE_BACKEND = fastest(generation_times)
-print(f"decoding backend on {DEVICE}: {DECODE_BACKEND}")
+print(f"decoding backend chosen on {DEVICE}: {DECODE_BACKEND}")
 
 # %%
 # FlexAttention without rebuilding the mask
@@ -1236,7 +1236,7 @@ else:
     print("keys in use per sequence: " + ("seqused_k" if "seqused_k" in keywords
                                           else "not supported: the toolkit gathers the rows in use"))
 why = backend_support("varlen", DEVICE, DTYPE, is_causal=True, gqa=True)
-print(f"varlen_attn on this device: {why or 'runs'}; decoding here uses {DECODE_BACKEND}")
+print(f"varlen_attn on this device: {why or 'runs'}; the decoding backend chosen here: {DECODE_BACKEND}")
 
 # %%
 # The figure: throughput with and without the cache as the output grows, and

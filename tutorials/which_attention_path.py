@@ -1019,7 +1019,7 @@ for job in JOBS:
 best = fastest({n: r for n, r in table["inference"].items() if isinstance(r, Timing) and n in BACKENDS})
 print("inference, padded tensors:")
 print(where_time_goes(baseline_inference))
-print(f"inference, {best}:")
+print(f"inference, the path chosen ({best}):")
 with torch.no_grad():
     print(where_time_goes(lambda: ragged_attention(q, k, v, offsets, is_causal=True, backend=best)))
 

@@ -16,7 +16,7 @@ from urllib.parse import urljoin, urlparse
 
 import pytest
 
-from sitebuild import REPO
+from sitebuild import REPO, STEMS
 
 pytestmark = pytest.mark.browser
 
@@ -74,7 +74,7 @@ def browser(request):
     server.shutdown()
 
 
-TUTORIAL_PAGES = sorted(f"auto_tutorials/{p.stem}.html" for p in (REPO / "tutorials").glob("*.py"))
+TUTORIAL_PAGES = [f"auto_tutorials/{stem}.html" for stem in STEMS]
 OTHER_PAGES = ["index.html", "auto_tutorials/index.html", "sg_execution_times.html",
                "auto_tutorials/sg_execution_times.html", "search.html"]
 

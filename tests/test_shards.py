@@ -12,7 +12,9 @@ from pages import soup
 from sitebuild import FIXTURES, REPO, build, make_site
 
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "sphinxext"))
 import shards  # noqa: E402
+from gallery_layout import is_image_of  # noqa: E402
 
 DUR = {
     "a": {"seconds": 300}, "b": {"seconds": 200}, "c": {"seconds": 200},
@@ -116,11 +118,11 @@ def test_merge_matches_stems_exactly_when_one_is_a_prefix_of_another(tmp_path, o
 
 
 def test_image_names_are_matched_exactly():
-    assert shards.is_image_of("sphx_glr_attn_001.png", "attn")
-    assert shards.is_image_of("sphx_glr_attn_thumb.png", "attn")
-    assert shards.is_image_of("sphx_glr_attn_001_2_00x.png", "attn")
-    assert not shards.is_image_of("sphx_glr_attn_gqa_001.png", "attn")
-    assert not shards.is_image_of("sphx_glr_attn_gqa_thumb.png", "attn")
+    assert is_image_of("sphx_glr_attn_001.png", "attn")
+    assert is_image_of("sphx_glr_attn_thumb.png", "attn")
+    assert is_image_of("sphx_glr_attn_001_2_00x.png", "attn")
+    assert not is_image_of("sphx_glr_attn_gqa_001.png", "attn")
+    assert not is_image_of("sphx_glr_attn_gqa_thumb.png", "attn")
 
 
 def _pages(html):

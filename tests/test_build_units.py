@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -221,14 +222,29 @@ def test_check_versions_hashes_sources_as_sphinx_gallery_does(tmp_path):
 
 def test_version_matrix_is_oldest_pinned_newest_exactly():
     m = check_versions.matrix()
-    assert m[0] == "2.11.0" and m[1] == check_versions.pins()["torch"] and m[-1] == check_versions.NEWEST_TORCH
+    oldest = dict(notebook_cell.minimums(REPO / "requirements-minimum.txt"))["torch"]
+    assert m == [oldest, check_versions.pins()["torch"], check_versions.NEWEST_TORCH]
     assert all(len(v.split(".")) == 3 for v in m)
+
+
+def test_check_versions_cli_prints_the_matrix_and_merges_records(tmp_path, capsys):
+    assert check_versions.main(["matrix"]) == 0
+    assert json.loads(capsys.readouterr().out) == check_versions.matrix()
+    record = tmp_path / "checked.json"
+    record.write_text(json.dumps({"checked": {"2.13.0": {"pages": {"p": {"result": "failed"}}}}}))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"checked": {"2.13.0": {"pages": {"p": {"result": "passed"}}}}}))
+    b.write_text(json.dumps({"checked": {"2.9.1": {"pages": {}}, "2.15.0": {"pages": {}}}}))
+    assert check_versions.main(["merge", str(a), str(b), "--record", str(record)]) == 0
+    merged = json.loads(record.read_text())["checked"]
+    assert list(merged) == ["2.9.1", "2.13.0", "2.15.0"]  # by version, not as text
+    assert merged["2.13.0"]["pages"]["p"]["result"] == "passed"  # the newer record wins
 
 
 @pytest.fixture
 def one_env(monkeypatch, tmp_path):
     # This environment stands in for one of the matrix.
-    monkeypatch.setattr(check_versions, "environment", lambda version, root: __import__("pathlib").Path(sys.executable))
+    monkeypatch.setattr(check_versions, "environment", lambda version, root: Path(sys.executable))
     return tmp_path
 
 
@@ -244,6 +260,52 @@ def test_check_versions_fails_on_a_deprecation_the_page_triggers(one_env):
     assert rec["pages"]["deprecated"]["result"] == "failed"
     assert "DeprecationWarning" in rec["pages"]["deprecated"]["problems"][0]
     assert rec["pages"]["broken"]["result"] == "failed"
+
+
+def test_check_versions_records_but_passes_a_warning_raised_inside_a_library(one_env):
+    # A library that warns from its own lines (not a deprecated call the page
+    # makes, which would point at the page's line): recorded, not failing.
+    lib = one_env / "lib" / "somelib.py"
+    lib.parent.mkdir()
+    lib.write_text("import warnings\n\ndef work():\n"
+                   "    warnings.warn('inside the library', FutureWarning, stacklevel=1)\n")
+    page = one_env / "uses_lib.py"
+    page.write_text(f"import sys\nsys.path.insert(0, {str(lib.parent)!r})\nimport somelib\nsomelib.work()\n")
+    rec = check_versions.check("x", [page], one_env)["pages"]["uses_lib"]
+    assert rec["result"] == "passed", rec
+    assert rec["library_warnings"] == [f"FutureWarning at {lib}:4: inside the library"]
+
+
+def test_check_versions_run_writes_the_record_and_fails_on_a_failed_page(one_env, monkeypatch):
+    (one_env / "ok.py").write_text("print('ok')\n")
+    (one_env / "bad.py").write_text("raise ValueError('bad page')\n")
+    record = one_env / "record.json"
+    monkeypatch.chdir(one_env)  # pages given relative to here, as on a command line
+    assert check_versions.main(["--torch", "x", "--pages", "ok.py", "--record", str(record)]) == 0
+    assert check_versions.main(["--torch", "x", "--pages", "ok.py", "bad.py", "--record", str(record)]) == 1
+    (rec,) = json.loads(record.read_text())["checked"].values()
+    assert rec["pages"]["ok"] == {**rec["pages"]["ok"], "result": "passed",
+                                  "md5": check_versions.md5_text(one_env / "ok.py")}
+    assert rec["pages"]["bad"]["result"] == "failed" and "bad page" in rec["pages"]["bad"]["problems"][0]
+
+
+def test_check_versions_reuses_an_environment_only_with_the_same_pins(tmp_path, monkeypatch):
+    made = []
+    def venv(cmd, **kw):  # python -m venv --clear DIR
+        made.append(cmd)
+        Path(cmd[-1]).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(check_versions.subprocess, "run", venv)
+    monkeypatch.setattr(check_versions, "_pip", lambda python, *reqs: made.append(reqs))
+    python = check_versions.environment("2.15.0", tmp_path)
+    assert python == tmp_path / "torch-2.15.0" / "bin" / "python"
+    assert "torch==2.15.0" in made[-1] and f"numpy=={check_versions.pins()['numpy']}" in made[-1]
+    made.clear()
+    check_versions.environment("2.15.0", tmp_path)
+    assert made == [], "an environment with the same pins was made again"
+    monkeypatch.setattr(check_versions, "pins", lambda: {"torch": "2.13.0", "numpy": "9.9.9", "matplotlib": "1"})
+    check_versions.environment("2.15.0", tmp_path)
+    assert made and "numpy==9.9.9" in made[-1], "a changed pin did not remake the environment"
 
 
 def test_stamp_states_only_versions_checked_for_the_current_source(tmp_path):

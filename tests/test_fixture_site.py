@@ -192,7 +192,7 @@ def test_bad_metadata_fails_in_seconds_before_anything_runs(tmp_path, bad):
     # file last: the build must reject the bad file without starting slow.py.
     site = make_site(tmp_path / "site", tutorials=[FAULTS / "slow.py", FAULTS / bad])
     (site / "tutorials" / bad).rename(site / "tutorials" / f"zz_{bad}")
-    result = build(site)
+    result = build(site, env={"TUTORIAL_TIME_LIMIT_S": "30"})  # so that a regression fails in a minute
     assert result.returncode != 0
     assert error_lines(result.log, f"tutorials/zz_{bad}"), result.log[-3000:]
     assert not reached(result.log, "slow"), f"slow.py was started before zz_{bad} was rejected"

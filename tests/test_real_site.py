@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -56,12 +57,19 @@ def test_downloads_exist_and_notebook_is_valid(real_site, stem):
     assert "==" not in first_code.source
 
 
+def conf_value(name: str):
+    """A literal that conf.py assigns to ``name`` (read, not run: running
+    conf.py would set up a compile cache in this process)."""
+    for node in ast.parse((REPO / "conf.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"conf.py does not set {name}")
+
+
 @pytest.mark.parametrize("stem", STEMS)
 def test_colab_and_github_links_beside_the_downloads(real_site, stem):
     page = soup(real_site.html / "auto_tutorials" / f"{stem}.html")
-    conf = {}
-    exec((REPO / "conf.py").read_text().split("# -- Project")[0].split("# -- Where")[1].split("\n", 1)[1], conf)
-    repo, branch = conf["tutorials_github_repo"], conf["tutorials_github_branch"]
+    repo, branch = conf_value("tutorials_github_repo"), conf_value("tutorials_github_branch")
     colab = f"https://colab.research.google.com/github/{repo}/blob/notebooks/{stem}.ipynb"
     github = f"https://github.com/{repo}/blob/{branch}/tutorials/{stem}.py"
     footer = page.select_one(".sphx-glr-footer")

@@ -54,11 +54,18 @@ def test_unknown_tutorial_counts_as_the_longest_known():
     assert sorted(sh["seconds"] for sh in p) == [300.0, 310.0]
 
 
-def test_more_shards_than_tutorials_leaves_empty_shards_matching_nothing():
-    p = shards.plan(["a"], DUR, shards=3)
-    empty = [sh for sh in p if not sh["tutorials"]]
-    assert len(empty) == 2
-    assert all(re.search(sh["pattern"], "/x/tutorials/a.py") is None for sh in empty)
+def test_more_shards_than_tutorials_plans_only_shards_with_work(tmp_path, capsys):
+    # An empty shard would run `make html` with a pattern that matches no
+    # tutorial, which the validator fails: the plan the workflow reads has none.
+    assert [sh["tutorials"] for sh in shards.plan(["a"], DUR, shards=3)] == [["a"]]
+    (tmp_path / "tutorials").mkdir()
+    for stem in ("a", "b"):
+        (tmp_path / "tutorials" / f"{stem}.py").write_text("")
+    assert shards.main(["plan", "--shards", "3", "--tutorials", str(tmp_path / "tutorials"),
+                        "--durations", str(tmp_path / "none.json")]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert sorted(s for sh in planned for s in sh["tutorials"]) == ["a", "b"]
+    assert all(sh["tutorials"] for sh in planned) and len(planned) == 2
 
 
 def test_pattern_selects_exactly_its_files():

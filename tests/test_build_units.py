@@ -49,25 +49,25 @@ def _catches_everything_ordinary():
     return "ran to the end"
 
 
-@pytest.mark.parametrize("use_sigalrm", [True, False], ids=["sigalrm", "no-sigalrm"])
-def test_time_limit_passes_through_except_exception(tutorial, monkeypatch, use_sigalrm):
-    if use_sigalrm and not hasattr(signal, "SIGALRM"):
+@pytest.fixture(params=[True, False], ids=["sigalrm", "no-sigalrm"])
+def either_timer(request, monkeypatch, tutorial):
+    """With SIGALRM, and with the watchdog thread that raises in the
+    tutorial where there is none (Windows)."""
+    if request.param and not hasattr(signal, "SIGALRM"):
         pytest.skip("no SIGALRM here")
-    # Without SIGALRM (Windows), a watchdog thread raises in the tutorial.
-    monkeypatch.setattr(tutorial_guards, "_use_sigalrm", lambda: use_sigalrm)
+    monkeypatch.setattr(tutorial_guards, "_use_sigalrm", lambda: request.param)
+
+
+def test_time_limit_passes_through_except_exception(either_timer):
     with pytest.raises(tutorial_guards.TutorialFailure, match="tutorials/unit.py ran past .* 0.5 s"):
         tutorial_guards.run_block(_catches_everything_ordinary)
     time.sleep(0.3)  # nothing more is raised once the block has ended
 
 
-@pytest.mark.parametrize("use_sigalrm", [True, False], ids=["sigalrm", "no-sigalrm"])
-def test_a_limit_striking_as_the_timer_is_cancelled_stays_inside_the_block(tutorial, monkeypatch, use_sigalrm):
+def test_a_limit_striking_as_the_timer_is_cancelled_stays_inside_the_block(either_timer, monkeypatch):
     # The block has ended and the limit strikes just as its timer is being
     # cancelled: the timer must still be cancelled, and nothing may be raised
     # once run_block has returned.
-    if use_sigalrm and not hasattr(signal, "SIGALRM"):
-        pytest.skip("no SIGALRM here")
-    monkeypatch.setattr(tutorial_guards, "_use_sigalrm", lambda: use_sigalrm)
     cancel, calls = tutorial_guards._Timer.cancel, []
 
     def struck_as_cancel_begins(timer):

@@ -14,6 +14,7 @@ sys.path.insert(0, str(HERE / "sphinxext"))
 import notebook_cell  # noqa: E402
 import tutorial_isolation  # noqa: E402
 import tutorial_memory  # noqa: E402
+from gallery_layout import GALLERY_OUT, GALLERY_SRC  # noqa: E402
 
 # -- Where the site is published: the one place to change ---------------------
 # The GitHub repository and branch the pages link to ("View source on GitHub",
@@ -53,17 +54,9 @@ exclude_patterns = [
     "_build",
     ".venv",
     ".venvs",
-    ".ci",
-    ".github",
     "tests",
-    "scripts",
-    "sphinxext",
-    "README.md",
-    "CONTRIBUTING.md",
     "_generated",  # included from index.rst, not a page of its own
-    "tutorials",  # sources; Sphinx-Gallery renders them into auto_tutorials/
-    "**/*.ipynb",
-    "auto_tutorials/*.md5",
+    GALLERY_SRC,  # sources; Sphinx-Gallery renders them into GALLERY_OUT
 ]
 # A broken cross-reference is an error (with -W), not a silently dead link.
 nitpicky = True
@@ -95,8 +88,8 @@ mathjax3_config = {
 
 # -- Sphinx-Gallery ------------------------------------------------------------
 sphinx_gallery_conf = {
-    "examples_dirs": "tutorials",
-    "gallery_dirs": "auto_tutorials",
+    "examples_dirs": GALLERY_SRC,
+    "gallery_dirs": GALLERY_OUT,
     # Execute every file in tutorials/, not only files named plot_*.
     # `make html GALLERY_PATTERN=name` narrows this to the matching files.
     "filename_pattern": os.environ.get("GALLERY_PATTERN") or r"/",

@@ -41,6 +41,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "sphinxext"))
+from notebook_cell import minimums  # noqa: E402 - the one reader of requirements-minimum.txt
+
 # The newest PyTorch release the pages are checked with. Raise it when a new
 # release is out.
 NEWEST_TORCH = "2.15.0"
@@ -48,15 +51,6 @@ RECORD = REPO / ".github" / "checked-versions.json"
 VENVS = REPO / ".venvs"
 PAGE_TIMEOUT_S = 900
 WATCHED = ("DeprecationWarning", "FutureWarning")
-
-
-def _requirement(path: Path, name: str) -> tuple[str, str]:
-    """(operator, version) of ``name`` in a requirements file."""
-    for line in path.read_text().splitlines():
-        m = re.match(rf"^\s*{re.escape(name)}\s*(==|>=)\s*([\w.]+)\s*(#.*)?$", line)
-        if m:
-            return m.group(1), m.group(2)
-    raise SystemExit(f"error: {path.name} does not pin {name}")
 
 
 def pins() -> dict[str, str]:
@@ -71,7 +65,7 @@ def pins() -> dict[str, str]:
 
 def matrix() -> list[str]:
     """Oldest supported, pinned, newest: each an exact version."""
-    _, oldest = _requirement(REPO / "requirements-minimum.txt", "torch")
+    oldest = dict(minimums(REPO / "requirements-minimum.txt"))["torch"]
     pinned = pins()["torch"]
     out = []
     for v in (oldest, pinned, NEWEST_TORCH):
@@ -248,7 +242,8 @@ def main(argv=None) -> int:
         args.record.write_text(json.dumps(merged, indent=1) + "\n")
         return 0
 
-    pages = sorted(args.pages or (REPO / "tutorials").glob("*.py"))
+    # Absolute: each page runs in a temporary folder of its own.
+    pages = sorted(p.resolve() for p in args.pages or (REPO / "tutorials").glob("*.py"))
     if not pages:
         ap.error("no tutorials to check")
     args.venvs.mkdir(parents=True, exist_ok=True)

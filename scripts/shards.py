@@ -29,6 +29,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sphinxext"))
+from gallery_layout import GALLERY_SRC, tutorial_files  # noqa: E402
+
 DEFAULT_SECONDS = 120.0  # a tutorial never timed before
 
 
@@ -73,6 +76,9 @@ def plan(stems: list[str], durations: dict[str, dict], shards: int,
         shard = min(eligible, key=lambda sh: (sh["seconds"], sh["index"]))
         shard["tutorials"].append(stem)
         shard["seconds"] = round(shard["seconds"] + seconds(stem), 1)
+    # A shard with nothing to run is left out: its build would execute
+    # nothing, which the validator fails ("matched no tutorial").
+    result = [shard for shard in result if shard["tutorials"]]
     for shard in result:
         shard["tutorials"].sort()
         shard["pattern"] = pattern_for(shard["tutorials"])
@@ -82,7 +88,7 @@ def plan(stems: list[str], durations: dict[str, dict], shards: int,
 def pattern_for(stems: list[str]) -> str:
     """The GALLERY_PATTERN (a regular expression) that selects these files."""
     if not stems:
-        return r"^$"  # matches no path: the shard executes nothing
+        raise ValueError("a pattern for no tutorial")
     return r"/(" + "|".join(re.escape(s) for s in stems) + r")\.py$"
 
 
@@ -110,22 +116,6 @@ def record(source: Path, durations_path: Path, needs_gpu: list[str]) -> dict:
     return data
 
 
-def is_image_of(name: str, stem: str) -> bool:
-    """Whether ``name`` is an image Sphinx-Gallery wrote for ``stem``:
-    ``sphx_glr_<stem>_<NNN>[_<srcset>].<ext>`` or ``sphx_glr_<stem>_thumb.<ext>``.
-    Exact, so that ``attn`` does not take the images of ``attn_gqa``."""
-    return re.fullmatch(rf"sphx_glr_{re.escape(stem)}_(?:thumb|\d{{3}}(?:_\d+_\d+x)?)\.\w+", name) is not None
-
-
-def tutorial_files(gallery: Path, stem: str) -> list[Path]:
-    """Everything Sphinx-Gallery wrote for one tutorial in ``gallery``."""
-    files = [p for p in gallery.iterdir() if p.is_file() and p.name.split(".")[0] == stem]
-    images = gallery / "images"
-    if images.is_dir():
-        files += [p for p in images.rglob("sphx_glr_*") if p.is_file() and is_image_of(p.name, stem)]
-    return files
-
-
 def merge(shard_dirs: list[Path], plan_data: list[dict], out: Path) -> list[str]:
     """Copy each shard's executed tutorials from ``<shard>/auto_tutorials``."""
     if len(shard_dirs) != len(plan_data):
@@ -151,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--shards", type=int, required=True)
     p.add_argument("--gpu-shards", type=int)
     p.add_argument("--durations", type=Path, default=Path(".github/tutorial-durations.json"))
-    p.add_argument("--tutorials", type=Path, default=Path("tutorials"))
+    p.add_argument("--tutorials", type=Path, default=Path(GALLERY_SRC))
     r = sub.add_parser("record")
     r.add_argument("source", type=Path, help="a JUnit report, or a gallery folder (auto_tutorials)")
     r.add_argument("--durations", type=Path, default=Path(".github/tutorial-durations.json"))

@@ -26,19 +26,22 @@ from pathlib import Path
 # The hash Sphinx-Gallery itself writes (text mode: line endings do not count).
 from sphinx_gallery.utils import get_md5sum
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sphinxext"))
+from gallery_layout import GALLERY_OUT, GALLERY_SRC, tutorial_sources  # noqa: E402
+
 
 def problems(src_dir: Path, pattern: str = "") -> list[str]:
-    gallery = src_dir / "auto_tutorials"
+    gallery = src_dir / GALLERY_OUT
     found = []
-    sources = sorted((src_dir / "tutorials").glob("*.py"))
+    sources = tutorial_sources(src_dir)
     if not sources:
-        return [f"{src_dir / 'tutorials'}: no tutorials"]
+        return [f"{src_dir / GALLERY_SRC}: no tutorials"]
     # Sphinx-Gallery matches filename_pattern against the file's path.
     selected = [src for src in sources if not pattern or re.search(pattern, str(src))]
     if not selected:
         return [f"GALLERY_PATTERN {pattern!r} matched no tutorial, so none was checked"]
     for src in selected:
-        name = f"tutorials/{src.name}"
+        name = f"{GALLERY_SRC}/{src.name}"
         md5 = gallery / f"{src.name}.md5"
         if not md5.exists():
             found.append(f"{name}: never finished running (no {md5.name})")

@@ -21,10 +21,10 @@ from sphinx.errors import ExtensionError
 from sphinx_gallery import py_source_parser
 from sphinx_gallery.gen_rst import extract_intro_and_title
 
+import gallery_layout
+from gallery_layout import GALLERY_OUT
 from gallery_order import reading_order_key
 
-GALLERY_SRC = "tutorials"
-GALLERY_OUT = "auto_tutorials"
 CARDS = Path("_generated") / "cards.rst"
 
 
@@ -49,7 +49,8 @@ def card_info(path: Path) -> dict:
 
 
 def tutorial_sources(src_dir: Path) -> list[Path]:
-    return sorted((src_dir / GALLERY_SRC).glob("*.py"), key=lambda p: reading_order_key(p.stem))
+    """The tutorials in reading order."""
+    return sorted(gallery_layout.tutorial_sources(src_dir), key=lambda p: reading_order_key(p.stem))
 
 
 def cards_rst(src_dir: Path) -> str:

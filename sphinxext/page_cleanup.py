@@ -16,7 +16,7 @@ import re
 
 from docutils import nodes
 
-GALLERY_OUT = "auto_tutorials"
+from gallery_layout import GALLERY_OUT
 
 _REMOTE_RAW = re.compile(r"^(?P<i>[ ]*)\.\. raw:: html\n(?:\n|(?P=i)[ ]+.*\n)*", re.M)
 

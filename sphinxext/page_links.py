@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from docutils import nodes
 
-import page_stamp
+from gallery_layout import GALLERY_SRC, tutorial_stem
 
 NOTEBOOKS_BRANCH = "notebooks"
 
@@ -25,13 +25,13 @@ def links(config, stem: str) -> dict[str, tuple[str, str]]:
         "colab": ("Run in Google Colab",
                   f"https://colab.research.google.com/github/{repo}/blob/{NOTEBOOKS_BRANCH}/{stem}.ipynb"),
         "github": ("View source on GitHub",
-                   f"https://github.com/{repo}/blob/{branch}/{page_stamp.GALLERY_SRC}/{stem}.py"),
+                   f"https://github.com/{repo}/blob/{branch}/{GALLERY_SRC}/{stem}.py"),
     }
 
 
 def add_links(app, doctree) -> None:
     """``doctree-read``: two more entries in Sphinx-Gallery's download footer."""
-    stem = page_stamp.tutorial_stem(app.env.docname)
+    stem = tutorial_stem(app.env.docname)
     if stem is None:
         return
     for footer in doctree.findall(nodes.container):
@@ -48,7 +48,7 @@ def add_links(app, doctree) -> None:
 
 def page_context(app, pagename, templatename, context, doctree) -> None:
     """``html-page-context``: the same links for the side-bar component."""
-    stem = page_stamp.tutorial_stem(pagename)
+    stem = tutorial_stem(pagename)
     if stem is not None and doctree is not None:
         context["tutorial_links"] = links(app.config, stem)
 

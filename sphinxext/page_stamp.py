@@ -18,8 +18,8 @@ from pathlib import Path
 
 from docutils import nodes
 
-GALLERY_OUT = "auto_tutorials"
-GALLERY_SRC = "tutorials"
+from gallery_layout import GALLERY_OUT, GALLERY_SRC, tutorial_stem
+
 STAMP_SUFFIX = ".env.json"
 CHECKED_VERSIONS = Path(".github") / "checked-versions.json"
 
@@ -40,13 +40,17 @@ def describe_environment() -> dict:
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         info["device"] = f"CPU, {cores} cores"
-        _, exact = tutorial_memory.rss_source()
-        info["memory"] = (
-            "peak growth of the build process's resident memory (RSS) while the page "
-            "ran, sampled every 5 ms, after freed memory was returned to the system"
-            if exact else
-            "growth of the build process's peak resident memory while the page ran, "
-            "a lower bound (this machine gives no finer measure)")
+        _, current = tutorial_memory.rss_source()
+        if not current:
+            info["memory"] = ("growth of the build process's peak resident memory while the page "
+                              "ran, a lower bound (this machine gives no finer measure)")
+        else:
+            info["memory"] = (f"peak growth of the build process's resident memory (RSS) while the "
+                              f"page ran, sampled every {tutorial_memory.SAMPLE_S * 1000:g} ms")
+            info["memory"] += (
+                ", after freed memory was returned to the system"
+                if tutorial_memory.independent_of_page_order() else
+                ", a lower bound (memory that earlier pages freed may be reused without growing it)")
     cache = os.environ.get("TUTORIALS_COMPILE_CACHE")
     info["compile_cache"] = (
         "an empty torch.compile cache of its own" if cache == "private" else
@@ -97,16 +101,6 @@ def stamp_text(src_dir: Path, stem: str) -> list[str]:
         lines.append("This version of the page has not been run with other PyTorch releases "
                      "yet (make check-versions).")
     return lines
-
-
-def tutorial_stem(docname: str) -> str | None:
-    prefix = GALLERY_OUT + "/"
-    if not docname.startswith(prefix):
-        return None
-    stem = docname[len(prefix):]
-    if "/" in stem or stem == "index" or stem.startswith("sg_execution"):
-        return None
-    return stem
 
 
 def insert_stamp(app, doctree) -> None:

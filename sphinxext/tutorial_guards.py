@@ -16,8 +16,9 @@ block through :func:`run_block`. That gives two guarantees:
   build and leave a half-written site.
 
 In both cases the block ends with :class:`TutorialFailure`, an ordinary
-exception naming the tutorial, so Sphinx-Gallery records the page as failed
-(file and line in the log) and the build fails once every page has run.
+exception naming the tutorial and the line it was stopped at, so
+Sphinx-Gallery records the page as failed and the build fails once every
+page has run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import PurePath
 
 TIME_LIMIT_ENV = "TUTORIAL_TIME_LIMIT_S"
 DEFAULT_TIME_LIMIT_S = 900
@@ -61,9 +63,20 @@ def end_tutorial() -> None:
     _current["file"] = _current["deadline"] = None
 
 
-def _timeout_message() -> str:
-    return (f"{_current['file']} ran past the per-tutorial limit of {time_limit_s():g} s "
+def _timeout_message(where: str = "") -> str:
+    return (f"{_current['file']} ran past the per-tutorial limit of {time_limit_s():g} s{where} "
             f"(set {TIME_LIMIT_ENV} to change it)")
+
+
+def _where(exc: BaseException) -> str:
+    """" at line N": the tutorial's innermost line in ``exc``'s traceback."""
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if PurePath(tb.tb_frame.f_code.co_filename).as_posix().endswith("/" + _current["file"]):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return "" if line is None else f" at line {line}"
 
 
 def _use_sigalrm() -> bool:
@@ -71,11 +84,12 @@ def _use_sigalrm() -> bool:
 
 
 class _Timer:
-    """Raises TutorialTimeout in the calling thread after ``seconds``."""
+    """Raises TutorialTimeout in the calling thread after ``seconds``, until
+    cancelled."""
 
     def __init__(self, seconds: float):
-        self.fired = False
         self.active = True
+        self.lock = threading.Lock()
         self.thread_id = threading.get_ident()
         if _use_sigalrm():
             self.previous = signal.signal(signal.SIGALRM, self._on_signal)
@@ -89,28 +103,40 @@ class _Timer:
 
     def _on_signal(self, signum, frame):  # noqa: ARG002 - signal handler signature
         if self.active:
-            self.fired = True
-            raise TutorialTimeout(_timeout_message())
+            raise TutorialTimeout
 
     def _on_watchdog(self):
-        # Repeat until the tutorial's thread notices: an asynchronous
-        # exception is delivered at the thread's next Python instruction.
-        while self.active:
-            self.fired = True
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.thread_id), ctypes.py_object(TutorialTimeout))
+        # Repeat until the tutorial's thread notices (an asynchronous exception
+        # is raised at the thread's next Python instruction) and cancels; under
+        # the lock, so none is set once cancel() has run.
+        while True:
+            with self.lock:
+                if not self.active:
+                    return
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.thread_id), ctypes.py_object(TutorialTimeout))
             time.sleep(0.05)
 
     def cancel(self):
-        self.active = False
-        if self.watchdog is None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
-        else:
-            self.watchdog.cancel()
-            # Take back an exception the watchdog set but the thread has not
-            # raised yet.
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+        with self.lock:
+            self.active = False
+            if self.watchdog is None:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, self.previous)
+            else:
+                self.watchdog.cancel()
+                # Take back an exception set but not raised yet.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+
+    def disarm(self):
+        """cancel(), even when the limit strikes during it (the timeout it
+        raises there is dropped: the block has already ended)."""
+        while True:
+            try:
+                self.cancel()
+                return
+            except TutorialTimeout:
+                continue
 
 
 def run_block(func):
@@ -126,10 +152,10 @@ def run_block(func):
         try:
             return func()
         finally:
-            timer.cancel()
-    except TutorialTimeout:
-        raise TutorialFailure(_timeout_message()) from None
+            timer.disarm()
+    except TutorialTimeout as exc:
+        raise TutorialFailure(_timeout_message(_where(exc))) from None
     except SystemExit as exc:
         raise TutorialFailure(
-            f"{name} called sys.exit({exc.code!r}) (or raised SystemExit): a tutorial "
+            f"{name} called sys.exit({exc.code!r}) (or raised SystemExit){_where(exc)}: a tutorial "
             "must not end the build; raise an exception instead") from None

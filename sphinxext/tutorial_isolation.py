@@ -35,8 +35,8 @@ from pathlib import Path
 import page_stamp
 import tutorial_guards
 import tutorial_memory
+from gallery_layout import GALLERY_SRC
 
-GALLERY_SRC = "tutorials"
 COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 _baseline: dict = {}

@@ -32,10 +32,18 @@ import tutorial_guards
 SAMPLE_S = 0.005
 
 
+_PROCESS = {}  # pid -> psutil.Process, made once: it is read every SAMPLE_S
+
+
 def _psutil_rss() -> int:
+    import os
+
     import psutil
 
-    return psutil.Process().memory_info().rss
+    pid = os.getpid()
+    if pid not in _PROCESS:
+        _PROCESS[pid] = psutil.Process(pid)
+    return _PROCESS[pid].memory_info().rss
 
 
 def _peak_rss() -> int:
@@ -46,7 +54,8 @@ def _peak_rss() -> int:
 
 
 def rss_source():
-    """(function returning bytes, whether it is exact) for this machine."""
+    """(function returning bytes, whether it reads the current RSS) for this
+    machine."""
     try:
         _psutil_rss()
         return _psutil_rss, True
@@ -54,21 +63,31 @@ def rss_source():
         return _peak_rss, False
 
 
-_LIBC = None
+def independent_of_page_order() -> bool:
+    """Whether the CPU figure is the page's own: the current RSS can be read,
+    and memory freed by earlier pages can be handed back first."""
+    return rss_source()[1] and _malloc_trim() is not None
+
+
+_LIBC = []  # [the C library, or None], once looked up
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC.append(ctypes.CDLL(name) if name else None)
+        except OSError:
+            _LIBC.append(None)
+    return getattr(_LIBC[0], "malloc_trim", None)
 
 
 def release_freed_memory() -> bool:
     """Hand memory that is free in the C allocator back to the system, so
     the next page's allocations raise the RSS. True where that is possible."""
-    global _LIBC
     gc.collect()
-    if _LIBC is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _LIBC = ctypes.CDLL(name) if name else False
-        except OSError:
-            _LIBC = False
-    trim = getattr(_LIBC, "malloc_trim", None) if _LIBC else None
+    trim = _malloc_trim()
     if trim is None:
         return False
     trim(0)

@@ -46,3 +46,10 @@ def external_resources(page: BeautifulSoup) -> list[str]:
             if re.match(r"^(https?:)?//", url):
                 found.append(f"<{tag} {attr}={url}>")
     return found
+
+
+def printed(site: Path, stem: str) -> str:
+    """Everything a built tutorial page shows as its code's output (printed
+    text, tracebacks), from ``site``'s HTML."""
+    page = soup(site / "_build" / "html" / "auto_tutorials" / f"{stem}.html")
+    return "\n".join(block.get_text() for block in page.select("div.sphx-glr-script-out"))

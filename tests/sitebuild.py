@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# The real tutorials: the tests never depend on which ones there are.
+STEMS = sorted(p.stem for p in (REPO / "tutorials").glob("*.py"))
 
 # What a site needs besides its tutorials.
 SITE_FILES = [
@@ -32,7 +35,8 @@ class Build:
     out: Path
     returncode: int
     log: str
-    seconds: float
+    seconds: float  # wall-clock
+    cpu_seconds: float  # of the build's processes: not stretched by a loaded or paused machine
 
     @property
     def html(self) -> Path:
@@ -52,7 +56,7 @@ def make_site(dst: Path, tutorials: list[Path] | None = None) -> Path:
     tut = dst / "tutorials"
     tut.mkdir(exist_ok=True)
     shutil.copy2(REPO / "tutorials" / "GALLERY_HEADER.rst", tut)
-    sources = tutorials if tutorials is not None else sorted((REPO / "tutorials").glob("*.py"))
+    sources = tutorials if tutorials is not None else [REPO / "tutorials" / f"{stem}.py" for stem in STEMS]
     for path in sources:
         shutil.copy2(path, tut / path.name)
     return dst
@@ -72,11 +76,35 @@ def build(src: Path, *extra: str, env: dict | None = None, validate: bool = True
     cmd = [sys.executable, "-m", "sphinx", "-M", "html", str(src), str(out),
            "-W", "--keep-going", "-n", *extra]
     full_env = {**os.environ, "GALLERY_PATTERN": "", **(env or {})}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _children_cpu()
     proc = subprocess.run(cmd, cwd=src, env=full_env, capture_output=True, text=True)
     returncode, log = proc.returncode, proc.stdout + proc.stderr
     if validate and returncode == 0 and "plot_gallery=0" not in extra:
         check = validate_site(src, full_env["GALLERY_PATTERN"])
         returncode, log = check.returncode, log + check.stdout + check.stderr
-    seconds = time.perf_counter() - start
-    return Build(src, out, returncode, log, seconds)
+    return Build(src, out, returncode, log, time.perf_counter() - start, _children_cpu() - cpu_start)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def line_of(path: Path, code: str) -> int:
+    """The number of the first line of ``path`` that starts with ``code``
+    (after its indentation)."""
+    return next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip().startswith(code))
+
+
+def error_lines(log: str, *needles: str) -> list[str]:
+    """Lines of a build log that hold every one of ``needles`` (a successful
+    build's log names every tutorial too: look for the name and the error on
+    one line)."""
+    return [ln for ln in log.splitlines() if all(n in ln for n in needles)]
+
+
+def reached(log: str, stem: str) -> bool:
+    """Whether Sphinx-Gallery began to generate the page of ``stem`` (and to
+    execute it, unless cached): its progress line,
+    "generating gallery for auto_tutorials... [ 50%] stem.py"."""
+    return bool(error_lines(log, "generating gallery for ", f" {stem}.py"))

@@ -16,7 +16,7 @@ from urllib.parse import urljoin, urlparse
 
 import pytest
 
-from sitebuild import REPO
+from sitebuild import REPO, STEMS
 
 pytestmark = pytest.mark.browser
 
@@ -56,7 +56,11 @@ def make_driver():
                  "--disable-sync", "--no-first-run", "--disable-quic", "--window-size=1280,1600"):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    # Generous: the machine may be loaded, or paused for a minute.
+    driver.set_script_timeout(300)
+    driver.set_page_load_timeout(300)
+    return driver
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,7 @@ def browser(request):
     server.shutdown()
 
 
-TUTORIAL_PAGES = sorted(f"auto_tutorials/{p.stem}.html" for p in (REPO / "tutorials").glob("*.py"))
+TUTORIAL_PAGES = [f"auto_tutorials/{stem}.html" for stem in STEMS]
 OTHER_PAGES = ["index.html", "auto_tutorials/index.html", "sg_execution_times.html",
                "auto_tutorials/sg_execution_times.html", "search.html"]
 
@@ -104,14 +108,15 @@ def test_page_in_browser(browser, rel):
     url = urljoin(base, rel)
     open_page(driver, url)
 
-    # Math, where there is any, is typeset by the local MathJax.
+    # Math, where there is any, is typeset by the local MathJax. The wait
+    # counts polls, not elapsed time, so a paused machine does not end it.
     if driver.execute_script("return document.querySelectorAll('.math').length"):
         driver.execute_async_script(
             "const done = arguments[arguments.length - 1];"
-            "const t0 = Date.now(); (function wait() {"
+            "let polls = 0; (function wait() {"
             " if (window.MathJax && MathJax.startup && MathJax.startup.promise)"
             "  MathJax.startup.promise.then(() => done());"
-            " else if (Date.now() - t0 > 15000) done(); else setTimeout(wait, 100); })();")
+            " else if (++polls > 600) done(); else setTimeout(wait, 100); })();")
         typeset = driver.execute_script("return document.querySelectorAll('mjx-container').length")
         assert typeset > 0, f"{rel}: math did not render"
 

@@ -10,26 +10,29 @@ import matplotlib
 import numpy as np
 import torch
 
-from pages import soup
-from sitebuild import FIXTURES, build, make_site, validate_site
+from pages import printed
+from sitebuild import FIXTURES, build, error_lines, line_of, make_site, validate_site
 
 FAULTS = FIXTURES / "faults"
 GOOD = FIXTURES / "tutorials" / "tiny_text.py"
+# The slow fixtures sleep for 600 s: a build that takes less than this did
+# not wait for the sleep to end, with room for a loaded or paused machine.
+STOPPED_WITHIN_S = 300
 
 
 def site_with(tmp_path, *names):
     return make_site(tmp_path / "site", tutorials=[GOOD, *(FAULTS / n for n in names)])
 
 
-def error_lines(log: str, *needles: str) -> list[str]:
-    return [ln for ln in log.splitlines() if all(n in ln for n in needles)]
-
-
 def test_sys_exit_half_way_fails_the_build_naming_the_file(tmp_path):
-    result = build(site_with(tmp_path, "exits.py"))
+    site = site_with(tmp_path, "exits.py")
+    result = build(site)
     assert result.returncode != 0, result.log[-3000:]
-    assert error_lines(result.log, "tutorials/exits.py called sys.exit(0)"), result.log[-3000:]
-    assert "second half, never reached" not in result.log
+    line = line_of(FAULTS / "exits.py", "sys.exit(0)")
+    assert error_lines(result.log, f"tutorials/exits.py called sys.exit(0) (or raised SystemExit) at line {line}"), \
+        result.log[-3000:]
+    out = printed(site, "exits")
+    assert "called sys.exit(0)" in out and "second half, never reached" not in out, out
 
 
 def test_another_fatal_error_keeps_its_own_message_and_exit_code(tmp_path):
@@ -75,16 +78,24 @@ def test_validator_fails_when_the_pattern_matches_no_tutorial(tmp_path):
 def test_time_limit_stops_a_slow_tutorial_and_names_it(tmp_path):
     result = build(site_with(tmp_path, "slow.py"), env={"TUTORIAL_TIME_LIMIT_S": "3"})
     assert result.returncode != 0
-    assert error_lines(result.log, "tutorials/slow.py ran past the per-tutorial limit of 3 s")
-    assert result.seconds < 100, "the sleeping tutorial was not stopped"
+    # Stopped inside the sleep, not after it.
+    line = line_of(FAULTS / "slow.py", "time.sleep(")
+    assert error_lines(result.log, f"tutorials/slow.py ran past the per-tutorial limit of 3 s at line {line}"), \
+        result.log[-3000:]
+    assert result.seconds < STOPPED_WITHIN_S, "the sleeping tutorial was not stopped"
 
 
 def test_time_limit_is_not_swallowed_by_except_exception(tmp_path):
-    result = build(site_with(tmp_path, "slow_catches.py"), env={"TUTORIAL_TIME_LIMIT_S": "3"})
+    site = site_with(tmp_path, "slow_catches.py")
+    result = build(site, env={"TUTORIAL_TIME_LIMIT_S": "3"})
     assert result.returncode != 0, result.log[-3000:]
-    assert error_lines(result.log, "tutorials/slow_catches.py ran past the per-tutorial limit of 3 s")
-    assert "caught" not in result.log and "survived the time limit" not in result.log
-    assert result.seconds < 100
+    line = line_of(FAULTS / "slow_catches.py", "time.sleep(")
+    assert error_lines(result.log, "tutorials/slow_catches.py ran past the per-tutorial limit of 3 s "
+                                   f"at line {line}"), result.log[-3000:]
+    out = printed(site, "slow_catches")
+    assert "ran past the per-tutorial limit" in out, out  # the block's error is on the page ...
+    assert "caught " not in out and "survived the time limit" not in out, out  # ... and nothing else
+    assert result.seconds < STOPPED_WITHIN_S
 
 
 def test_broken_cross_reference_fails_naming_the_file(tmp_path):
@@ -100,8 +111,7 @@ def test_missing_image_fails_naming_the_file(tmp_path):
 
 
 def _observed(site) -> dict[str, str]:
-    out = soup(site / "_build" / "html" / "auto_tutorials" / "observer.html").select("div.sphx-glr-script-out pre")
-    lines = [ln for block in out for ln in block.get_text().splitlines() if ":" in ln]
+    lines = [ln for ln in printed(site, "observer").splitlines() if ":" in ln]
     return dict(ln.split(":", 1) for ln in lines)
 
 
@@ -113,7 +123,7 @@ def test_global_state_does_not_leak_into_the_next_tutorial(tmp_path):
     for site in (alone, after):
         result = build(site)
         assert result.returncode == 0, result.log[-5000:]
-    assert "changed dtype" in soup(after / "_build" / "html" / "auto_tutorials" / "leaky.html").get_text()
+    assert "changed dtype" in printed(after, "leaky")
     expected, seen = _observed(alone), _observed(after)
     assert len(expected) >= 18, expected
     leaked = {k: (seen.get(k), v) for k, v in expected.items() if seen.get(k) != v}

@@ -12,7 +12,9 @@ from pages import soup
 from sitebuild import FIXTURES, REPO, build, make_site
 
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "sphinxext"))
 import shards  # noqa: E402
+from gallery_layout import is_image_of  # noqa: E402
 
 DUR = {
     "a": {"seconds": 300}, "b": {"seconds": 200}, "c": {"seconds": 200},
@@ -52,11 +54,18 @@ def test_unknown_tutorial_counts_as_the_longest_known():
     assert sorted(sh["seconds"] for sh in p) == [300.0, 310.0]
 
 
-def test_more_shards_than_tutorials_leaves_empty_shards_matching_nothing():
-    p = shards.plan(["a"], DUR, shards=3)
-    empty = [sh for sh in p if not sh["tutorials"]]
-    assert len(empty) == 2
-    assert all(re.search(sh["pattern"], "/x/tutorials/a.py") is None for sh in empty)
+def test_more_shards_than_tutorials_plans_only_shards_with_work(tmp_path, capsys):
+    # An empty shard would run `make html` with a pattern that matches no
+    # tutorial, which the validator fails: the plan the workflow reads has none.
+    assert [sh["tutorials"] for sh in shards.plan(["a"], DUR, shards=3)] == [["a"]]
+    (tmp_path / "tutorials").mkdir()
+    for stem in ("a", "b"):
+        (tmp_path / "tutorials" / f"{stem}.py").write_text("")
+    assert shards.main(["plan", "--shards", "3", "--tutorials", str(tmp_path / "tutorials"),
+                        "--durations", str(tmp_path / "none.json")]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert sorted(s for sh in planned for s in sh["tutorials"]) == ["a", "b"]
+    assert all(sh["tutorials"] for sh in planned) and len(planned) == 2
 
 
 def test_pattern_selects_exactly_its_files():
@@ -116,11 +125,11 @@ def test_merge_matches_stems_exactly_when_one_is_a_prefix_of_another(tmp_path, o
 
 
 def test_image_names_are_matched_exactly():
-    assert shards.is_image_of("sphx_glr_attn_001.png", "attn")
-    assert shards.is_image_of("sphx_glr_attn_thumb.png", "attn")
-    assert shards.is_image_of("sphx_glr_attn_001_2_00x.png", "attn")
-    assert not shards.is_image_of("sphx_glr_attn_gqa_001.png", "attn")
-    assert not shards.is_image_of("sphx_glr_attn_gqa_thumb.png", "attn")
+    assert is_image_of("sphx_glr_attn_001.png", "attn")
+    assert is_image_of("sphx_glr_attn_thumb.png", "attn")
+    assert is_image_of("sphx_glr_attn_001_2_00x.png", "attn")
+    assert not is_image_of("sphx_glr_attn_gqa_001.png", "attn")
+    assert not is_image_of("sphx_glr_attn_gqa_thumb.png", "attn")
 
 
 def _pages(html):

@@ -77,6 +77,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = default_dtype(DEVICE)
 QUICK = os.environ.get("TUTORIALS_QUICK") == "1"
 SEED = 0
+torch.manual_seed(SEED)  # the layers' initial weights and the random gradients below
 # the torch.nn reference layers take their fused inference path ("fast path")
 # in eval mode; it treats padding differently (see the parity section)
 torch.backends.mha.set_fastpath_enabled(False)

@@ -74,6 +74,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = default_dtype(DEVICE)
 QUICK = os.environ.get("TUTORIALS_QUICK") == "1"
 SEED = 0
+torch.manual_seed(SEED)
 print(f"PyTorch {torch.__version__}, device: {DEVICE}"
       + (f" ({torch.cuda.get_device_name()})" if DEVICE == "cuda" else f", {os.cpu_count()} cores")
       + f", dtype: {DTYPE}")

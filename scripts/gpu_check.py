@@ -3,7 +3,7 @@
 For a bare GPU machine with only PyTorch, numpy and matplotlib (no Sphinx,
 no network): each page in ``tutorials/`` runs at its CUDA sizes, in reading
 order, in its own folder under ``--out`` (its printed output is kept there as
-``output.txt``, with any figure it saves). One line per page says whether it
+``output.txt``, and each figure it shows as ``figure_N.png``). One line per page says whether it
 passed, how long it took, and the fractions of the work bound it printed;
 the exit status is 1 if any page failed, 2 if there is no CUDA GPU.
 
@@ -66,12 +66,32 @@ def summarize(stem: str, ok: bool, seconds: float, output: str) -> str:
     return line
 
 
+# Runs a page as __main__ with matplotlib's show() saving each open figure
+# into the current folder, numbered in order, instead of drawing it.
+RUNNER = """\
+import runpy, sys
+import matplotlib
+matplotlib.use("agg")
+import matplotlib.pyplot as plt
+shown = 0
+def show(*args, **kwargs):
+    global shown
+    for number in plt.get_fignums():
+        shown += 1
+        plt.figure(number).savefig(f"figure_{shown}.png", dpi=100)
+    plt.close("all")
+plt.show = show
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def run_page(path: Path, out: Path, timeout: float, env: dict) -> tuple[bool, float, str]:
     folder = out / path.stem
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, str(path)], cwd=folder, env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-c", RUNNER, str(path)], cwd=folder, env=env, capture_output=True,
                               text=True, timeout=timeout)
         ok, output = proc.returncode == 0, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as err:

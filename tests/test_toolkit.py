@@ -138,6 +138,9 @@ def test_different_batch_sizes_and_bad_kv_used_are_refused(tk):
         tk.ragged_attention(q, k[:, :3], v[:, :3], qo, ko)
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         tk.ragged_attention(q, k, v, qo, ko, backend="fast")
+    # float32 rotary outputs beside a bfloat16 value under autocast
+    with pytest.raises(ValueError, match="one dtype; got torch.float32, torch.float32, torch.bfloat16"):
+        tk.ragged_attention(q, k, v.bfloat16(), qo, ko, backend="loop")
 
 
 CPU_BACKENDS = ("sdpa_njt", "flex", "loop", "bucketed", "padded")
@@ -331,6 +334,22 @@ def test_gpu_check_runs_a_page_and_keeps_its_output(tmp_path):
     assert "nn.Linear" in (tmp_path / "ragged_batches_intro" / "output.txt").read_text()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [p["page"] for p in summary["pages"]] == ["ragged_batches_intro"] and summary["pages"][0]["passed"]
+
+
+def test_gpu_check_keeps_each_figure_a_page_shows(tmp_path):
+    page = tmp_path / "figures.py"
+    page.write_text("import matplotlib.pyplot as plt\n"
+                    "plt.plot([1, 2]); plt.show()\n"
+                    "plt.subplots(); plt.subplots(); plt.show()\n"
+                    "print(__name__)\n")
+    ok, _, output = gpu_check.run_page(page, tmp_path / "out", 120, dict(os.environ))
+    assert ok, output
+    assert output.strip() == "__main__"
+    assert sorted(p.name for p in (tmp_path / "out" / "figures").glob("*.png")) == \
+        ["figure_1.png", "figure_2.png", "figure_3.png"]
+    page.write_text("raise SystemExit('boom')\n")
+    ok, _, output = gpu_check.run_page(page, tmp_path / "out", 120, dict(os.environ))
+    assert not ok and "boom" in output
 
 
 # --- every page in low precision, on CPU --------------------------------------

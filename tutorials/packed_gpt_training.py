@@ -70,7 +70,7 @@ def default_dtype(device):
         return getattr(torch, name)
     if device != "cuda":
         return torch.float32
-    if torch.cuda.is_bf16_supported():
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     print("This GPU has no bfloat16: the page runs in float16 instead.")
     return torch.float16
@@ -104,7 +104,7 @@ for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
 # ~~~~~
 # Every size is set here. On CPU the model is small (width 256, two layers)
 # so that the whole page builds in a few minutes on two cores; on CUDA it is
-# four times wider and deeper and trains in ``bfloat16`` autocast. Documents
+# four times wider, twice as deep, and trains in ``bfloat16`` autocast. Documents
 # are drawn from the site's length generator, uncapped but for the model's
 # context length, which a real trainer would cap at too.
 
@@ -414,7 +414,7 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
     return out.transpose(1, 2).reshape(q.shape)
 
 
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False if DEVICE == "cpu" else None)
 
 
 def _flex(q, k, v, info, is_causal, scale, kv_used):
@@ -515,6 +515,9 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
             or q.shape[1] % k.shape[1]:
         raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
                          f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:  # fused kernels refuse a mix; autocast hides it from some
+        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
+                         "(under autocast, cast float32 rotary outputs back to the projection's dtype)")
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
     name = backend or default_backend(q.device, q.dtype)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -936,8 +939,10 @@ class Padded:
 
 def apply_rope(x, cos, sin):
     # x: (..., H, D); cos and sin: (..., 1, D / 2)
+    # Rotated in the precision of cos and sin (float32), returned in x's dtype:
+    # under autocast, q and k stay in the dtype of v.
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -1040,14 +1045,16 @@ def padded_loss(model, tokens, offsets):
 # Before timing anything, the proof that the two steps compute the same
 # thing: same loss, and the same gradient for every parameter, on the first
 # batch. The packed side uses the per-sequence loop here, which every device
-# has; the check is against the padded model, which shares no attention code
-# with it.
+# has. The padded side runs on PyTorch's math backend of SDPA (attention
+# written out as matrix products and a softmax), so that the two share no
+# attention kernel.
 
 tolerance = tolerances(DTYPE)
 loss_r = packed_loss(ragged_model, tokens, offsets, "loop")
-loss_p = padded_loss(padded_model, tokens, offsets)
 loss_r.backward()
-loss_p.backward()
+with sdpa_kernel(SDPBackend.MATH):
+    loss_p = padded_loss(padded_model, tokens, offsets)
+    loss_p.backward()
 torch.testing.assert_close(loss_r, loss_p, **tolerance)
 for (name, p_r), p_p in zip(ragged_model.named_parameters(), padded_model.parameters()):
     torch.testing.assert_close(p_r.grad, p_p.grad, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
@@ -1381,7 +1388,7 @@ for side, fn in (("padded", lambda: generate_padded(model, prompts, prompt_offse
 # ----------
 # A packed trainer is the padded trainer minus the padding: the same modules,
 # the same loss on the same targets, the same optimizer, and a loss curve that
-# matches step for step. What changes is the work. The training line above
+# ends where the padded one ends, within noise. What changes is the work. The training line above
 # compares real tokens per second on this device, beside the work bound of
 # the run and the fraction of it the packed trainer reached; the peak-memory
 # lines show the activations that padding would have held. In generation,

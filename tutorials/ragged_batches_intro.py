@@ -53,7 +53,7 @@ def default_dtype(device):
         return getattr(torch, name)
     if device != "cuda":
         return torch.float32
-    if torch.cuda.is_bf16_supported():
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     print("This GPU has no bfloat16: the page runs in float16 instead.")
     return torch.float16
@@ -227,7 +227,9 @@ print(f"real tokens {real_tokens}, padded slots {slots}: "
 # A token-wise layer such as ``nn.Linear`` works on every slot it is given. On
 # the packed values it runs on real tokens only, so the padded batch does
 # ``slots / real_tokens`` times the work: that ratio is the *work bound* of
-# this comparison, the most that skipping padding can buy. We check that
+# this comparison, the speedup to expect if time follows the work. A small
+# layer can beat it (time per call also pays fixed costs, and a smaller
+# matrix may fit a faster cache) or fall short of it. We check that
 # both give the same result on the real tokens, then time both with
 # ``measure`` (the site's timing helper, from the building-blocks page): it
 # uses ``torch.utils.benchmark``, lets the two take turns, and reports the

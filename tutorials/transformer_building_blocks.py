@@ -116,7 +116,7 @@ def default_dtype(device):
         return getattr(torch, name)
     if device != "cuda":
         return torch.float32
-    if torch.cuda.is_bf16_supported():
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     print("This GPU has no bfloat16: the page runs in float16 instead.")
     return torch.float16
@@ -562,7 +562,10 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
     return out.transpose(1, 2).reshape(q.shape)
 
 
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+# Static shapes on CPU (there dynamic shapes fail to compile on 2.13): one
+# compile per token count. Automatic dynamic shapes on CUDA: a new token count
+# each batch does not compile again.
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False if DEVICE == "cpu" else None)
 
 
 def _flex(q, k, v, info, is_causal, scale, kv_used):
@@ -663,6 +666,9 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
             or q.shape[1] % k.shape[1]:
         raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
                          f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:  # fused kernels refuse a mix; autocast hides it from some
+        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
+                         "(under autocast, cast float32 rotary outputs back to the projection's dtype)")
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
     name = backend or default_backend(q.device, q.dtype)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -951,8 +957,8 @@ def fastest(results):
 # %%
 # The work bound
 # ~~~~~~~~~~~~~~
-# A ragged layer can at best be as much faster as it does less work. The
-# **work bound** of a comparison is the work the padded implementation must
+# If time followed work, a ragged layer would be as much faster as it does
+# less work. The **work bound** of a comparison is the work the padded implementation must
 # do divided by the work the ragged one must do, each counted for what it
 # actually computes: floating-point operations per token for the projections
 # and feed-forward layers (``per_token``), and per query-key pair for the
@@ -1008,7 +1014,12 @@ x, offsets = ragged_batch(rng, BATCH, EMBED, device=DEVICE, dtype=DTYPE)
 lengths = offsets.diff().cpu()
 print(f"batch: {len(lengths)} sequences, {len(x)} tokens, longest {int(lengths.max())}; "
       f"padding would hold {len(lengths) * int(lengths.max())} token slots")
-q_a, k_a, v_a = (x.unflatten(-1, (HEADS, -1)) for _ in range(3))  # (T, H, D)
+# Queries from the batch; keys and values drawn apart, so that no query is
+# favoured by being its own key. Each (T, H, D).
+gen = torch.Generator(DEVICE).manual_seed(SEED + 1)
+q_a = x.unflatten(-1, (HEADS, -1))
+k_a, v_a = (torch.randn(x.shape, generator=gen, device=DEVICE).to(DTYPE).unflatten(-1, (HEADS, -1))
+            for _ in range(2))
 
 print("forward:")
 forward_results = compare_backends(q_a, k_a, v_a, offsets, is_causal=True, min_run_time=RUN_TIME)
@@ -1326,17 +1337,21 @@ def alibi_attention(q, k, v, block_mask):
 
 
 block_mask = create_block_mask(document_causal, None, None, len(x), len(x), device=DEVICE)
-qf = q_a.transpose(0, 1)[None]  # (1, H, T, D): the packed batch as one sequence
+# Queries, keys and values of the packed batch, (1, H, T, D): one sequence of
+# T tokens, as three separate tensors like a layer's projections.
+gen = torch.Generator(DEVICE).manual_seed(SEED)
+qf, kf, vf = (torch.randn(1, HEADS, len(x), EMBED // HEADS, generator=gen, device=DEVICE).to(DTYPE)
+              for _ in range(3))
 with torch.no_grad():
-    out_alibi = alibi_attention(qf, qf, qf, block_mask)[0]
+    out_alibi = alibi_attention(qf, kf, vf, block_mask)[0]
     reference_alibi = torch.zeros(out_alibi.shape, device=DEVICE)
     for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
         pos = torch.arange(end - start, device=DEVICE)
         distance = (pos[:, None] - pos[None, :]).float()
         bias = (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))
-        qs = qf[0, :, start:end].float()
+        qs, ks, vs = (t[0, :, start:end].float() for t in (qf, kf, vf))
         with sdpa_kernel(SDPBackend.MATH):
-            reference_alibi[:, start:end] = F.scaled_dot_product_attention(qs, qs, qs, attn_mask=bias)
+            reference_alibi[:, start:end] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias)
 torch.testing.assert_close(out_alibi.float(), reference_alibi, **tolerances(DTYPE))
 print(f"ALiBi over the document-causal mask matches the reference on all {len(x)} tokens; "
       f"the block mask skips {block_mask.sparsity():.1f}% of the score blocks")
@@ -1349,8 +1364,8 @@ print(f"ALiBi over the document-causal mask matches the reference on all {len(x)
 # (the expected length ``1 / p`` is printed for each). For several exponents
 # we draw one batch each, time the causal self-attention layer forward,
 # padded against ragged, and plot the speedup against the work bound of that
-# batch. A point on the diagonal means the ragged layer wins back everything
-# padding costs.
+# batch. A point on the diagonal means the ragged layer wins back what
+# padding costs in work; below it, part of that is lost to overheads.
 
 import matplotlib.pyplot as plt
 

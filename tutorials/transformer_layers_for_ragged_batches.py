@@ -19,7 +19,8 @@ measured against ``torch.nn`` on padded batches, and trained end to end.
        * How to prove, weight for weight and gradient for gradient, that the
          ragged layers compute what ``torch.nn`` computes
        * What skipping the padding buys in time and memory against the work
-         bound, and that the ragged model trains to the same loss, faster
+         bound, and that the ragged model trains to the same loss as the
+         padded one
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -67,7 +68,7 @@ def default_dtype(device):
         return getattr(torch, name)
     if device != "cuda":
         return torch.float32
-    if torch.cuda.is_bf16_supported():
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     print("This GPU has no bfloat16: the page runs in float16 instead.")
     return torch.float16
@@ -413,7 +414,7 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
     return out.transpose(1, 2).reshape(q.shape)
 
 
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False if DEVICE == "cpu" else None)
 
 
 def _flex(q, k, v, info, is_causal, scale, kv_used):
@@ -514,6 +515,9 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
             or q.shape[1] % k.shape[1]:
         raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
                          f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:  # fused kernels refuse a mix; autocast hides it from some
+        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
+                         "(under autocast, cast float32 rotary outputs back to the projection's dtype)")
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
     name = backend or default_backend(q.device, q.dtype)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -64,7 +64,7 @@ def default_dtype(device):
         return getattr(torch, name)
     if device != "cuda":
         return torch.float32
-    if torch.cuda.is_bf16_supported():
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     print("This GPU has no bfloat16: the page runs in float16 instead.")
     return torch.float16
@@ -393,7 +393,7 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
     return out.transpose(1, 2).reshape(q.shape)
 
 
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False if DEVICE == "cpu" else None)
 
 
 def _flex(q, k, v, info, is_causal, scale, kv_used):
@@ -494,6 +494,9 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
             or q.shape[1] % k.shape[1]:
         raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
                          f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:  # fused kernels refuse a mix; autocast hides it from some
+        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
+                         "(under autocast, cast float32 rotary outputs back to the projection's dtype)")
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
     name = backend or default_backend(q.device, q.dtype)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -813,8 +816,11 @@ used = lengths.to(DEVICE)
 k_dense = k_cache.view(BATCH, capacity, HEADS, HEAD_DIM)[:, :int(used.max())].transpose(1, 2).contiguous()
 v_dense = v_cache.view(BATCH, capacity, HEADS, HEAD_DIM)[:, :int(used.max())].transpose(1, 2).contiguous()
 key_in_use = (torch.arange(int(used.max()), device=DEVICE) < used[:, None])[:, None, None, :]  # (B, 1, 1, S)
-grad_h = torch.randn_like(qh)
-qh_train = qh.detach().requires_grad_()
+# The gradient of a masked loss: zero at padding, so padding queries add
+# nothing to the gradients of the real keys and values.
+grad_packed = randn(T, HEADS, HEAD_DIM)
+grad_h = to_padded(grad_packed, offsets)[0].transpose(1, 2).contiguous()
+qh_train, kh_train, vh_train = (t.detach().requires_grad_() for t in (qh, kh, vh))
 
 
 def baseline_inference():
@@ -823,7 +829,8 @@ def baseline_inference():
 
 
 def baseline_training():
-    F.scaled_dot_product_attention(qh_train, kh, vh, is_causal=True).backward(grad_h)
+    out = F.scaled_dot_product_attention(qh_train, kh_train, vh_train, is_causal=True)
+    return torch.autograd.grad(out, (qh_train, kh_train, vh_train), grad_h)
 
 
 def baseline_decoding():
@@ -846,6 +853,11 @@ torch.testing.assert_close(unpad(baseline_gqa()), reference_attention(q, k[:, :K
                                                                     is_causal=True), **tol)
 torch.testing.assert_close(baseline_decoding()[:, :, 0].float(),
                            reference_attention(q_step, k_cache, v_cache, one_each, cache_offsets, kv_used=used), **tol)
+q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+reference_grads = torch.autograd.grad(reference_attention(q32, k32, v32, offsets, is_causal=True), (q32, k32, v32),
+                                      grad_packed.float())
+for name, g, r in zip("qkv", baseline_training(), reference_grads):
+    torch.testing.assert_close(unpad(g), r, **tol, msg=lambda m, name=name: f"padded tensors, d{name}: {m}")
 baselines = measure({"inference": baseline_inference, "training": baseline_training, "decoding": baseline_decoding,
                      "GQA": baseline_gqa}, min_run_time=RUN_TIME)
 for job, t in baselines.items():
@@ -894,11 +906,14 @@ def score_mod_flex():
         return flex_alibi(*(t.transpose(0, 1)[None] for t in (q, k, v)), score_mask)[0].transpose(0, 1)
 
 
-def score_mod_loop():
+loop_biases = [alibi_bias(len(a)).to(DTYPE)[None] for a in q_seqs]  # built once per batch, as pad_bias below
+
+
+def score_mod_loop():  # (1, H, L, D) per sequence: four dimensions, as the fused CPU kernel takes them
     with torch.no_grad():
         return torch.cat([F.scaled_dot_product_attention(
-            a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1), attn_mask=alibi_bias(len(a)).to(DTYPE)
-        ).transpose(0, 1) for a, b, c in zip(q_seqs, k_seqs, v_seqs)])
+            a.transpose(0, 1)[None], b.transpose(0, 1)[None], c.transpose(0, 1)[None], attn_mask=bias
+        )[0].transpose(0, 1) for a, b, c, bias in zip(q_seqs, k_seqs, v_seqs, loop_biases)])
 
 
 pad_bias = alibi_bias(q_pad.shape[1]).masked_fill(~valid[:, None, None, :], float("-inf")).to(DTYPE)
@@ -909,9 +924,10 @@ def score_mod_padded():
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=pad_bias)
 
 
-reference = torch.cat([F.scaled_dot_product_attention(
-    a.float().transpose(0, 1), b.float().transpose(0, 1), c.float().transpose(0, 1), attn_mask=alibi_bias(len(a))
-).transpose(0, 1) for a, b, c in zip(q_seqs, k_seqs, v_seqs)])
+with sdpa_kernel(SDPBackend.MATH):  # float32, and no kernel shared with the paths checked
+    reference = torch.cat([F.scaled_dot_product_attention(
+        a.float().transpose(0, 1), b.float().transpose(0, 1), c.float().transpose(0, 1), attn_mask=alibi_bias(len(a))
+    ).transpose(0, 1) for a, b, c in zip(q_seqs, k_seqs, v_seqs)])
 runs = {"flex": score_mod_flex, "loop": score_mod_loop, "padded tensors": score_mod_padded}
 for name, fn in runs.items():
     out = unpad(fn()) if name == "padded tensors" else fn().float()
@@ -932,38 +948,47 @@ for name in BACKENDS + ("padded tensors",):
 # %%
 # The table
 # ---------
-# One row per path, one column per job: the median time in ms, and in
-# brackets the speedup over the padded tensors for the same job, or "n/a"
-# where the path cannot take the job here (the printouts above say why).
-# Every number that appears passed its correctness check first. The last
-# row is each job's work bound: the query-key pairs the padded baseline
-# scores over the pairs the sequences need (the causal half on both sides
-# where the job is causal; for decoding, every cached row up to the longest
-# sequence against the rows in use).
+# One row per path, one column per job: the median time in ms, the speedup
+# over the padded tensors for the same job, and in brackets that speedup as
+# a fraction of the job's work bound; "n/a" where the path cannot take the
+# job here (the printouts above say why). Every number that appears passed
+# its correctness check first. The last row is each job's work bound: the
+# query-key pairs the padded baseline scores over the pairs the sequences
+# need. Where the job is causal, both sides count the causal half (a causal
+# kernel skips the rest), except for the score function: there the padded
+# baseline and the per-sequence loop add a bias to the whole square and
+# compute all of it, so both sides count the square (FlexAttention skips
+# the masked blocks, and can pass that bound). For
+# decoding, the padded side scores every cached row up to the longest
+# sequence, the ragged side the rows in use.
 
 ones = torch.ones(BATCH, dtype=torch.long)
 BOUND = {job: work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True)
-         for job in ("inference", "training", "GQA", "score_mod")}
+         for job in ("inference", "training", "GQA")}
+BOUND["score_mod"] = work_bound(lengths, per_token=0.0, per_pair=1.0, causal=False)
 BOUND["decoding"] = work_bound(ones, lengths, per_token=0.0, per_pair=1.0)
 JOBS = list(table)
-width = 22
+width = 24
 print(f"{'':10s}" + "".join(f"{job:>{width}s}" for job in JOBS))
 ROWS = ("padded tensors",) + BACKENDS
 for name in ROWS:
     cells = []
     for job in JOBS:
         r, base = table[job][name], table[job]["padded tensors"]
-        if isinstance(r, Timing):
-            cells.append(f"{r.median_ms:8.2f} ms ({base.median_ms / r.median_ms:4.1f}x)")
-        else:
+        if not isinstance(r, Timing):
             cells.append("n/a")
+        elif name == "padded tensors":
+            cells.append(f"{r.median_ms:8.2f} ms")
+        else:
+            gain = base.median_ms / r.median_ms
+            cells.append(f"{r.median_ms:8.2f} ms {gain:4.1f}x ({gain / BOUND[job]:.2f})")
     print(f"{name:10s}" + "".join(f"{c:>{width}s}" for c in cells))
 print(f"{'bound':10s}" + "".join(f"{BOUND[job]:>{width - 1}.1f}x" for job in JOBS))
 
 # %%
 # The same table as a figure: each cell is the speedup over the padded
-# tensors for that job (higher is better), "n/a" where the path cannot take
-# the job here.
+# tensors for that job (higher is better) and, below it, the fraction of
+# the job's work bound; "n/a" where the path cannot take the job here.
 
 import matplotlib.pyplot as plt
 
@@ -973,12 +998,14 @@ for i, name in enumerate(ROWS):
         r = table[job][name]
         if isinstance(r, Timing):
             speedup[i, j] = table[job]["padded tensors"].median_ms / r.median_ms
-fig, ax = plt.subplots(figsize=(7.5, 4))
+fig, ax = plt.subplots(figsize=(8.5, 5))
 image = ax.imshow(np.log2(speedup), cmap="RdYlGn", vmin=-3, vmax=3, aspect="auto")
 for i in range(len(ROWS)):
     for j in range(len(JOBS)):
         text = "n/a" if np.isnan(speedup[i, j]) else f"{speedup[i, j]:.1f}x"
-        ax.text(j, i, text, ha="center", va="center", fontsize=9)
+        if i and not np.isnan(speedup[i, j]):
+            text += f"\n{speedup[i, j] / BOUND[JOBS[j]]:.2f} of bound"
+        ax.text(j, i, text, ha="center", va="center", fontsize=8)
 ax.set_xticks(range(len(JOBS)), JOBS)
 ax.set_yticks(range(len(ROWS)), ROWS)
 ax.set_title(f"Speedup over padding, {DEVICE}, {str(DTYPE).removeprefix('torch.')}")
@@ -1011,11 +1038,12 @@ for job in JOBS:
 # Where the time goes
 # ~~~~~~~~~~~~~~~~~~~
 # Attention alone has a large work bound for ragged batches, because padding
-# costs it the square of the padded length. No path reaches all of it: a
-# path that does only the real work still pays per call, per sequence or per
-# block, costs that the bound does not count. The profiles of the inference
-# job, for the padded baseline and for the path chosen for it, show what each
-# spent its time on.
+# costs it the square of the padded length. A path that does only the real
+# work still pays per call, per sequence or per block, costs that the bound
+# does not count, and the fractions above show how much of the bound each
+# path kept on this device. The profiles of two jobs, inference and the
+# score function, for the padded baseline and for the path chosen for each,
+# show what each spent its time on.
 
 best = fastest({n: r for n, r in table["inference"].items() if isinstance(r, Timing) and n in BACKENDS})
 print("inference, padded tensors:")
@@ -1023,6 +1051,11 @@ print(where_time_goes(baseline_inference))
 print(f"inference, the path chosen ({best}):")
 with torch.no_grad():
     print(where_time_goes(lambda: ragged_attention(q, k, v, offsets, is_causal=True, backend=best)))
+best = fastest({n: r for n, r in table["score_mod"].items() if isinstance(r, Timing) and n != "padded tensors"})
+print("score_mod, padded tensors:")
+print(where_time_goes(score_mod_padded))
+print(f"score_mod, the path chosen ({best}):")
+print(where_time_goes(runs[best]))
 
 # %%
 # How to read it. The ranking holds for this device, this dtype and these
@@ -1035,7 +1068,7 @@ with torch.no_grad():
 # * the per-sequence loop does exactly the real work but pays one call per
 #   sequence, so it suits few long sequences better than many short ones;
 # * FlexAttention is the only path here that takes an arbitrary score
-#   function, and on CPU it has no backward;
+#   function, and on CPU it has no backward (in PyTorch 2.11 to 2.15);
 # * ``varlen_attn`` needs CUDA and a half-precision dtype, and reads a KV
 #   cache with spare room directly (``seqused_k``) where its release has it.
 #

@@ -123,7 +123,7 @@ if QUICK:
     DOCS_PER_BATCH, STEPS, LR, PROMPTS, NEW_TOKENS = 16, 60, 1e-2, 8, 8
 TOPICS = 4  # the corpus below has this many kinds of document
 WARMUP_STEPS = 3  # steps left out of the throughput figures (first calls, compilation)
-RUN_TIME = 0.2 if QUICK else 1.0
+RUN_TIME = 0.2 if QUICK else 1.0 if DEVICE == "cuda" else 0.4  # seconds of timed runs per comparison
 print(f"model {MODEL}")
 print(f"{STEPS} steps of {DOCS_PER_BATCH} documents, Zipf exponent {ZIPF_ALPHA}")
 

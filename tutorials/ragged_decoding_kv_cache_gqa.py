@@ -118,7 +118,7 @@ else:  # real serving: width 4096 and up, 32+ layers, 64-256 sequences
     MODEL = dict(vocab_size=512, dim=128, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=352,
                  max_seq_len=1024)
     PROMPTS, ZIPF_ALPHA, NEW_TOKENS, GEN_LENGTHS = 16, 1.2, 32, (8, 32)
-    RUN_TIME = 0.4
+    RUN_TIME = 0.25
 if QUICK:
     MODEL.update(dim=64, n_layers=2, ffn_hidden=176, vocab_size=256)
     PROMPTS, NEW_TOKENS, GEN_LENGTHS, RUN_TIME = 6, 8, (4, 8), 0.1

@@ -981,7 +981,7 @@ for name in ROWS:
             cells.append(f"{r.median_ms:8.2f} ms")
         else:
             gain = base.median_ms / r.median_ms
-            cells.append(f"{r.median_ms:8.2f} ms {gain:4.1f}x ({gain / BOUND[job]:.2f})")
+            cells.append(f"{r.median_ms:8.2f} ms {gain:4.{1 if gain >= 1 else 2}f}x ({gain / BOUND[job]:.2f})")
     print(f"{name:10s}" + "".join(f"{c:>{width}s}" for c in cells))
 print(f"{'bound':10s}" + "".join(f"{BOUND[job]:>{width - 1}.1f}x" for job in JOBS))
 
@@ -1002,7 +1002,7 @@ fig, ax = plt.subplots(figsize=(8.5, 5))
 image = ax.imshow(np.log2(speedup), cmap="RdYlGn", vmin=-3, vmax=3, aspect="auto")
 for i in range(len(ROWS)):
     for j in range(len(JOBS)):
-        text = "n/a" if np.isnan(speedup[i, j]) else f"{speedup[i, j]:.1f}x"
+        text = "n/a" if np.isnan(speedup[i, j]) else f"{speedup[i, j]:.{1 if speedup[i, j] >= 1 else 2}f}x"
         if i and not np.isnan(speedup[i, j]):
             text += f"\n{speedup[i, j] / BOUND[JOBS[j]]:.2f} of bound"
         ax.text(j, i, text, ha="center", va="center", fontsize=8)

@@ -2,8 +2,11 @@
 and its ``.ipynb`` with ``nbclient`` on a fresh kernel, on CPU, outside the
 Sphinx build.
 
-Both runs use ``TUTORIALS_QUICK=1`` (smaller sizes, every assertion kept), so
-that running every page three times stays inside the CI budget. The two runs
+Both runs use ``TUTORIALS_QUICK=1`` (smaller sizes, every assertion kept) and
+``TUTORIALS_DTYPE=bfloat16``: the pages' CUDA dtype on a CPU, so every
+low-precision path and tolerance runs here, while the site build runs every
+page in float32 at full size. Each page thus runs three times in the suite,
+and in both dtypes. The two runs
 are also the reproducibility check: they must print the same lines (sequence
 lengths, token counts, correctness figures), except lines that report a
 timing, a speed or a memory figure. Within the lines compared, decimal
@@ -27,9 +30,10 @@ from nbclient import NotebookClient
 
 from sitebuild import STEMS
 
-pytestmark = pytest.mark.notebook
+pytestmark = [pytest.mark.notebook, pytest.mark.lowprecision]
 
-QUICK_ENV = {"TUTORIALS_QUICK": "1", "MPLBACKEND": "agg", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+QUICK_ENV = {"TUTORIALS_QUICK": "1", "TUTORIALS_DTYPE": "bfloat16", "MPLBACKEND": "agg",
+             "PYTHONWARNINGS": "ignore::DeprecationWarning"}
 TIMEOUT_S = 600
 
 # A line that reports something measured (time, speed, memory), or a choice
@@ -64,7 +68,8 @@ def test_downloaded_py_and_notebook_run_and_agree(real_site, stem, tmp_path, mon
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=TIMEOUT_S,
                           env={**{k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}, **QUICK_ENV})
-    assert proc.returncode == 0, f"{stem}.py failed:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"{stem}.py failed in bfloat16:\n{proc.stderr[-5000:]}"
+    assert "dtype: torch.bfloat16" in proc.stdout, f"{stem}.py did not pick up TUTORIALS_DTYPE"
 
     # The notebook, on a fresh kernel; its first cell is the pip install line.
     nb = nbformat.read(downloaded(real_site, stem, ".ipynb"), as_version=4)

@@ -350,17 +350,3 @@ def test_gpu_check_keeps_each_figure_a_page_shows(tmp_path):
     page.write_text("raise SystemExit('boom')\n")
     ok, _, output = gpu_check.run_page(page, tmp_path / "out", 120, dict(os.environ))
     assert not ok and "boom" in output
-
-
-# --- every page in low precision, on CPU --------------------------------------
-
-@pytest.mark.lowprecision
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
-def test_page_runs_in_bfloat16(page, tmp_path):
-    """The CUDA configuration's dtype on a CPU: every tolerance and every
-    low-precision path of the page runs, at the quick sizes."""
-    env = {**os.environ, "TUTORIALS_QUICK": "1", "TUTORIALS_DTYPE": "bfloat16", "MPLBACKEND": "agg"}
-    proc = subprocess.run([sys.executable, str(page)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, f"{page.name} failed in bfloat16:\n{proc.stderr[-4000:]}"
-    assert "dtype: torch.bfloat16" in proc.stdout, "the page did not pick up TUTORIALS_DTYPE"

@@ -939,8 +939,8 @@ class Padded:
 
 def apply_rope(x, cos, sin):
     # x: (..., H, D); cos and sin: (..., 1, D / 2)
-    # Rotated in the precision of cos and sin (float32), returned in x's dtype:
-    # under autocast, q and k stay in the dtype of v.
+    # Rotated in the precision of cos and sin (float32), returned in the dtype
+    # of x: under autocast, q and k stay in the dtype of v.
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 

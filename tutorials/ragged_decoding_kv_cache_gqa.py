@@ -821,8 +821,8 @@ class Padded:
 
 def apply_rope(x, cos, sin):
     # x: (..., H, D); cos and sin: (..., 1, D / 2)
-    # Rotated in the precision of cos and sin (float32), returned in x's dtype:
-    # under autocast, q and k stay in the dtype of v.
+    # Rotated in the precision of cos and sin (float32), returned in the dtype
+    # of x: under autocast, q and k stay in the dtype of v.
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -964,8 +964,8 @@ print(f"MHA: {mha_cfg.n_heads} query heads, {mha_cfg.n_kv_heads} key/value heads
 # The loop below is ``generate_packed`` unrolled, with a check at every step:
 # the cached logits must equal a recomputation of the whole history without
 # any cache, for every sequence. Both run the per-sequence loop backend, so
-# that this check is about the cache's bookkeeping; each backend's kernel is
-# checked against the float32 reference in the tables below.
+# that this check is about the cache's bookkeeping; the kernel of every
+# backend is checked against the float32 reference in the tables below.
 
 torch.manual_seed(SEED)
 history = [prompts[int(a):int(b)].tolist() for a, b in zip(prompt_offsets[:-1], prompt_offsets[1:])]

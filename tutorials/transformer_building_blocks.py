@@ -1015,7 +1015,7 @@ lengths = offsets.diff().cpu()
 print(f"batch: {len(lengths)} sequences, {len(x)} tokens, longest {int(lengths.max())}; "
       f"padding would hold {len(lengths) * int(lengths.max())} token slots")
 # Queries from the batch; keys and values drawn apart, so that no query is
-# favoured by being its own key. Each (T, H, D).
+# favored by being its own key. Each (T, H, D).
 gen = torch.Generator(DEVICE).manual_seed(SEED + 1)
 q_a = x.unflatten(-1, (HEADS, -1))
 k_a, v_a = (torch.randn(x.shape, generator=gen, device=DEVICE).to(DTYPE).unflatten(-1, (HEADS, -1))

@@ -1337,11 +1337,7 @@ def alibi_attention(q, k, v, block_mask):
 
 
 block_mask = create_block_mask(document_causal, None, None, len(x), len(x), device=DEVICE)
-# Queries, keys and values of the packed batch, (1, H, T, D): one sequence of
-# T tokens, as three separate tensors like a layer's projections.
-gen = torch.Generator(DEVICE).manual_seed(SEED)
-qf, kf, vf = (torch.randn(1, HEADS, len(x), EMBED // HEADS, generator=gen, device=DEVICE).to(DTYPE)
-              for _ in range(3))
+qf, kf, vf = (t.transpose(0, 1)[None] for t in (q_a, k_a, v_a))  # (1, H, T, D): the batch as one sequence
 with torch.no_grad():
     out_alibi = alibi_attention(qf, kf, vf, block_mask)[0]
     reference_alibi = torch.zeros(out_alibi.shape, device=DEVICE)

@@ -968,20 +968,28 @@ BOUND = {job: work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True)
 BOUND["score_mod"] = work_bound(lengths, per_token=0.0, per_pair=1.0, causal=False)
 BOUND["decoding"] = work_bound(ones, lengths, per_token=0.0, per_pair=1.0)
 JOBS = list(table)
+ROWS = ("padded tensors",) + BACKENDS
+# speedup[i, j]: row i over the padded tensors on job j; NaN where row i cannot take it
+speedup = np.array([[table[job]["padded tensors"].median_ms / table[job][name].median_ms
+                     if isinstance(table[job][name], Timing) else np.nan for job in JOBS] for name in ROWS])
+
+
+def as_speedup(s):  # a speedup, with two decimals below 1x so that 0.04x does not read 0.0x
+    return f"{s:.{1 if s >= 1 else 2}f}x"
+
+
 width = 24
 print(f"{'':10s}" + "".join(f"{job:>{width}s}" for job in JOBS))
-ROWS = ("padded tensors",) + BACKENDS
-for name in ROWS:
+for i, name in enumerate(ROWS):
     cells = []
-    for job in JOBS:
-        r, base = table[job][name], table[job]["padded tensors"]
-        if not isinstance(r, Timing):
+    for j, job in enumerate(JOBS):
+        if np.isnan(speedup[i, j]):
             cells.append("n/a")
         elif name == "padded tensors":
-            cells.append(f"{r.median_ms:8.2f} ms")
+            cells.append(f"{table[job][name].median_ms:8.2f} ms")
         else:
-            gain = base.median_ms / r.median_ms
-            cells.append(f"{r.median_ms:8.2f} ms {gain:4.{1 if gain >= 1 else 2}f}x ({gain / BOUND[job]:.2f})")
+            cells.append(f"{table[job][name].median_ms:8.2f} ms {as_speedup(speedup[i, j]):>5s} "
+                         f"({speedup[i, j] / BOUND[job]:.2f})")
     print(f"{name:10s}" + "".join(f"{c:>{width}s}" for c in cells))
 print(f"{'bound':10s}" + "".join(f"{BOUND[job]:>{width - 1}.1f}x" for job in JOBS))
 
@@ -992,18 +1000,12 @@ print(f"{'bound':10s}" + "".join(f"{BOUND[job]:>{width - 1}.1f}x" for job in JOB
 
 import matplotlib.pyplot as plt
 
-speedup = np.full((len(ROWS), len(JOBS)), np.nan)
-for i, name in enumerate(ROWS):
-    for j, job in enumerate(JOBS):
-        r = table[job][name]
-        if isinstance(r, Timing):
-            speedup[i, j] = table[job]["padded tensors"].median_ms / r.median_ms
 fig, ax = plt.subplots(figsize=(8.5, 5))
 image = ax.imshow(np.log2(speedup), cmap="RdYlGn", vmin=-3, vmax=3, aspect="auto")
 for i in range(len(ROWS)):
     for j in range(len(JOBS)):
-        text = "n/a" if np.isnan(speedup[i, j]) else f"{speedup[i, j]:.{1 if speedup[i, j] >= 1 else 2}f}x"
-        if i and not np.isnan(speedup[i, j]):
+        text = "n/a" if np.isnan(speedup[i, j]) else as_speedup(speedup[i, j])
+        if ROWS[i] != "padded tensors" and not np.isnan(speedup[i, j]):
             text += f"\n{speedup[i, j] / BOUND[JOBS[j]]:.2f} of bound"
         ax.text(j, i, text, ha="center", va="center", fontsize=8)
 ax.set_xticks(range(len(JOBS)), JOBS)

@@ -5,6 +5,7 @@ the build's own code lives in small extensions in ``sphinxext/``.
 """
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(HERE / "sphinxext"))
 import notebook_cell  # noqa: E402
 import tutorial_isolation  # noqa: E402
 import tutorial_memory  # noqa: E402
-from gallery_layout import GALLERY_OUT, GALLERY_SRC  # noqa: E402
+from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT  # noqa: E402
 
 # -- Where the site is published: the one place to change ---------------------
 # The GitHub repository and branch the pages link to ("View source on GitHub",
@@ -93,6 +94,8 @@ sphinx_gallery_conf = {
     # Execute every file in tutorials/, not only files named plot_*.
     # `make html GALLERY_PATTERN=name` narrows this to the matching files.
     "filename_pattern": os.environ.get("GALLERY_PATTERN") or r"/",
+    # The toolkit module beside the tutorials is imported by them, not a page.
+    "ignore_pattern": r"__init__\.py|" + re.escape(TOOLKIT),
     # Reading order, not file names: sphinxext/gallery_order.py.
     "within_subsection_order": "gallery_order.TutorialOrder",
     # Before and after every tutorial: state reset, seeds, page stamp, time

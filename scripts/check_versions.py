@@ -42,6 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sphinxext"))
+from gallery_layout import tutorial_sources  # noqa: E402
 from notebook_cell import minimums  # noqa: E402 - the one reader of requirements-minimum.txt
 
 # The newest PyTorch release the pages are checked with. Raise it when a new
@@ -149,7 +150,9 @@ finally:
 
 def run_page(python: Path, page: Path | None, workdir: Path) -> tuple[int, str, list[dict]]:
     out = workdir / "warnings.json"
-    env = {**os.environ, "TUTORIALS_QUICK": "1", "MPLBACKEND": "agg", "PYTHONWARNINGS": ""}
+    # the pages import the toolkit module that lies beside them
+    env = {**os.environ, "TUTORIALS_QUICK": "1", "MPLBACKEND": "agg", "PYTHONWARNINGS": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tutorials"), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [str(python), "-c", RUNNER, str(out), str(page or ""), "0" if page else "1"],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT_S)
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
         return 0
 
     # Absolute: each page runs in a temporary folder of its own.
-    pages = sorted(p.resolve() for p in args.pages or (REPO / "tutorials").glob("*.py"))
+    pages = sorted(p.resolve() for p in args.pages or tutorial_sources(REPO))
     if not pages:
         ap.error("no tutorials to check")
     args.venvs.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
-from gallery_order import reading_order_key  # noqa: E402  (standard library only)
+from gallery_layout import tutorial_sources  # noqa: E402  (standard library only)
+from gallery_order import reading_order_key  # noqa: E402
 
 BUDGET_S = 8 * 60  # the whole check, on one H200
 FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")
@@ -116,12 +117,14 @@ def main(argv=None) -> int:
         print(f"error: {status}", file=sys.stderr)
         return 2
     print(f"gpu-check: {status}")
-    pages = sorted((p for p in (ROOT / "tutorials").glob("*.py") if re.search(args.pages, p.name)),
+    pages = sorted((p for p in tutorial_sources(ROOT) if re.search(args.pages, p.name)),
                    key=lambda p: reading_order_key(p.stem))
     if not pages:
         print(f"error: no tutorial matches {args.pages!r}", file=sys.stderr)
         return 1
-    env = {**os.environ, "MPLBACKEND": "agg", "PYTHONUNBUFFERED": "1"}
+    # the pages import the toolkit module that lies beside them
+    env = {**os.environ, "MPLBACKEND": "agg", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tutorials"), os.environ.get("PYTHONPATH")]))}
     results, total = [], time.perf_counter()
     for path in pages:
         passed, seconds, output = run_page(path, args.out, args.timeout, env)

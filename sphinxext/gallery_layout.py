@@ -15,10 +15,14 @@ from pathlib import Path
 
 GALLERY_SRC = "tutorials"  # the sources
 GALLERY_OUT = "auto_tutorials"  # what Sphinx-Gallery generates from them
+# The module beside the tutorials that every page imports: not a page itself
+# (Sphinx-Gallery's ``ignore_pattern`` skips it).
+TOOLKIT = "ragged_toolkit.py"
 
 
 def tutorial_sources(src_dir: Path) -> list[Path]:
-    return sorted((Path(src_dir) / GALLERY_SRC).glob("*.py"))
+    """The tutorial scripts: every ``.py`` in the sources but the toolkit."""
+    return sorted(p for p in (Path(src_dir) / GALLERY_SRC).glob("*.py") if p.name != TOOLKIT)
 
 
 def tutorial_stem(docname: str) -> str | None:

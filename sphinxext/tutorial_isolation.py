@@ -35,7 +35,7 @@ from pathlib import Path
 import page_stamp
 import tutorial_guards
 import tutorial_memory
-from gallery_layout import GALLERY_SRC
+from gallery_layout import GALLERY_SRC, TOOLKIT
 
 COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
@@ -179,8 +179,13 @@ def _restore_torch() -> None:
 
 
 def _restore_state() -> None:
+    import sys
+
     import numpy as np
 
+    # Each page imports the toolkit module afresh: its caches (compiled
+    # FlexAttention, batch plans) start empty on every page.
+    sys.modules.pop(TOOLKIT.removesuffix(".py"), None)
     _restore_environ()
     _restore_torch()
     np.set_printoptions(**_baseline["numpy_print"])

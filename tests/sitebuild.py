@@ -14,7 +14,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # The real tutorials: the tests never depend on which ones there are.
-STEMS = sorted(p.stem for p in (REPO / "tutorials").glob("*.py"))
+sys.path.insert(0, str(REPO / "sphinxext"))
+from gallery_layout import TOOLKIT, tutorial_sources  # noqa: E402
+
+STEMS = [p.stem for p in tutorial_sources(REPO)]
 
 # What a site needs besides its tutorials.
 SITE_FILES = [
@@ -56,6 +59,7 @@ def make_site(dst: Path, tutorials: list[Path] | None = None) -> Path:
     tut = dst / "tutorials"
     tut.mkdir(exist_ok=True)
     shutil.copy2(REPO / "tutorials" / "GALLERY_HEADER.rst", tut)
+    shutil.copy2(REPO / "tutorials" / TOOLKIT, tut)  # the module the pages import
     sources = tutorials if tutorials is not None else [REPO / "tutorials" / f"{stem}.py" for stem in STEMS]
     for path in sources:
         shutil.copy2(path, tut / path.name)

@@ -42,26 +42,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-def default_dtype(device):
-    """The dtype a page computes in: ``bfloat16`` on CUDA (``float16`` on a GPU
-    without it), ``float32`` on CPU. ``TUTORIALS_DTYPE`` overrides it, so the
-    low-precision paths can be exercised on a CPU too."""
-    name = os.environ.get("TUTORIALS_DTYPE")
-    if name:
-        if name not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}")
-        return getattr(torch, name)
-    if device != "cuda":
-        return torch.float32
-    if torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.bfloat16
-    print("This GPU has no bfloat16: the page runs in float16 instead.")
-    return torch.float16
 
+from ragged_toolkit import (
+    default_device, default_dtype, from_padded, measure, offsets_from_lengths, quick_mode,
+    quiet_known_notes, sentence_lengths, speedup_line, to_padded, zipf_stop_probability,
+)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
-QUICK = os.environ.get("TUTORIALS_QUICK") == "1"
+QUICK = quick_mode()
 SEED = 0
 
 if DEVICE == "cuda":
@@ -75,16 +64,7 @@ print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}")
 print(f"batch: {BATCH} sequences, embedding: {EMBED}")
 
 # sphinx_gallery_start_ignore
-import logging
-
-
-class _DropNotes(logging.Filter):
-    def filter(self, record):
-        return not record.getMessage().startswith(("is_fx_tracing", "Failed to pickle cache key"))
-
-
-for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
-    logging.getLogger(_name).addFilter(_DropNotes())
+quiet_known_notes()
 # sphinx_gallery_end_ignore
 
 # %%
@@ -97,27 +77,6 @@ for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
 # before it, so a sentence's length is a geometric draw. These two functions
 # are the site's length generator; the building-blocks page checks them
 # against drawing the words one by one.
-
-STOP_RANKS = (3, 386, 858)
-
-
-def zipf_stop_probability(alpha):
-    """Chance that a word drawn from Zipf(``alpha``) ends a sentence: that it is
-    ".", "!" or "?", which have ranks 3, 386 and 858 in WikiText-2."""
-    n = 10_000
-    ranks = np.arange(1, n + 1, dtype=np.float64)
-    # zeta(alpha): a partial sum plus the Euler-Maclaurin estimate of the tail
-    zeta = (ranks**-alpha).sum() + n ** (1 - alpha) / (alpha - 1) - 0.5 * n**-alpha
-    return float(sum(r**-alpha for r in STOP_RANKS) / zeta)
-
-
-def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
-    """Lengths of ``batch`` sentences of Zipf(``alpha``) words, each ending at its
-    first stop word: one geometric draw per sentence. Returns (B,) int64."""
-    lengths = rng.geometric(zipf_stop_probability(alpha), size=batch)
-    if max_len is not None:
-        lengths = np.minimum(lengths, max_len)
-    return torch.from_numpy(lengths).long()
 
 
 rng = np.random.default_rng(SEED)
@@ -151,34 +110,6 @@ fig.tight_layout()
 # **offsets** ``(B + 1,)`` where each sentence starts, then where the last
 # one ends. The functions below are the site's toolkit for going between
 # the two.
-
-def offsets_from_lengths(lengths, device=None):
-    """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
-    tensor, then where the last one ends (``cu_seqlens`` in FlashAttention)."""
-    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
-    return F.pad(lengths.cumsum(0), (1, 0))
-
-
-def token_index(offsets):
-    """The sequence of every packed token and its position in that sequence,
-    both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2]."""
-    lengths = offsets.diff()
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths)
-    return seq, torch.arange(len(seq), device=offsets.device) - offsets[seq]
-
-
-def to_padded(values, offsets, pad_value=0.0):
-    """Packed (T, ...) -> padded (B, S, ...) and a (B, S) mask, True on real tokens."""
-    lengths = offsets.diff()
-    S = int(lengths.max()) if len(lengths) else 0
-    padded = values.new_full((len(lengths), S, *values.shape[1:]), pad_value)
-    padded = padded.index_put(token_index(offsets), values)
-    return padded, torch.arange(S, device=values.device) < lengths[:, None]
-
-
-def from_padded(padded, offsets):
-    """Padded (B, S, ...) -> packed (T, ...): the real tokens, in packed order."""
-    return padded[token_index(offsets)]
 
 
 sentences = [torch.randn(int(n), EMBED, device=DEVICE, dtype=DTYPE) for n in lengths]
@@ -241,111 +172,6 @@ import time
 from dataclasses import dataclass
 
 from torch.utils import benchmark
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-_KERNELS = {  # profiler operator -> the kernel it names
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "CPU flash",
-    "aten::_scaled_dot_product_flash_attention": "flash",
-    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
-    "aten::_scaled_dot_product_cudnn_attention": "cuDNN",
-    "aten::_scaled_dot_product_attention_math": "math",
-    "aten::_flash_attention_forward": "flash varlen",
-    "aten::_efficient_attention_forward": "memory-efficient varlen",
-    "aten::_cudnn_attention_forward": "cuDNN varlen",
-}
-
-
-def _kernel_label(events):
-    """The attention kernels among profiler events, with their call counts
-    (empty if no attention ran)."""
-    counts = {}
-    for e in events:
-        base = e.name.removesuffix("_backward")
-        parent = e.cpu_parent
-        while parent is not None and parent.name.removesuffix("_backward") not in _KERNELS:
-            parent = parent.cpu_parent
-        if base in _KERNELS and parent is None:  # not called by another attention op
-            label = _KERNELS[base] + (" backward" if e.name.endswith("_backward") else "")
-            counts[label] = counts.get(label, 0) + 1
-    if not counts and any(e.name.startswith("triton_tem_fused") for e in events):
-        counts["FlexAttention Triton kernel"] = 1
-    if not counts and any(e.name.startswith("Torch-Compiled Region") for e in events):
-        counts["compiled graph (inductor kernel)"] = 1
-    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
-
-
-def profile_call(fn):
-    """Run ``fn`` once under the profiler: the memory it needed beyond what was
-    allocated before, in MiB, and the attention kernels that ran."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the log lines of the profiler quiet
-    from torch.profiler import ProfilerActivity, profile
-
-    gc.collect()  # free what earlier calls left behind before counting
-    cuda = torch.cuda.is_available()
-    if cuda:
-        _sync()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, profile_memory=not cuda) as prof:
-        fn()
-        _sync()
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() - before
-    else:  # the running sum of the allocation and free events, in time order
-        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
-                                      for e in prof.profiler.kineto_results.events()
-                                      if e.name() == "[memory]")]
-        peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
-    return peak / 2**20, _kernel_label(prof.events())
-
-
-@dataclass
-class Timing:
-    """Median and IQR of the timed runs in ms, the first call in s, peak
-    memory in MiB, and the attention kernels that ran."""
-
-    median_ms: float
-    iqr_ms: float
-    first_call_s: float
-    peak_mib: float = float("nan")
-    kernels: str = ""
-
-    def __str__(self):
-        memory = "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"  # NaN: not measured
-        return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}" + (f"  [{self.kernels}]" if self.kernels else "")
-
-
-def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
-    """Time callables side by side. ``fns`` maps a name to a function of no
-    arguments; returns name -> Timing."""
-    first = {}
-    for name, fn in fns.items():
-        start = time.perf_counter()
-        fn()
-        _sync()
-        first[name] = time.perf_counter() - start
-    times = {name: [] for name in fns}
-    for _ in range(rounds):  # take turns, so that a busy machine slows all alike
-        for name, fn in fns.items():
-            timer = benchmark.Timer("fn()", globals={"fn": fn})
-            times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
-    out = {}
-    for name, fn in fns.items():
-        q1, median, q3 = np.percentile(times[name], [25, 50, 75]) * 1e3
-        peak, kernels = profile_call(fn) if profile else (float("nan"), "")
-        out[name] = Timing(median, q3 - q1, first[name], peak, kernels)
-    return out
-
-
-def speedup_line(label, padded, ragged, bound):
-    """The speedup of ``ragged`` over ``padded``, beside the work bound."""
-    s = padded.median_ms / ragged.median_ms
-    return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
 
 
 linear = torch.nn.Linear(EMBED, 4 * EMBED, device=DEVICE, dtype=DTYPE)

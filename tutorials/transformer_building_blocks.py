@@ -100,52 +100,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
-    raise RuntimeError(f"This page needs PyTorch 2.11 or later; this is {torch.__version__}. "
-                       "Upgrade with `pip install -U torch`.")
 
+from ragged_toolkit import (
+    BACKENDS, MultiHeadAttention, STOP_RANKS, backend_support, compare_backends,
+    default_device, default_dtype, fastest, from_padded, measure, offsets_from_lengths,
+    offsets_from_position_ids, quick_mode, quiet_known_notes, ragged_attention, ragged_batch,
+    reference_attention, sentence_lengths, speedup_line, to_padded, token_index, tolerances,
+    where_time_goes, work_bound, zipf_stop_probability,
+)
 
-def default_dtype(device):
-    """The dtype a page computes in: ``bfloat16`` on CUDA (``float16`` on a GPU
-    without it), ``float32`` on CPU. ``TUTORIALS_DTYPE`` overrides it, so the
-    low-precision paths can be exercised on a CPU too."""
-    name = os.environ.get("TUTORIALS_DTYPE")
-    if name:
-        if name not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}")
-        return getattr(torch, name)
-    if device != "cuda":
-        return torch.float32
-    if torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.bfloat16
-    print("This GPU has no bfloat16: the page runs in float16 instead.")
-    return torch.float16
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
-QUICK = os.environ.get("TUTORIALS_QUICK") == "1"
+QUICK = quick_mode()
 SEED = 6
 print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick mode: {QUICK}")
 
 # sphinx_gallery_start_ignore
-# Messages PyTorch prints that say nothing about the code on this page:
-# the prototype notice of nested tensors, the note of the inductor about caching nested
-# graphs, and a torch.fx deprecation note that building a block mask triggers.
-import logging
-import warnings
-
-warnings.filterwarnings("ignore", message=r".*nested tensors is in prototype stage")
-warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
-
-
-class _DropNotes(logging.Filter):
-    def filter(self, record):
-        return not record.getMessage().startswith(("is_fx_tracing", "Failed to pickle cache key"))
-
-
-for _name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
-    logging.getLogger(_name).addFilter(_DropNotes())
+quiet_known_notes()
 # sphinx_gallery_end_ignore
 
 # %%
@@ -189,27 +160,6 @@ print(f"batch {BATCH}, embedding {EMBED}, heads {HEADS}")
 # draw with parameter ``p``: one call to a seeded ``numpy.random.Generator``
 # draws a whole batch, with no loop over words.
 
-STOP_RANKS = (3, 386, 858)
-
-
-def zipf_stop_probability(alpha):
-    """Chance that a word drawn from Zipf(``alpha``) ends a sentence: that it is
-    ".", "!" or "?", which have ranks 3, 386 and 858 in WikiText-2."""
-    n = 10_000
-    ranks = np.arange(1, n + 1, dtype=np.float64)
-    # zeta(alpha): a partial sum plus the Euler-Maclaurin estimate of the tail
-    zeta = (ranks**-alpha).sum() + n ** (1 - alpha) / (alpha - 1) - 0.5 * n**-alpha
-    return float(sum(r**-alpha for r in STOP_RANKS) / zeta)
-
-
-def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
-    """Lengths of ``batch`` sentences of Zipf(``alpha``) words, each ending at its
-    first stop word: one geometric draw per sentence. Returns (B,) int64."""
-    lengths = rng.geometric(zipf_stop_probability(alpha), size=batch)
-    if max_len is not None:
-        lengths = np.minimum(lengths, max_len)
-    return torch.from_numpy(lengths).long()
-
 
 # %%
 # The shortcut must give the same lengths as the literal process, so the
@@ -244,51 +194,6 @@ assert cdf_gap < critical, "the geometric shortcut does not match the word-by-wo
 # for every packed token, its sequence and its position in that sequence,
 # which is all a layer needs to build positions (rotary embeddings restart at
 # every sequence) or to pad the batch when a padded tensor is needed.
-
-
-def offsets_from_lengths(lengths, device=None):
-    """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
-    tensor, then where the last one ends (``cu_seqlens`` in FlashAttention)."""
-    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
-    return F.pad(lengths.cumsum(0), (1, 0))
-
-
-def offsets_from_position_ids(position_ids):
-    """Offsets of a packed row whose ``position_ids`` restart at 0 at every
-    sequence, as Hugging Face's ``DataCollatorWithFlattening`` writes them."""
-    position_ids = position_ids.flatten()
-    starts = (position_ids == 0).nonzero().flatten()
-    return torch.cat([starts, starts.new_tensor([len(position_ids)])])
-
-
-def ragged_batch(rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32):
-    """A random ragged batch: packed values (T, dim) and offsets (B + 1,)."""
-    lengths = sentence_lengths(rng, batch, alpha, max_len)
-    gen = torch.Generator(device).manual_seed(int(rng.integers(2**62)))
-    values = torch.randn(int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype)
-    return values, offsets_from_lengths(lengths, device)
-
-
-def token_index(offsets):
-    """The sequence of every packed token and its position in that sequence,
-    both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2]."""
-    lengths = offsets.diff()
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths)
-    return seq, torch.arange(len(seq), device=offsets.device) - offsets[seq]
-
-
-def to_padded(values, offsets, pad_value=0.0):
-    """Packed (T, ...) -> padded (B, S, ...) and a (B, S) mask, True on real tokens."""
-    lengths = offsets.diff()
-    S = int(lengths.max()) if len(lengths) else 0
-    padded = values.new_full((len(lengths), S, *values.shape[1:]), pad_value)
-    padded = padded.index_put(token_index(offsets), values)
-    return padded, torch.arange(S, device=values.device) < lengths[:, None]
-
-
-def from_padded(padded, offsets):
-    """Padded (B, S, ...) -> packed (T, ...): the real tokens, in packed order."""
-    return padded[token_index(offsets)]
 
 
 # %%
@@ -357,365 +262,16 @@ try:
 except ImportError:  # not in this build of PyTorch
     varlen_attn = None
 
-BACKENDS = ("varlen", "sdpa_njt", "flex", "loop", "bucketed", "padded")
-
 
 def _varlen_keywords():
     # the keyword arguments of varlen_attn differ between releases: read them
     return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 
-def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, gqa=False):
-    """None if backend ``name`` can run this job here, else why it cannot."""
-    cuda = torch.device(device).type == "cuda"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
-    if name == "varlen":
-        if varlen_attn is None:
-            return "this PyTorch has no torch.nn.attention.varlen"
-        if not cuda:
-            return "needs CUDA (it calls the FlashAttention kernel)"
-        if torch.cuda.get_device_capability(device) < (8, 0):
-            return "needs a GPU of compute capability 8.0 or newer (FlashAttention)"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"needs float16 or bfloat16, not {dtype}"
-    if name == "sdpa_njt" and gqa:
-        return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
-    if name == "sdpa_njt" and is_causal and not cuda:
-        return "on CPU only the math path of SDPA takes nested tensors, and it refuses is_causal"
-    if name == "flex" and needs_grad and not cuda:
-        return "FlexAttention has no backward on CPU"
-    return None
-
-
-def default_backend(device, dtype):
-    """The backend ``ragged_attention`` uses when none is named: ``varlen``
-    where it runs, else ``sdpa_njt`` on CUDA, else the per-sequence loop."""
-    for name in ("varlen", "sdpa_njt") if torch.device(device).type == "cuda" else ():
-        if backend_support(name, device, dtype, is_causal=True, needs_grad=True) is None:
-            return name
-    return "loop"
-
-
-def check_offsets(offsets, total, name="offsets"):
-    """Raise ``ValueError``, naming the problem, unless ``offsets`` describe a packed
-    tensor of ``total`` tokens."""
-    if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
-                         f"got shape {tuple(offsets.shape)} and {offsets.dtype}")
-    if int(offsets[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
-    steps = offsets.diff()
-    if bool((steps < 0).any()):
-        i = int((steps < 0).nonzero()[0])
-        raise ValueError(f"{name} must not decrease: {name}[{i}] = {int(offsets[i])} "
-                         f"> {name}[{i + 1}] = {int(offsets[i + 1])}")
-    if int(offsets[-1]) != total:
-        raise ValueError(f"{name} must end at the token count, {total}, got {int(offsets[-1])}")
-
-
-@dataclass
-class RaggedInfo:
-    """The lengths of one batch, read from its offsets once, on the host."""
-
-    q_lengths: list  # queries per sequence
-    kv_lengths: list  # keys each sequence uses (``kv_used``, or all of its rows)
-    kv_rows: list  # key rows each sequence has in the packed tensor
-    plans: dict = field(default_factory=dict)  # index tensors a backend built for it
-
-
-_INFO_CACHE = []  # the last few batches; holding their tensors keeps the ids unique
-
-
-def _cached(key, compute):
-    # ``compute()`` once per tuple of tensors (by identity and version) and sizes
-    stamp = tuple(t._version if isinstance(t, torch.Tensor) else t for t in key)
-    for cached_key, cached_stamp, value in _INFO_CACHE:
-        if cached_stamp == stamp and all(a is b for a, b in zip(cached_key, key)
-                                         if isinstance(a, torch.Tensor) or a is None):
-            return value
-    value = compute()
-    _INFO_CACHE.insert(0, (key, stamp, value))
-    del _INFO_CACHE[16:]
-    return value
-
-
-def _offsets_lengths(q_offsets, kv_offsets, n_q, n_kv):
-    check_offsets(q_offsets, n_q, "q_offsets")
-    check_offsets(kv_offsets, n_kv, "kv_offsets")
-    if len(q_offsets) != len(kv_offsets):
-        raise ValueError(f"q_offsets and kv_offsets describe different batch sizes: "
-                         f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences")
-    return q_offsets.diff().tolist(), kv_offsets.diff().tolist()
-
-
-def ragged_info(q_offsets, kv_offsets, n_q, n_kv, kv_used=None, is_causal=False):
-    """Check a batch's description and read its lengths, once per batch (the
-    offsets once, however often ``kv_used`` changes, as in decoding)."""
-
-    def compute():
-        q_lengths, kv_rows = _cached((q_offsets, kv_offsets, n_q, n_kv),
-                                     lambda: _offsets_lengths(q_offsets, kv_offsets, n_q, n_kv))
-        kv_lengths = kv_rows if kv_used is None else kv_used.tolist()
-        if len(kv_lengths) != len(kv_rows) or any(not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)):
-            raise ValueError(f"kv_used must hold one count per sequence, between 0 and its key "
-                             f"rows {kv_rows}; got {kv_lengths}")
-        if is_causal and any(0 < lkv < lq for lq, lkv in zip(q_lengths, kv_lengths)):
-            raise ValueError("is_causal needs at least as many keys as queries in every sequence "
-                             "(the last query sees every key)")
-        return RaggedInfo(q_lengths, kv_lengths, kv_rows)
-
-    return _cached((q_offsets, kv_offsets, kv_used, n_q, n_kv, is_causal), compute)
-
-
-def _causal_mask(lq, lkv, device):
-    # (lq, lkv), True where a query may see a key; aligned bottom-right, as in
-    # FlashAttention and varlen_attn: the last query sees every key
-    return torch.ones(lq, lkv, dtype=torch.bool, device=device).tril(lkv - lq)
-
-
-def _dense(q, k, v, is_causal, scale, mask=None):
-    # q: (N, H, Lq, D), k and v: (N, H_kv, Lkv, D); ``mask``, if given, holds
-    # everything a query may see. Every query has at least one key.
-    lq, lkv, gqa = q.shape[-2], k.shape[-2], q.shape[1] != k.shape[1]
-    if mask is None and is_causal and lq == lkv:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if mask is None and is_causal and lq > 1:
-        mask = _causal_mask(lq, lkv, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-
-
-def _loop(q, k, v, info, is_causal, scale, kv_used):
-    """One dense SDPA call per sequence, on views of the packed tensors."""
-    # (T, H, D) -> (1, H, T, D) once; ``split`` then gives one view per sequence,
-    # and its backward is a single concatenation
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
-    out = []
-    for qi, ki, vi, n, rows in zip(qh.split(info.q_lengths, 2), kh.split(info.kv_rows, 2),
-                                   vh.split(info.kv_rows, 2), info.kv_lengths, info.kv_rows):
-        if n < rows:  # a cache with spare room: only the rows in use
-            ki, vi = ki[:, :, :n], vi[:, :, :n]
-        out.append(_dense(qi, ki, vi, is_causal, scale))  # (1, H, L_q, D)
-    return torch.cat(out, 2)[0].transpose(0, 1)  # (T_q, H, D)
-
-
-def _bucket_plan(info, device, buckets, is_causal):
-    # Sequences sorted by length and cut into groups; for each group, indices
-    # that gather its rows into a padded block (padding slots read row 0, and
-    # are masked or dropped), its mask, and which slots are real queries.
-    order = sorted(range(len(info.q_lengths)), key=lambda i: -info.kv_lengths[i])
-    q_start = np.concatenate([[0], np.cumsum(info.q_lengths)])
-    kv_start = np.concatenate([[0], np.cumsum(info.kv_rows)])
-    plan, rows = [], []
-    for group in np.array_split(np.array(order), min(buckets, len(order))):
-        lq = torch.tensor([info.q_lengths[i] for i in group])
-        lkv = torch.tensor([info.kv_lengths[i] for i in group])
-        sq, skv = int(lq.max()), int(lkv.max())
-        q_real = torch.arange(sq) < lq[:, None]  # (n, Sq)
-        kv_real = torch.arange(skv) < lkv[:, None]  # (n, Skv)
-        q_idx = torch.where(q_real, torch.as_tensor(q_start[group])[:, None] + torch.arange(sq), 0)
-        kv_idx = torch.where(kv_real, torch.as_tensor(kv_start[group])[:, None] + torch.arange(skv), 0)
-        mask = kv_real[:, None, :]  # (n, 1, Skv): real keys only
-        if is_causal:  # query i sees keys up to i + Lkv - Lq
-            mask = mask & (torch.arange(skv) <= torch.arange(sq)[:, None] + (lkv - lq)[:, None, None])
-        # right padding: with equal lengths a causal query never reaches a
-        # padding key, and the kernel's own causal mask is enough
-        mask = None if is_causal and bool((lq == lkv).all()) else mask[:, None].to(device)
-        plan.append((q_idx.to(device), kv_idx.to(device), mask, q_real.to(device)))
-        rows.append(q_idx[q_real])
-    # where each packed query row lands among the groups' outputs
-    return plan, torch.argsort(torch.cat(rows)).to(device)
-
-
-def _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=4):
-    """Pad sequences in groups of similar length; one dense SDPA call per group."""
-    key = ("bucketed", buckets, is_causal)
-    if key not in info.plans:
-        info.plans[key] = _bucket_plan(info, q.device, buckets, is_causal)
-    plan, inverse = info.plans[key]
-    out = []
-    for q_idx, kv_idx, mask, q_real in plan:
-        qb, kb, vb = (t[idx].transpose(1, 2) for t, idx in ((q, q_idx), (k, kv_idx), (v, kv_idx)))
-        ob = _dense(qb, kb, vb, is_causal and mask is None, scale, mask)  # (n, H, Sq, D)
-        out.append(ob.transpose(1, 2)[q_real])  # the real rows, (sum Lq, H, D)
-    return torch.cat(out)[inverse]
-
-
-def _padded(q, k, v, info, is_causal, scale, kv_used):
-    """Every sequence padded to the longest one, one call: the baseline. A batch
-    that already is a rectangle (the same number of queries and of key rows
-    per sequence, as in a KV cache with the same room for each) is viewed as
-    one, with no copy, and the keys not in use are masked."""
-    B, lq, rows = len(info.q_lengths), info.q_lengths[0], info.kv_rows[0]
-    if set(info.q_lengths) != {lq} or set(info.kv_rows) != {rows}:
-        return _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=1)
-    n = max(info.kv_lengths)
-    if ("rectangle", is_causal) not in info.plans:  # one mask per batch, shared by every layer
-        used = torch.tensor(info.kv_lengths, device=q.device)[:, None, None, None]
-        key, query = torch.arange(n, device=q.device), torch.arange(lq, device=q.device)[:, None]
-        mask = key < used  # (B, 1, 1, n), or with the causal rule (B, 1, Lq, n)
-        info.plans["rectangle", is_causal] = mask & (key <= query + used - lq) if is_causal else mask
-    qb = q.view(B, lq, *q.shape[1:]).transpose(1, 2)  # (B, H, Lq, D)
-    kb, vb = (t.view(B, rows, *t.shape[1:])[:, :n].transpose(1, 2) for t in (k, v))  # (B, H_kv, n, D)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=info.plans["rectangle", is_causal], scale=scale,
-                                         enable_gqa=qb.shape[1] != kb.shape[1])
-    return out.transpose(1, 2).reshape(q.shape)
-
-
 # Static shapes on CPU (there dynamic shapes fail to compile on 2.13): one
 # compile per token count. Automatic dynamic shapes on CUDA: a new token count
 # each batch does not compile again.
 _compiled_flex_attention = torch.compile(flex_attention, dynamic=False if DEVICE == "cpu" else None)
-
-
-def _flex(q, k, v, info, is_causal, scale, kv_used):
-    """FlexAttention over the whole packed batch, with a document mask."""
-    key = ("flex", is_causal)
-    if key not in info.plans:  # one BlockMask per batch, shared by every layer
-        q_seq, q_pos = token_index(offsets_from_lengths(info.q_lengths, q.device))
-        kv_seq, kv_pos = token_index(offsets_from_lengths(info.kv_rows, q.device))
-        kv_len = torch.tensor(info.kv_lengths, device=q.device)
-        shift = kv_len - torch.tensor(info.q_lengths, device=q.device)
-
-        def document_mask(b, h, q_idx, kv_idx):
-            same = (q_seq[q_idx] == kv_seq[kv_idx]) & (kv_pos[kv_idx] < kv_len[kv_seq[kv_idx]])
-            if is_causal:
-                same = same & (kv_pos[kv_idx] <= q_pos[q_idx] + shift[q_seq[q_idx]])
-            return same
-
-        info.plans[key] = create_block_mask(document_mask, None, None, len(q_seq), len(kv_seq),
-                                            device=q.device)
-    if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
-        q, k, v = q.detach(), k.detach(), v.detach()
-    # (T, H, D) -> (1, H, T, D): the whole batch as one long sequence
-    qf, kf, vf = (t.transpose(0, 1)[None] for t in (q, k, v))
-    out = _compiled_flex_attention(qf, kf, vf, block_mask=info.plans[key], scale=scale,
-                                   enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)
-
-
-def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
-    """SDPA on nested jagged tensors built from the same values and offsets."""
-    if is_causal and info.q_lengths != info.kv_lengths and max(info.q_lengths) > 1:
-        raise NotImplementedError("SDPA on nested tensors aligns is_causal top-left: it "
-                                  "needs equal query and key lengths")
-
-    def njt(x, lengths):  # (T, H, D) -> (B, H, j, D)
-        offsets = offsets_from_lengths(lengths, x.device)
-        nt = torch.nested.nested_tensor_from_jagged(x.contiguous(), offsets, max_seqlen=max(lengths))
-        return nt.transpose(1, 2)
-
-    causal = is_causal and max(info.q_lengths) > 1  # one query per sequence sees every key
-    out = F.scaled_dot_product_attention(njt(q, info.q_lengths), njt(k, info.kv_rows),
-                                         njt(v, info.kv_rows), is_causal=causal, scale=scale)
-    return out.transpose(1, 2).values()
-
-
-def _varlen(q, k, v, info, is_causal, scale, kv_used):
-    """``varlen_attn``: the variable-length kernel of FlashAttention, on the packed batch."""
-    keywords = _varlen_keywords()
-    kw = {"scale": scale}
-    if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
-        kw.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in keywords:
-            kw["enable_gqa"] = True
-        else:  # older releases: repeat each key/value head for its query heads
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    if kv_used is not None:
-        kw["seqused_k"] = kv_used.to(torch.int32)
-    cu_q = offsets_from_lengths(info.q_lengths, q.device).to(torch.int32)
-    cu_k = offsets_from_lengths(info.kv_rows, q.device).to(torch.int32)
-    return varlen_attn(q, k, v, cu_q, cu_k, max(info.q_lengths), max(info.kv_rows), **kw)
-
-
-_BACKEND_FNS = {"varlen": _varlen, "sdpa_njt": _sdpa_njt, "flex": _flex,
-                "loop": _loop, "bucketed": _bucketed, "padded": _padded}
-
-
-def _compact_plan(info, device):
-    # Keep the sequences that have queries and keys, and only the key rows they
-    # use: the query rows kept, the key rows kept, and the smaller batch.
-    keep = [i for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)) if lq and lkv]
-    q_start = np.cumsum([0] + info.q_lengths)
-    kv_start = np.cumsum([0] + info.kv_rows)
-    q_rows = [np.arange(q_start[i], q_start[i] + info.q_lengths[i]) for i in keep]
-    kv_rows = [np.arange(kv_start[i], kv_start[i] + info.kv_lengths[i]) for i in keep]
-    used = [info.kv_lengths[i] for i in keep]
-    return (torch.as_tensor(np.concatenate(q_rows or [[]]), dtype=torch.long, device=device),
-            torch.as_tensor(np.concatenate(kv_rows or [[]]), dtype=torch.long, device=device),
-            RaggedInfo([info.q_lengths[i] for i in keep], used, used))
-
-
-@torch.compiler.disable  # host-side bookkeeping; a compiled model calls it as is
-def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                     scale=None, backend=None):
-    """Attention within each sequence of a packed batch.
-
-    q: (T_q, H, D); k, v: (T_kv, H_kv, D), with H a multiple of H_kv.
-    q_offsets, kv_offsets: (B + 1,), where each sequence starts and the last
-    one ends; kv_offsets defaults to q_offsets (self-attention).
-    kv_used: optional (B,), how many key rows each sequence uses from its start.
-    is_causal: query i of a sequence with L_q queries and L_kv keys sees keys
-    0 .. i + L_kv - L_q (with L_q == L_kv, the usual causal mask).
-    backend: one of BACKENDS, or None for ``default_backend``.
-    Returns (T_q, H, D); a query without keys gets zeros.
-    """
-    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] \
-            or q.shape[1] % k.shape[1]:
-        raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
-                         f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not q.dtype == k.dtype == v.dtype:  # fused kernels refuse a mix; autocast hides it from some
-        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
-                         "(under autocast, cast float32 rotary outputs back to the projection's dtype)")
-    info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
-    name = backend or default_backend(q.device, q.dtype)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=needs_grad,
-                          gqa=q.shape[1] != k.shape[1])
-    if why:
-        raise RuntimeError(f"ragged_attention: backend {name!r} cannot run this here: {why}")
-    fn = _BACKEND_FNS[name]
-    reads_kv_used = (name in ("loop", "flex") or (name == "varlen" and "seqused_k" in _varlen_keywords())
-                     or (name == "padded" and len(set(info.q_lengths)) == len(set(info.kv_rows)) == 1))
-    if all(info.q_lengths) and all(info.kv_lengths) and (kv_used is None or reads_kv_used):
-        return fn(q, k, v, info, is_causal, scale, kv_used)
-    if "compact" not in info.plans:
-        info.plans["compact"] = _compact_plan(info, q.device)
-    q_rows, kv_rows, kept = info.plans["compact"]
-    out = q.new_zeros(q.shape)
-    if len(q_rows):
-        out = out.index_copy(0, q_rows, fn(q[q_rows], k[kv_rows], v[kv_rows], kept, is_causal, scale, None))
-    return out
-
-
-def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                        scale=None):
-    """The same attention in float32, sequence by sequence, on the math backend
-    of SDPA, with key/value heads repeated and the causal mask built
-    explicitly: a reference that shares no kernel with the backends."""
-    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-    info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
-    group = q.shape[1] // k.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    q_start, kv_start = q_offsets.tolist(), kv_offsets.tolist()
-    with sdpa_kernel(SDPBackend.MATH):
-        for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)):
-            if lq and lkv:
-                qi = q[q_start[i]:q_start[i] + lq].float().transpose(0, 1)  # (H, Lq, D)
-                ki, vi = (t[kv_start[i]:kv_start[i] + lkv].float().repeat_interleave(group, 1)
-                          .transpose(0, 1) for t in (k, v))  # (H, Lkv, D)
-                mask = _causal_mask(lq, lkv, q.device) if is_causal else None
-                out[q_start[i]:q_start[i] + lq] = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1)
-    return out
-
-
-def tolerances(dtype):
-    """``assert_close`` tolerances for results computed in ``dtype``."""
-    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
-            torch.float16: dict(atol=5e-3, rtol=5e-3)}[dtype]
 
 
 # %%
@@ -777,122 +333,9 @@ import time
 from torch.utils import benchmark
 
 
-def _sync():
+def synchronize():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-_KERNELS = {  # profiler operator -> the kernel it names
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "CPU flash",
-    "aten::_scaled_dot_product_flash_attention": "flash",
-    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
-    "aten::_scaled_dot_product_cudnn_attention": "cuDNN",
-    "aten::_scaled_dot_product_attention_math": "math",
-    "aten::_flash_attention_forward": "flash varlen",
-    "aten::_efficient_attention_forward": "memory-efficient varlen",
-    "aten::_cudnn_attention_forward": "cuDNN varlen",
-}
-
-
-def _kernel_label(events):
-    """The attention kernels among profiler events, with their call counts
-    (empty if no attention ran)."""
-    counts = {}
-    for e in events:
-        base = e.name.removesuffix("_backward")
-        parent = e.cpu_parent
-        while parent is not None and parent.name.removesuffix("_backward") not in _KERNELS:
-            parent = parent.cpu_parent
-        if base in _KERNELS and parent is None:  # not called by another attention op
-            label = _KERNELS[base] + (" backward" if e.name.endswith("_backward") else "")
-            counts[label] = counts.get(label, 0) + 1
-    if not counts and any(e.name.startswith("triton_tem_fused") for e in events):
-        counts["FlexAttention Triton kernel"] = 1
-    if not counts and any(e.name.startswith("Torch-Compiled Region") for e in events):
-        counts["compiled graph (inductor kernel)"] = 1
-    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
-
-
-def profile_call(fn):
-    """Run ``fn`` once under the profiler: the memory it needed beyond what was
-    allocated before, in MiB, and the attention kernels that ran."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the log lines of the profiler quiet
-    from torch.profiler import ProfilerActivity, profile
-
-    gc.collect()  # free what earlier calls left behind before counting
-    cuda = torch.cuda.is_available()
-    if cuda:
-        _sync()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, profile_memory=not cuda) as prof:
-        fn()
-        _sync()
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() - before
-    else:  # the running sum of the allocation and free events, in time order
-        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
-                                      for e in prof.profiler.kineto_results.events()
-                                      if e.name() == "[memory]")]
-        peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
-    return peak / 2**20, _kernel_label(prof.events())
-
-
-@dataclass
-class Timing:
-    """Median and IQR of the timed runs in ms, the first call in s, peak
-    memory in MiB, and the attention kernels that ran."""
-
-    median_ms: float
-    iqr_ms: float
-    first_call_s: float
-    peak_mib: float = float("nan")
-    kernels: str = ""
-
-    def __str__(self):
-        memory = "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"  # NaN: not measured
-        return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}" + (f"  [{self.kernels}]" if self.kernels else "")
-
-
-def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
-    """Time callables side by side. ``fns`` maps a name to a function of no
-    arguments; returns name -> Timing."""
-    first = {}
-    for name, fn in fns.items():
-        start = time.perf_counter()
-        fn()
-        _sync()
-        first[name] = time.perf_counter() - start
-    times = {name: [] for name in fns}
-    for _ in range(rounds):  # take turns, so that a busy machine slows all alike
-        for name, fn in fns.items():
-            timer = benchmark.Timer("fn()", globals={"fn": fn})
-            times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
-    out = {}
-    for name, fn in fns.items():
-        q1, median, q3 = np.percentile(times[name], [25, 50, 75]) * 1e3
-        peak, kernels = profile_call(fn) if profile else (float("nan"), "")
-        out[name] = Timing(median, q3 - q1, first[name], peak, kernels)
-    return out
-
-
-def where_time_goes(fn, top=6):
-    """Profile one call of ``fn``: the operators that took most of its time."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        fn()
-        _sync()
-    rows = prof.key_averages()
-    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    total = sum(own(e) for e in rows) or 1
-    rows = sorted(rows, key=own, reverse=True)[:top]
-    return "\n".join(f"  {e.key[:52]:52s} {own(e) / 1e3:8.2f} ms {100 * own(e) / total:5.1f}%  "
-                     f"x{e.count}" for e in rows)
 
 
 # %%
@@ -904,54 +347,6 @@ def where_time_goes(fn, top=6):
 # cannot run says why; one that runs but disagrees with the reference stops
 # the page. For training it times the forward and backward passes together,
 # because that is what a training step pays.
-
-
-def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                     backward=False, backends=BACKENDS, min_run_time=0.5):
-    """Check and time one attention job on each backend. Returns name -> Timing,
-    or name -> the reason it did not run. Prints one line per backend."""
-    gqa = q.shape[1] != k.shape[1]
-    kw = dict(is_causal=is_causal, kv_used=kv_used)
-    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
-    # the reference, and its gradients, in float32 from float32 copies
-    q32, k32, v32 = (t.detach().float().requires_grad_(backward) for t in (q, k, v))
-    reference = reference_attention(q32, k32, v32, q_offsets, kv_offsets, **kw)
-    grad_out = torch.randn_like(reference) if backward else None
-    if backward:
-        ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out)
-    results, fns = {}, {}
-    for name in backends:
-        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
-        if why is None:
-            def run(name=name):
-                with torch.set_grad_enabled(backward):
-                    out = ragged_attention(q, k, v, q_offsets, kv_offsets, backend=name, **kw)
-                    return (out, torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
-                            if backward else None)
-            try:
-                out, grads = run()
-            except Exception as err:  # one clear line instead of a traceback
-                why = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
-        if why:
-            results[name] = why
-            continue
-        torch.testing.assert_close(out.float(), reference, **tolerances(q.dtype),
-                                   msg=lambda m, name=name: f"{name} disagrees with the reference: {m}")
-        for g, r in zip(grads or (), ref_grads if backward else ()):
-            torch.testing.assert_close(g.float(), r, **tolerances(q.dtype),
-                                       msg=lambda m, name=name: f"{name}'s gradients disagree: {m}")
-        fns[name] = run
-    results.update(measure(fns, min_run_time=min_run_time))
-    for name in backends:
-        r = results[name]
-        print(f"  {name:9s} {r}" if isinstance(r, Timing) else f"  {name:9s} not available: {r}")
-    return results
-
-
-def fastest(results):
-    """The backend with the lowest median time among those that ran."""
-    timed = {n: r for n, r in results.items() if isinstance(r, Timing)}
-    return min(timed, key=lambda n: timed[n].median_ms)
 
 
 # %%
@@ -967,36 +362,6 @@ def fastest(results):
 # ``L``; a padded layer with a merged mask computes the whole ``S x S``
 # square, and is counted that way. Every speedup on this site is printed
 # beside its bound, with the fraction of the bound it reaches.
-
-
-def pairs_scored(q_lengths, kv_lengths, causal):
-    """Query-key pairs a kernel scores: the causal half, L(L+1)/2 per sequence,
-    when it skips the masked half, else every pair."""
-    q, kv = torch.as_tensor(q_lengths).double(), torch.as_tensor(kv_lengths).double()
-    return float((q * (q + 1) / 2 if causal else q * kv).sum())
-
-
-def work_bound(q_lengths, kv_lengths=None, *, per_token, per_pair, per_kv_token=0.0,
-               causal=False, padded_causal=None):
-    """The work of the padded batch over the work of the ragged batch.
-    ``padded_causal``: whether the padded side skips the masked half of the
-    scores (a causal kernel) or computes the whole square (a merged mask)."""
-    q = torch.as_tensor(q_lengths)
-    kv = q if kv_lengths is None else torch.as_tensor(kv_lengths)
-    padded_causal = causal if padded_causal is None else padded_causal
-
-    def work(ql, kvl, c):
-        return (per_token * float(ql.sum()) + per_kv_token * float(kvl.sum())
-                + per_pair * pairs_scored(ql, kvl, c))
-
-    full_q, full_kv = torch.full_like(q, int(q.max())), torch.full_like(kv, int(kv.max()))
-    return work(full_q, full_kv, padded_causal) / work(q, kv, causal)
-
-
-def speedup_line(label, padded, ragged, bound):
-    """The speedup of ``ragged`` over ``padded``, beside the work bound."""
-    s = padded.median_ms / ragged.median_ms
-    return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
 
 
 # %%
@@ -1041,38 +406,6 @@ print(f"chosen on {DEVICE}: forward -> {FORWARD_BACKEND}, training -> {TRAINING_
 # the padded baseline below differs from the ragged layer in nothing but the
 # padding. With right padding a causal query never sees a padding key, so
 # the causal padded path needs no mask at all and can use a causal kernel.
-
-
-class MultiHeadAttention(nn.Module):
-    def __init__(self, embed, heads, *, cross=False, bias=True, backend=None, device=None, dtype=None):
-        super().__init__()
-        kw = {"bias": bias, "device": device, "dtype": dtype}
-        self.heads, self.cross, self.backend = heads, cross, backend
-        if cross:
-            self.q_proj = nn.Linear(embed, embed, **kw)
-            self.kv_proj = nn.Linear(embed, 2 * embed, **kw)
-        else:
-            self.qkv_proj = nn.Linear(embed, 3 * embed, **kw)
-        self.out_proj = nn.Linear(embed, embed, **kw)
-
-    def forward(self, x, offsets=None, *, context=None, context_offsets=None, key_valid=None,
-                is_causal=False):
-        # packed: x (T, E) with offsets (B + 1,); padded: x (B, S, E), and
-        # key_valid (B, S_kv) where some keys are padding that must be masked
-        if self.cross:
-            q, (k, v) = self.q_proj(x), self.kv_proj(context).chunk(2, dim=-1)
-        else:
-            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
-        q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in (q, k, v))  # (..., H, D)
-        if offsets is not None:
-            kv_offsets = context_offsets if self.cross else offsets
-            out = ragged_attention(q, k, v, offsets, kv_offsets, is_causal=is_causal,
-                                   backend=self.backend)  # (T, H, D)
-        else:
-            mask = None if key_valid is None else key_valid[:, None, None, :]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, is_causal=is_causal).transpose(1, 2)
-        return self.out_proj(out.flatten(-2))
 
 
 @torch.no_grad()
@@ -1224,11 +557,11 @@ with torch.no_grad():
     seed_loss()  # the forward-only warm-up the original did
 start = time.perf_counter()
 loss = seed_loss()  # compiles the graph that records for backward
-_sync()
+synchronize()
 first_forward_s = time.perf_counter() - start
 start = time.perf_counter()
 loss.backward()  # compiles (or loads) the backward graph
-_sync()
+synchronize()
 first_backward_s = time.perf_counter() - start
 print(f"seed's baseline, first forward with gradients {first_forward_s:.2f} s, "
       f"first backward {first_backward_s:.2f} s")

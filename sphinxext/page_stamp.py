@@ -1,10 +1,10 @@
-"""The "Built with" note under each tutorial's title.
+"""The "How this page was built" note at the end of each tutorial.
 
 Before a tutorial runs, :func:`record_environment` writes
 ``auto_tutorials/<stem>.env.json``: the PyTorch, Python and device that
 produce its figures, what the memory figure measures and which compile cache
 the build used. When Sphinx reads the page, the note is inserted after the
-page title (whatever its underline), with the PyTorch releases that
+page's content, before its download links, with the PyTorch releases that
 ``make check-versions`` really ran the page's current source under
 (``.github/checked-versions.json``).
 """
@@ -104,7 +104,8 @@ def stamp_text(src_dir: Path, stem: str) -> list[str]:
 
 
 def insert_stamp(app, doctree) -> None:
-    """``doctree-read``: the note goes right after the first title."""
+    """``doctree-read``: the note goes at the end of the page, after what the
+    page teaches and before its download links."""
     stem = tutorial_stem(app.env.docname)
     if stem is None:
         return
@@ -114,14 +115,15 @@ def insert_stamp(app, doctree) -> None:
         if dep.exists():
             app.env.note_dependency(str(dep))
     note = nodes.admonition(classes=["build-stamp"])
-    note += nodes.title(text="Built with")
+    note += nodes.title(text="How this page was built")
     for line in stamp_text(src_dir, stem):
         note += nodes.paragraph(text=line)
-    section = next(iter(doctree.findall(nodes.section)), None)
-    if section is None or not isinstance(section[0], nodes.title):
-        doctree.insert(0, note)
+    footer = next((n for n in doctree.findall(nodes.container) if "sphx-glr-footer" in n["classes"]), None)
+    if footer is not None:
+        footer.parent.insert(footer.parent.index(footer), note)
     else:
-        section.insert(1, note)
+        section = next(iter(doctree.findall(nodes.section)), None)
+        (section if section is not None else doctree).append(note)
 
 
 def setup(app):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gallery_layout import GALLERY_OUT, tutorial_files, tutorial_sources
 
-KEEP = {"index", "sg_execution_times"}  # the gallery's own pages
+KEEP = {"index", "sg_execution_times", "ragged_toolkit"}  # the gallery's own pages, the toolkit's MD5
 
 
 def stale_files(src_dir: Path) -> list[Path]:

@@ -23,6 +23,7 @@ STEMS = [p.stem for p in tutorial_sources(REPO)]
 SITE_FILES = [
     "conf.py",
     "index.rst",
+    "toolkit.rst",
     "requirements-tutorials.txt",
     "requirements-minimum.txt",
     ".github/checked-versions.json",

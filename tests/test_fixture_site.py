@@ -154,8 +154,11 @@ def test_tutorials_in_other_galleries_styles_build(styles_site):
         title = p.find("h1").get_text(strip=True).rstrip("#")
         # The card carries the title Sphinx-Gallery rendered on the page.
         assert cards[path.stem].select_one(".sd-card-title").get_text(strip=True) == title
-        # The environment stamp sits right under the title, whatever its style.
-        assert p.find("h1").find_next("div", class_="admonition") is p.select_one(".build-stamp")
+        # The environment stamp sits after the page's content, right before
+        # its download links, whatever the page's style.
+        stamp = p.select_one(".build-stamp")
+        assert stamp is not None and stamp.find_next("div", class_="sphx-glr-footer") is not None
+        assert not stamp.find_all_next("div", class_="sphx-glr-script-out"), "output after the stamp"
 
 
 def test_card_text_is_sphinx_gallerys_own(styles_site):

@@ -1,6 +1,9 @@
-"""The site's toolkit: one copy of each shared definition, one vocabulary,
+"""The site's toolkit, the module ``tutorials/ragged_toolkit.py``: one
+vocabulary (the pages import it and define none of its names),
 ``ragged_attention``'s contract on bad input and empty sequences, varlen
-keyword detection, the dtype switch, and the GPU check's CPU-side parts."""
+keyword detection, the dtype switch, and the GPU check's CPU-side parts. The
+backends' parity with an independent float64 reference is in
+``test_toolkit_parity.py``."""
 
 from __future__ import annotations
 
@@ -8,103 +11,130 @@ import ast
 import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import pytest
 import torch
 
-from sitebuild import REPO
+from sitebuild import REPO, TOOLKIT, tutorial_sources
 
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tutorials"))
 import gpu_check  # noqa: E402
-import sync_toolkit  # noqa: E402
+import ragged_toolkit  # noqa: E402
 
-TUTORIALS = REPO / "tutorials"
-ORIGIN = TUTORIALS / "transformer_building_blocks.py"
-PAGES = sorted(TUTORIALS.glob("*.py"))
-
-
-# --- one copy of everything -------------------------------------------------
-
-def test_shared_definitions_are_identical_on_every_page():
-    pairs = sync_toolkit.differing(TUTORIALS)
-    assert not pairs, "copies that differ from their original (python scripts/sync_toolkit.py --write):\n" + \
-        "\n".join(f"{c.path.name}:{c.start} {c.name} vs {o.path.name}:{o.start}" for c, o in pairs)
+MODULE = REPO / "tutorials" / TOOLKIT
+PAGES = tutorial_sources(REPO)  # every tutorial but the toolkit module
 
 
-def test_the_check_catches_and_repairs_a_diverging_copy(tmp_path):
-    copy_dir = tmp_path / "tutorials"
-    shutil.copytree(TUTORIALS, copy_dir)
-    page = copy_dir / "packed_gpt_training.py"
-    text = page.read_text()
-    assert "def sentence_lengths(" in text
-    page.write_text(text.replace("lengths = np.minimum(lengths, max_len)", "lengths = np.minimum(lengths, max_len + 1)"))
-    pairs = sync_toolkit.differing(copy_dir)
-    assert [(c.path.name, c.name) for c, _ in pairs] == [("packed_gpt_training.py", "sentence_lengths")]
-    sync_toolkit.write(pairs)
-    assert not sync_toolkit.differing(copy_dir)
-    assert page.read_text() == text
+# --- one vocabulary ---------------------------------------------------------
+
+def _top_level(tree):
+    """The statements that run at import: the module's body, and what
+    if/try/with/for blocks hold, but not function or class bodies."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for name in ("body", "orelse", "finalbody", "handlers"):
+                todo.extend(n for n in getattr(node, name, ()) if isinstance(n, ast.AST))
 
 
-def _defined_names(path):
-    return {n.name for n in ast.parse(path.read_text()).body
-            if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+def _definitions(path, own=False):
+    """Name -> line of every function, class and variable ``path`` defines at
+    top level. ``own``: leave out the names it also imports (the module's
+    ``except ImportError`` stand-in for ``varlen_attn`` does not make it the
+    module's own)."""
+    out, imported = {}, set()
+    for node in _top_level(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.setdefault(node.name, node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        out.setdefault(name.id, node.lineno)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return {name: line for name, line in out.items() if not (own and name in imported)}
 
+
+# What the module defines itself, private helpers included: a page that
+# defines one of these carries a copy of toolkit code.
+OWN = set(_definitions(MODULE, own=True))
+PUBLIC = {name for name in OWN if not name.startswith("_")}
 
 # Names of helpers that the pages used to define, each under its own name, for
-# what the toolkit now does once: a page must use the toolkit's instead.
+# what the toolkit now does once: neither the module nor a page may bring them back.
 RETIRED = {"time_it", "time_ms", "timeit", "compare", "zipf_lengths", "gen_batch", "peak_memory_mb",
            "peak_mib", "padding_bound", "attention_flops", "valid_mask", "attend_per_sequence",
-           "ragged_from_lengths", "stop_probability", "zipf_sentence_lengths"}
-
+           "ragged_from_lengths", "stop_probability", "zipf_sentence_lengths",
+           # the toolkit's own names before it became a module
+           "_sync", "_varlen_keywords", "_compiled_flex_attention"}
 
 # Only these toolkit functions may call these: timing goes through
 # ``measure``, sentence lengths through ``sentence_lengths``.
 ONLY_INSIDE = {"Timer": "measure", "geometric": "sentence_lengths"}
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
-def test_one_vocabulary(page):
-    assert not (_defined_names(page) & RETIRED), f"{page.name} defines {_defined_names(page) & RETIRED}"
-    for node in ast.parse(page.read_text()).body:
+def test_the_module_defines_the_names_the_pages_rely_on():
+    assert {"ragged_attention", "reference_attention", "measure", "compare_backends", "sentence_lengths",
+            "to_padded", "work_bound", "synchronize", "varlen_keywords", "compiled_flex_attention",
+            "default_device", "quick_mode", "quiet_known_notes", "MultiHeadAttention",
+            "generate_packed"} <= PUBLIC
+    assert PUBLIC <= set(dir(ragged_toolkit))
+
+
+@pytest.mark.parametrize("path", [MODULE, *PAGES], ids=lambda p: p.stem)
+def test_one_vocabulary(path):
+    defined = _definitions(path)
+    retired = sorted(set(defined) & RETIRED)
+    assert not retired, "\n".join(f"{path.name}:{defined[n]}: defines retired {n}" for n in retired)
+    if path != MODULE:  # a page uses the module's names; it defines none of them
+        copies = sorted(set(defined) & OWN, key=defined.get)
+        assert not copies, "a page imports these from ragged_toolkit; it does not define them:\n" + \
+            "\n".join(f"{path.name}:{defined[n]}: defines {n}" for n in copies)
+    for node in ast.parse(path.read_text()).body:
         scope = getattr(node, "name", None)  # the top-level function or class, if any
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
             name = getattr(call.func, "attr", getattr(call.func, "id", ""))
             if name in ONLY_INSIDE:
                 assert scope == ONLY_INSIDE[name], \
-                    f"{page.name}:{call.lineno}: calls {name} outside {ONLY_INSIDE[name]}"
+                    f"{path.name}:{call.lineno}: calls {name} outside {ONLY_INSIDE[name]}"
 
 
-def test_every_page_uses_the_toolkit_attention():
-    for page in PAGES:
-        names = _defined_names(page)
-        if "ragged_attention" in page.read_text():
-            assert "ragged_attention" in names, f"{page.name} uses ragged_attention without its copy"
+def test_the_vocabulary_check_names_a_copy_and_its_line(tmp_path):
+    page = tmp_path / "page.py"
+    page.write_text("from ragged_toolkit import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
+                    "    return values\n\n\nif x:\n    ragged_attention = None\n")
+    with pytest.raises(AssertionError, match=r"page.py:6: defines to_padded\s+page.py:11: defines ragged_attention"):
+        test_one_vocabulary(page)
+    page.write_text("import numpy as np\nrng = np.random.default_rng(0)\nlengths = rng.geometric(0.1, 4)\n")
+    with pytest.raises(AssertionError, match="page.py:3: calls geometric outside sentence_lengths"):
+        test_one_vocabulary(page)
 
 
-# --- the toolkit, loaded from its original page -----------------------------
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_every_page_imports_the_toolkit(page):
+    imported = set()
+    for node in _top_level(ast.parse(page.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "ragged_toolkit":
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import) and any(a.name == "ragged_toolkit" for a in node.names):
+            imported.add("*")
+    assert imported, f"{page.name} does not import from ragged_toolkit"
+    missing = imported - {"*"} - set(dir(ragged_toolkit))
+    assert not missing, f"{page.name} imports names ragged_toolkit does not define: {sorted(missing)}"
+
+
+# --- the toolkit ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tk():
-    """The building-blocks page up to its first measurement, in quick mode."""
-    source = ORIGIN.read_text()
-    prefix = source[:source.index("# Attention alone: measure, then choose")]
-    module = types.ModuleType("building_blocks_toolkit")
-    sys.modules[module.__name__] = module  # dataclasses look their module up there
-    old = os.environ.get("TUTORIALS_QUICK")
-    os.environ["TUTORIALS_QUICK"] = "1"
-    try:
-        exec(compile(prefix, str(ORIGIN), "exec"), module.__dict__)  # noqa: S102
-    finally:
-        if old is None:
-            del os.environ["TUTORIALS_QUICK"]
-        else:
-            os.environ["TUTORIALS_QUICK"] = old
-    return module
+    """The toolkit module, as the pages import it."""
+    return ragged_toolkit
 
 
 def _batch(tk, q_lengths, kv_lengths=None, heads=4, kv_heads=4, dtype=torch.float32, seed=0):

@@ -86,6 +86,14 @@ def quick_mode():
     return os.environ.get("TUTORIALS_QUICK") == "1"
 
 
+# Matplotlib settings for the pages' figures: 12-point text at 100 dpi is
+# about 17 px, as large as the page's body text when a figure of at most
+# 8 inches (800 px) is shown at its natural size in the content column.
+FIGURE_STYLE = {"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (8, 4.5),
+                "font.size": 12, "axes.titlesize": 12, "axes.labelsize": 12,
+                "xtick.labelsize": 12, "ytick.labelsize": 12, "legend.fontsize": 12}
+
+
 class _DropNotes(logging.Filter):
     def filter(self, record):
         return not record.getMessage().startswith(("is_fx_tracing", "Failed to pickle cache key"))
@@ -181,7 +189,9 @@ BACKENDS = ("varlen", "sdpa_njt", "flex", "loop", "bucketed", "padded")
 
 
 def varlen_keywords():
-    # the keyword arguments of varlen_attn differ between releases: read them
+    """The keyword arguments the installed ``varlen_attn`` takes (they changed
+    between releases: ``is_causal``, then ``window_size``, ``enable_gqa``,
+    ``seqused_k``); empty where this PyTorch has no ``varlen_attn``."""
     return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 
@@ -542,6 +552,7 @@ def tolerances(dtype):
 
 
 def synchronize():
+    """Wait for the GPU, where there is one, before a clock is read."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -744,6 +755,15 @@ def speedup_line(label, padded, ragged, bound):
 
 
 class MultiHeadAttention(nn.Module):
+    """Multi-head attention on a packed batch or, unchanged, a padded one.
+
+    ``forward(x, offsets)``: x (T, E) packed, offsets (B + 1,), through
+    :func:`ragged_attention` with ``backend``. ``forward(x)``: x (B, S, E)
+    padded, one SDPA call; ``key_valid`` (B, S_kv) masks padding keys. With
+    ``cross=True`` the keys and values come from ``context`` (with
+    ``context_offsets`` when packed). Returns the shape of x.
+    """
+
     def __init__(self, embed, heads, *, cross=False, bias=True, backend=None, device=None, dtype=None):
         super().__init__()
         kw = {"bias": bias, "device": device, "dtype": dtype}
@@ -780,6 +800,10 @@ class MultiHeadAttention(nn.Module):
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """The sizes of a :class:`GPT`: vocabulary, width ``dim``, layers, query
+    and key/value heads (grouped-query attention when ``n_kv_heads < n_heads``),
+    the SwiGLU hidden width and the longest position."""
+
     vocab_size: int
     dim: int
     n_layers: int
@@ -862,6 +886,8 @@ class Padded:
 
 
 def apply_rope(x, cos, sin):
+    """Rotary position embedding: x (..., H, D) rotated by the angles whose
+    cosines and sines are (..., 1, D / 2), one row per token's position."""
     # x: (..., H, D); cos and sin: (..., 1, D / 2)
     # Rotated in the precision of cos and sin (float32), returned in the dtype
     # of x: under autocast, q and k stay in the dtype of v.
@@ -870,6 +896,11 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with rotary positions: q, k and v from one
+    matmul, attention by the batch's layout (:class:`Packed` or
+    :class:`Padded`). ``forward(x, cos, sin, layout)``: x (T, dim) or
+    (B, S, dim), returns the same shape."""
+
     def __init__(self, cfg, layer):
         super().__init__()
         self.layer, self.n_heads, self.n_kv_heads = layer, cfg.n_heads, cfg.n_kv_heads
@@ -886,6 +917,9 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(gate) * up)``, gate and up from one matmul. Works on
+    the last dimension: (..., dim) -> (..., dim)."""
+
     def __init__(self, cfg):
         super().__init__()
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_hidden, bias=False)  # gate and up, one matmul
@@ -897,6 +931,9 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm decoder block: RMSNorm, :class:`Attention`, residual;
+    RMSNorm, :class:`FeedForward`, residual."""
+
     def __init__(self, cfg, layer):
         super().__init__()
         self.attn_norm, self.ffn_norm = nn.RMSNorm(cfg.dim), nn.RMSNorm(cfg.dim)
@@ -908,6 +945,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """A decoder-only transformer (RMSNorm, rotary positions, SwiGLU, GQA) in
+    the style of gpt-fast. ``forward(tokens, positions, layout)``: tokens and
+    positions (T,) packed with a :class:`Packed` layout, or (B, S) padded with
+    a :class:`Padded` one; returns logits (T, vocab) or (B, S, vocab).
+    Positions restart at every sequence: :func:`token_index` gives them."""
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg

@@ -1,0 +1,119 @@
+"""List the code lines of the tutorials that are wider than a page's code column.
+
+At a 1280 px window a code block on a tutorial page holds ``MAX_CHARS``
+monospace characters without scrolling (measured in Chromium with the site's
+CSS; ``tests/test_browser.py`` checks the rendered pages). A longer line is
+clipped behind a scroll bar, so this script lists every one:
+
+* on a tutorial page, every line of its code blocks, code comments and
+  docstrings included (they are shown in the code blocks), but not the prose
+  of its text blocks (the module docstring and the ``# %%`` comment blocks,
+  rendered as paragraphs) and not what Sphinx-Gallery leaves out
+  (``# sphinx_gallery_...`` config comments, ``start_ignore``/``end_ignore``
+  blocks);
+* in the toolkit module beside the pages (``tutorials/ragged_toolkit.py``),
+  every line but its comments and docstrings.
+
+``python scripts/line_widths.py [FILE ...]`` prints ``file:line: length``
+for each line longer than ``MAX_CHARS`` (``--max N`` to choose another
+limit) and exits 1 if there is any. ``from line_widths import MAX_CHARS``
+gives the limit to other scripts and tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import re
+import sys
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "sphinxext"))
+from gallery_layout import GALLERY_SRC, TOOLKIT, tutorial_sources  # noqa: E402
+
+# Monospace characters a code block holds at a 1280 px window (Chromium,
+# DejaVu Sans Mono, the widest of the usual monospace fonts, at the site's
+# code font size; see _static/site.css).
+MAX_CHARS = 100
+
+_CONFIG_COMMENT = re.compile(r"^\s*#\s*sphinx_gallery_(?!start_ignore|end_ignore)\w+")
+_START_IGNORE = re.compile(r"^\s*#\s*sphinx_gallery_start_ignore\s*$")
+_END_IGNORE = re.compile(r"^\s*#\s*sphinx_gallery_end_ignore\s*$")
+
+
+def page_code_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of each line of a tutorial that its page shows
+    in a code block."""
+    from sphinx_gallery.py_source_parser import split_code_and_text_blocks
+
+    source = path.read_text().splitlines()
+    _, blocks = split_code_and_text_blocks(str(path))
+    shown = []
+    for label, content, lineno in blocks:
+        if label != "code":
+            continue
+        ignoring = False
+        for i, text in enumerate(content.splitlines()):
+            number = lineno + i
+            # The block's lines are the file's, from its first line on.
+            assert source[number - 1] == text, (path, number, text)
+            if _START_IGNORE.match(text):
+                ignoring = True
+            elif _END_IGNORE.match(text):
+                ignoring = False
+            elif not ignoring and not _CONFIG_COMMENT.match(text):
+                shown.append((number, text))
+    return shown
+
+
+def module_code_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of each line of a module that holds code: not
+    a comment-only line, not a line of a docstring."""
+    text = path.read_text()
+    prose = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                prose.update(range(body[0].lineno, body[0].end_lineno + 1))
+    code = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                            tokenize.DEDENT, tokenize.ENDMARKER):
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    return [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if n in code and n not in prose]
+
+
+def long_lines(path: Path, limit: int = MAX_CHARS) -> list[tuple[int, int]]:
+    """``(line number, length)`` of each shown code line of ``path`` longer
+    than ``limit``."""
+    path = Path(path)
+    lines = module_code_lines(path) if path.name == TOOLKIT else page_code_lines(path)
+    return [(n, len(text.rstrip())) for n, text in lines if len(text.rstrip()) > limit]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", type=Path,
+                        help=f"default: {GALLERY_SRC}/*.py (the pages and {TOOLKIT})")
+    parser.add_argument("--max", type=int, default=MAX_CHARS,
+                        help=f"the most characters a line may have (default {MAX_CHARS})")
+    args = parser.parse_args(argv)
+    files = args.files or [*tutorial_sources(ROOT), ROOT / GALLERY_SRC / TOOLKIT]
+    found = 0
+    for path in files:
+        shown = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+        for number, length in long_lines(path, args.max):
+            print(f"{shown}:{number}: {length}")
+            found += 1
+    if found:
+        print(f"{found} code line(s) longer than {args.max} characters", file=sys.stderr)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

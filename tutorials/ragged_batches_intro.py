@@ -2,9 +2,10 @@
 Ragged batches: padding and masks versus packed values and offsets
 ==================================================================
 
-A first look at batches of variable-length sequences in PyTorch: the same
-batch stored padded with a mask and packed with offsets, how a nested jagged
-tensor holds the packed form, and what padding costs a linear layer.
+The same batch of variable-length sequences, stored padded with a mask and
+packed with offsets; a nested jagged tensor as the packed form; and what
+padding costs a linear layer, measured. The page ends with the site's
+:ref:`glossary <glossary>`.
 
 **Authors:** the ragged-transformers tutorial contributors
 
@@ -16,9 +17,8 @@ tensor holds the packed form, and what padding costs a linear layer.
        * How a padded batch with a mask and packed values with offsets
          describe the same ragged batch, and how to go from one to the other
        * That a nested jagged tensor (NJT) is exactly values plus offsets
-       * How many of a padded batch's tokens are padding for realistic
-         sentence lengths, and what that costs a ``nn.Linear``, measured
-         against the work bound
+       * How much of a padded batch is padding for realistic sentence
+         lengths, and what that costs a ``nn.Linear``
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -30,29 +30,55 @@ tensor holds the packed form, and what padding costs a linear layer.
 # sphinx_gallery_tags = ["basics", "packing", "nested tensors"]
 
 # %%
-# Device and sizes
-# ----------------
-# Every size on this page is set here, once, for the device the page runs on.
-# ``TUTORIALS_QUICK=1`` shrinks them further for smoke tests; the assertions
-# stay the same.
+# The same batch, two ways
+# ------------------------
+# Three sentences of 3, 1 and 4 tokens, one feature per token so that the
+# numbers stay readable. The padded form stacks them into a ``(B, S)``
+# rectangle, ``S`` the longest length, and keeps a ``(B, S)`` mask of the real
+# tokens. The packed form keeps only the real tokens, end to end, as
+# **values** ``(T, ...)``, and the **offsets** ``(B + 1,)``: where each
+# sentence starts, then where the last one ends.
 
-import os
+import torch
+from ragged_toolkit import from_padded, offsets_from_lengths, to_padded
+
+sentences = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0]), torch.tensor([5.0, 6.0, 7.0, 8.0])]
+padded = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True)  # (B, S)
+mask = padded != 0  # True on real tokens (no real token is 0 here)
+values = torch.cat(sentences)  # (T,)
+offsets = offsets_from_lengths([len(s) for s in sentences])  # (B + 1,)
+print("padded:\n", padded, "\nmask:\n", mask)
+print("values: ", values)
+print("offsets:", offsets)
+
+# %%
+# Sentence ``i`` is ``values[offsets[i]:offsets[i + 1]]``. The site's toolkit
+# module, ``ragged_toolkit``, converts between the two forms (its
+# :doc:`reference page </toolkit>` lists every function): ``to_padded`` gives
+# the padded tensor and its mask, ``from_padded`` the values back.
+
+padded_again, valid = to_padded(values, offsets)
+assert torch.equal(padded_again, padded) and torch.equal(valid, mask)
+assert torch.equal(from_padded(padded, offsets), values)
+print("sentence 2:", values[offsets[2]:offsets[3]])
+
+# %%
+# Sizes
+# -----
+# Every size on this page is set here, once, for the device it runs on.
+# :term:`Quick mode <quick mode>` (``TUTORIALS_QUICK=1``) shrinks them for the
+# test suite; every assertion still runs.
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-
-
 from ragged_toolkit import (
-    default_device, default_dtype, from_padded, measure, offsets_from_lengths, quick_mode,
-    quiet_known_notes, sentence_lengths, speedup_line, to_padded, zipf_stop_probability,
+    FIGURE_STYLE, default_device, default_dtype, measure, quick_mode, quiet_known_notes,
+    sentence_lengths, speedup_line, zipf_stop_probability,
 )
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
 QUICK = quick_mode()
 SEED = 0
-
 if DEVICE == "cuda":
     BATCH, EMBED = 512, 1024  # the batch of the original tutorial
 else:
@@ -60,8 +86,7 @@ else:
 if QUICK:
     BATCH, EMBED = 64, 128
 RUN_TIME = 0.2 if QUICK else 1.0
-print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}")
-print(f"batch: {BATCH} sequences, embedding: {EMBED}")
+print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}; batch {BATCH}, embedding {EMBED}")
 
 # sphinx_gallery_start_ignore
 quiet_known_notes()
@@ -74,10 +99,9 @@ quiet_known_notes()
 # mark. Under a Zipf(1.2) model of word frequencies, with those three at the
 # ranks they have in the WikiText-2 corpus (3, 386 and 858), each word ends
 # the sentence with the same probability ``p``, independently of the words
-# before it, so a sentence's length is a geometric draw. These two functions
-# are the site's length generator; the building-blocks page checks them
-# against drawing the words one by one.
-
+# before it, so a sentence's length is a geometric draw: that is what
+# ``sentence_lengths`` draws, from a seeded numpy generator. The
+# building-blocks page checks it against drawing the words one by one.
 
 rng = np.random.default_rng(SEED)
 torch.manual_seed(SEED)
@@ -89,11 +113,14 @@ print(f"{BATCH} sentences, {int(lengths.sum())} tokens, "
 # %%
 # The histogram has the long right tail of real text: most sentences are
 # short, a few are very long, and the longest one sets the padded length.
+
 import matplotlib.pyplot as plt
 
-fig, ax = plt.subplots(figsize=(6, 3.2))
+plt.rcParams.update(FIGURE_STYLE)
+fig, ax = plt.subplots(figsize=(8, 4))
 ax.hist(lengths.numpy(), bins=40, color="#4c72b0")
-ax.axvline(int(lengths.max()), color="#c44e52", linestyle="--", label=f"padded length = {int(lengths.max())}")
+ax.axvline(int(lengths.max()), color="#c44e52", linestyle="--",
+           label=f"padded length = {int(lengths.max())}")
 ax.set_xlabel("sentence length (tokens)")
 ax.set_ylabel("sentences")
 ax.set_title(f"Zipf(1.2) sentence lengths, batch of {BATCH}")
@@ -101,19 +128,10 @@ ax.legend()
 fig.tight_layout()
 
 # %%
-# The same batch, two ways
-# ------------------------
-# Start from a list of per-sentence tensors, one row of ``EMBED`` features per
-# token. The padded form stacks them into a ``(B, S_max, E)`` tensor and
-# keeps a ``(B, S_max)`` boolean mask of the real tokens. The packed form
-# keeps only the real tokens, end to end, as **values** ``(T, E)``, and the
-# **offsets** ``(B + 1,)`` where each sentence starts, then where the last
-# one ends. The functions below are the site's toolkit for going between
-# the two.
-
+# The same two forms at this size, one row of ``EMBED`` features per token:
 
 sentences = [torch.randn(int(n), EMBED, device=DEVICE, dtype=DTYPE) for n in lengths]
-padded = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True)  # (B, S_max, E)
+padded = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True)  # (B, S, E)
 values = torch.cat(sentences)  # (T, E)
 offsets = offsets_from_lengths(lengths, DEVICE)  # (B + 1,)
 padded_from_values, valid = to_padded(values, offsets)
@@ -124,55 +142,44 @@ print("values:", tuple(values.shape), " offsets[:6]:", offsets[:6].tolist())
 
 # %%
 # A nested jagged tensor is the packed form
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# -----------------------------------------
 # ``torch.nested`` with ``layout=torch.jagged`` stores a ragged batch as
 # exactly these two tensors: ``values()`` and ``offsets()``. It adds
 # ``unbind()`` and ``to_padded_tensor()`` and lets some operations run on the
 # batch as a whole. PyTorch's documentation says nested tensors are no
 # longer under active development, so the rest of the site works on the plain
-# pair of tensors and uses an NJT only where it is the fastest attention
-# backend.
+# pair of tensors and uses a nested tensor only as one attention backend.
 
-# without ``max_seqlen``, to_padded_tensor would pad to the total token count
-njt = torch.nested.nested_tensor_from_jagged(values, offsets, max_seqlen=int(lengths.max()))  # (B, j, E)
-# the same memory: building the NJT copied nothing
+# without max_seqlen, to_padded_tensor would pad to the total token count
+njt = torch.nested.nested_tensor_from_jagged(values, offsets, max_seqlen=int(lengths.max()))
+# the same memory: building the nested tensor copied nothing
 assert njt.values().data_ptr() == values.data_ptr() and torch.equal(njt.offsets(), offsets)
 for original, piece in zip(sentences, njt.unbind()):
     assert torch.equal(piece, original)
 torch.testing.assert_close(njt.to_padded_tensor(0.0), padded)
-print("nested:", njt.shape, "(the j is the ragged dimension); values() and offsets() are ours")
+print("nested:", njt.shape, "(j is the ragged dimension)")
 
 # %%
 # How much of a padded batch is padding?
 # --------------------------------------
 # Every sentence is stretched to the longest one, so the padded batch holds
-# ``B * S_max`` token slots for ``sum(lengths)`` real tokens.
+# ``B * S`` token slots for ``sum(lengths)`` real tokens.
+
 real_tokens, slots = int(lengths.sum()), BATCH * int(lengths.max())
-print(f"real tokens {real_tokens}, padded slots {slots}: "
-      f"{100 * (1 - real_tokens / slots):.1f}% of the padded batch is padding "
+print(f"real tokens {real_tokens}, padded slots {slots}")
+print(f"{100 * (1 - real_tokens / slots):.1f}% of the padded batch is padding "
       f"({slots / real_tokens:.2f}x the tokens)")
 
 # %%
 # What padding costs a linear layer
 # ---------------------------------
-# A token-wise layer such as ``nn.Linear`` works on every slot it is given. On
-# the packed values it runs on real tokens only, so the padded batch does
-# ``slots / real_tokens`` times the work: that ratio is the *work bound* of
-# this comparison, the speedup to expect if time follows the work. A small
-# layer can beat it (time per call also pays fixed costs, and a smaller
-# matrix may fit a faster cache) or fall short of it. We check that
-# both give the same result on the real tokens, then time both with
-# ``measure`` (the site's timing helper, from the building-blocks page): it
-# uses ``torch.utils.benchmark``, lets the two take turns, and reports the
-# median and the interquartile range (IQR) in milliseconds, and the peak
-# memory in MiB.
-
-import gc
-import time
-from dataclasses import dataclass
-
-from torch.utils import benchmark
-
+# A token-wise layer such as ``nn.Linear`` works on every slot it is given.
+# On the packed values it runs on real tokens only, so the padded batch does
+# ``slots / real_tokens`` times the work: that ratio is the :term:`work bound`
+# of this comparison, the speedup to expect if time followed the work. Both
+# must give the same result on the real tokens; then ``measure`` times both
+# with ``torch.utils.benchmark``, taking turns, and reports the median and
+# the interquartile range (IQR) in milliseconds and the peak memory in MiB.
 
 linear = torch.nn.Linear(EMBED, 4 * EMBED, device=DEVICE, dtype=DTYPE)
 with torch.no_grad():
@@ -185,12 +192,15 @@ for name, t in times.items():
 print(speedup_line("nn.Linear", times["padded"], times["packed"], slots / real_tokens))
 
 # %%
-# A linear layer's work is proportional to the number of token slots it
-# sees, so the bound is what skipping padding can buy it, and the fraction
-# says how much of that this device delivered. Attention is worse: its cost grows
-# with the square of the padded length, and a padded batch also needs a mask
-# to keep real tokens from attending to padding. The next pages build whole
-# transformer layers and models that never see a pad token.
+# The :term:`fraction of the bound` says how much of what skipping padding
+# could buy this device delivered. It can exceed 1 for a linear layer: the
+# bound counts work only, while the padded tensor is also larger in memory,
+# may miss a cache the packed one fits in, and costs more to allocate, so
+# the padded side can be slower per token than the packed one. Attention is
+# worse than a linear layer: its cost grows with the square of the padded
+# length, and a padded batch needs a mask to keep real tokens from padding.
+# The next pages build whole transformer layers and models that never see a
+# pad token.
 #
 # Conclusion
 # ----------
@@ -198,6 +208,56 @@ print(speedup_line("nn.Linear", times["padded"], times["packed"], slots / real_t
 # same two tensors. Token-wise layers run on the values directly and skip the
 # padding, which for Zipf-distributed sentence lengths is most of a padded
 # batch.
+#
+# .. _glossary:
+#
+# Glossary
+# --------
+# The words the pages of this site use for what they measure.
+#
+# .. glossary::
+#
+#    work bound
+#       The work a padded implementation must do divided by the work of the
+#       packed one, each counted for what it computes: FLOPs per token for
+#       projections and feed-forward layers, FLOPs per query-key pair for
+#       attention scores (a causal kernel scores ``L (L + 1) / 2`` pairs of a
+#       sequence of length ``L``, a merged mask the whole square). It is the
+#       speedup to expect if time followed work; every speedup on the site is
+#       printed beside it.
+#
+#    fraction of the bound
+#       The measured speedup divided by the work bound. Near 1, the packed
+#       code wins back what padding costs in work. Below 1, overheads (one
+#       call per sequence, gathers, bookkeeping) eat part of the win. Above 1,
+#       the padded side is slower per unit of work than the packed side: its
+#       larger tensors cost memory traffic, cache misses and allocations that
+#       the bound, which counts FLOPs only, does not see.
+#
+#    kernel label
+#       The attention kernel that ran, read from the profiler's operator
+#       names and printed in brackets after a timing, with its call count:
+#       ``CPU flash`` is SDPA's fused FlashAttention-style kernel for CPUs;
+#       ``flash``, ``memory-efficient`` and ``cuDNN`` are SDPA's fused CUDA
+#       kernels, and ``flash varlen`` the variable-length one that
+#       ``varlen_attn`` calls; ``math`` is SDPA's unfused reference path;
+#       ``compiled graph (inductor kernel)`` is code that ``torch.compile``
+#       generated (FlexAttention on CPU); ``FlexAttention Triton kernel`` is
+#       FlexAttention's fused CUDA kernel. A ``backward`` suffix marks the
+#       gradient kernel.
+#
+#    quick mode
+#       ``TUTORIALS_QUICK=1``: every page shrinks its sizes so that the test
+#       suite can run it in seconds; every assertion still runs. The
+#       published pages never use it.
+#
+#    the original tutorial's baseline
+#       What the 2024 tutorial this site grew from compared against:
+#       ``nn.MultiheadAttention`` on the padded batch with a
+#       ``key_padding_mask`` and a causal ``attn_mask``, which it merges into
+#       one ``(B * H, S, S)`` mask. Our own padded baseline is better (a
+#       causal kernel and no mask); both are measured on the building-blocks
+#       page.
 #
 # Further reading
 # ---------------

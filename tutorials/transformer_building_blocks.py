@@ -125,7 +125,7 @@ else:
 if QUICK:
     BATCH, EMBED, RUN_TIME = BATCH // 4, EMBED // 2, 0.1
 ZIPF_ALPHA = 1.2  # the original's exponent
-print(f"PyTorch {torch.__version__}, {DEVICE}, {DTYPE}, quick mode {QUICK}")
+print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick mode: {QUICK}")
 print(f"batch {BATCH}, embedding {EMBED}, heads {HEADS}")
 
 # sphinx_gallery_start_ignore

@@ -1,4 +1,4 @@
-"""The toolkit of the ragged-batch transformer tutorials: one module, imported by every page.
+"""The toolkit of the ragged-batch transformer tutorials, imported by every page.
 
 A ragged batch is **packed values** ``(T, ...)``, every token of every
 sequence end to end, plus **offsets** ``(B + 1,)``, where each sequence starts
@@ -51,9 +51,10 @@ def _release(version):
 
 
 if _release(torch.__version__) < MINIMUM_TORCH:
-    raise RuntimeError(f"The tutorials need PyTorch {'.'.join(map(str, MINIMUM_TORCH))} or later; "
-                       f"this is {torch.__version__}. Upgrade with `pip install -U torch`.")
-
+    raise RuntimeError(
+        f"The tutorials need PyTorch {'.'.join(map(str, MINIMUM_TORCH))} or later; "
+        f"this is {torch.__version__}. Upgrade with `pip install -U torch`."
+    )
 
 
 # --- Device, dtype and quiet logs ----------------------------------------------
@@ -71,7 +72,9 @@ def default_dtype(device):
     name = os.environ.get("TUTORIALS_DTYPE")
     if name:
         if name not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}")
+            raise ValueError(
+                f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}"
+            )
         return getattr(torch, name)
     if torch.device(device).type != "cuda":
         return torch.float32
@@ -89,14 +92,24 @@ def quick_mode():
 # Matplotlib settings for the pages' figures: 12-point text at 100 dpi is
 # about 17 px, as large as the page's body text when a figure of at most
 # 8 inches (800 px) is shown at its natural size in the content column.
-FIGURE_STYLE = {"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (8, 4.5),
-                "font.size": 12, "axes.titlesize": 12, "axes.labelsize": 12,
-                "xtick.labelsize": 12, "ytick.labelsize": 12, "legend.fontsize": 12}
+FIGURE_STYLE = {
+    "figure.dpi": 100,
+    "savefig.dpi": 100,
+    "figure.figsize": (8, 4.5),
+    "font.size": 12,
+    "axes.titlesize": 12,
+    "axes.labelsize": 12,
+    "xtick.labelsize": 12,
+    "ytick.labelsize": 12,
+    "legend.fontsize": 12,
+}
 
 
 class _DropNotes(logging.Filter):
     def filter(self, record):
-        return not record.getMessage().startswith(("is_fx_tracing", "Failed to pickle cache key"))
+        return not record.getMessage().startswith(
+            ("is_fx_tracing", "Failed to pickle cache key")
+        )
 
 
 def quiet_known_notes():
@@ -106,10 +119,11 @@ def quiet_known_notes():
     profiler's log lines."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     warnings.filterwarnings("ignore", message=r".*nested tensors is in prototype stage")
-    warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
+    warnings.filterwarnings(
+        "ignore", message=r".*does not implement _stable_hash_for_caching"
+    )
     for name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
         logging.getLogger(name).addFilter(_DropNotes())
-
 
 
 # --- Lengths and offsets -------------------------------------------------------
@@ -152,11 +166,15 @@ def offsets_from_position_ids(position_ids):
     return torch.cat([starts, starts.new_tensor([len(position_ids)])])
 
 
-def ragged_batch(rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32):
+def ragged_batch(
+    rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32
+):
     """A random ragged batch: packed values (T, dim) and offsets (B + 1,)."""
     lengths = sentence_lengths(rng, batch, alpha, max_len)
     gen = torch.Generator(device).manual_seed(int(rng.integers(2**62)))
-    values = torch.randn(int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype)
+    values = torch.randn(
+        int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype
+    )
     return values, offsets_from_lengths(lengths, device)
 
 
@@ -164,7 +182,9 @@ def token_index(offsets):
     """The sequence of every packed token and its position in that sequence,
     both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2]."""
     lengths = offsets.diff()
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths)
+    seq = torch.repeat_interleave(
+        torch.arange(len(lengths), device=offsets.device), lengths
+    )
     return seq, torch.arange(len(seq), device=offsets.device) - offsets[seq]
 
 
@@ -192,7 +212,11 @@ def varlen_keywords():
     """The keyword arguments the installed ``varlen_attn`` takes (they changed
     between releases: ``is_causal``, then ``window_size``, ``enable_gqa``,
     ``seqused_k``); empty where this PyTorch has no ``varlen_attn``."""
-    return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+    return (
+        set(inspect.signature(varlen_attn).parameters)
+        if varlen_attn is not None
+        else set()
+    )
 
 
 def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, gqa=False):
@@ -212,7 +236,10 @@ def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, g
     if name == "sdpa_njt" and gqa:
         return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
     if name == "sdpa_njt" and is_causal and not cuda:
-        return "on CPU only the math path of SDPA takes nested tensors, and it refuses is_causal"
+        return (
+            "on CPU only the math path of SDPA takes nested tensors, "
+            "and it refuses is_causal"
+        )
     if name == "flex" and needs_grad and not cuda:
         return "FlexAttention has no backward on CPU"
     return None
@@ -230,18 +257,28 @@ def default_backend(device, dtype):
 def check_offsets(offsets, total, name="offsets"):
     """Raise ``ValueError``, naming the problem, unless ``offsets`` describe a packed
     tensor of ``total`` tokens."""
-    if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
-                         f"got shape {tuple(offsets.shape)} and {offsets.dtype}")
+    if (
+        offsets.dim() != 1
+        or len(offsets) < 1
+        or offsets.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
+            f"got shape {tuple(offsets.shape)} and {offsets.dtype}"
+        )
     if int(offsets[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
     steps = offsets.diff()
     if bool((steps < 0).any()):
         i = int((steps < 0).nonzero()[0])
-        raise ValueError(f"{name} must not decrease: {name}[{i}] = {int(offsets[i])} "
-                         f"> {name}[{i + 1}] = {int(offsets[i + 1])}")
+        raise ValueError(
+            f"{name} must not decrease: {name}[{i}] = {int(offsets[i])} "
+            f"> {name}[{i + 1}] = {int(offsets[i + 1])}"
+        )
     if int(offsets[-1]) != total:
-        raise ValueError(f"{name} must end at the token count, {total}, got {int(offsets[-1])}")
+        raise ValueError(
+            f"{name} must end at the token count, {total}, got {int(offsets[-1])}"
+        )
 
 
 @dataclass
@@ -261,8 +298,11 @@ def _cached(key, compute):
     # ``compute()`` once per tuple of tensors (by identity and version) and sizes
     stamp = tuple(t._version if isinstance(t, torch.Tensor) else t for t in key)
     for cached_key, cached_stamp, value in _INFO_CACHE:
-        if cached_stamp == stamp and all(a is b for a, b in zip(cached_key, key)
-                                         if isinstance(a, torch.Tensor) or a is None):
+        if cached_stamp == stamp and all(
+            a is b
+            for a, b in zip(cached_key, key)
+            if isinstance(a, torch.Tensor) or a is None
+        ):
             return value
     value = compute()
     _INFO_CACHE.insert(0, (key, stamp, value))
@@ -274,8 +314,10 @@ def _offsets_lengths(q_offsets, kv_offsets, n_q, n_kv):
     check_offsets(q_offsets, n_q, "q_offsets")
     check_offsets(kv_offsets, n_kv, "kv_offsets")
     if len(q_offsets) != len(kv_offsets):
-        raise ValueError(f"q_offsets and kv_offsets describe different batch sizes: "
-                         f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences")
+        raise ValueError(
+            f"q_offsets and kv_offsets describe different batch sizes: "
+            f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences"
+        )
     return q_offsets.diff().tolist(), kv_offsets.diff().tolist()
 
 
@@ -284,15 +326,23 @@ def ragged_info(q_offsets, kv_offsets, n_q, n_kv, kv_used=None, is_causal=False)
     offsets once, however often ``kv_used`` changes, as in decoding)."""
 
     def compute():
-        q_lengths, kv_rows = _cached((q_offsets, kv_offsets, n_q, n_kv),
-                                     lambda: _offsets_lengths(q_offsets, kv_offsets, n_q, n_kv))
+        q_lengths, kv_rows = _cached(
+            (q_offsets, kv_offsets, n_q, n_kv),
+            lambda: _offsets_lengths(q_offsets, kv_offsets, n_q, n_kv),
+        )
         kv_lengths = kv_rows if kv_used is None else kv_used.tolist()
-        if len(kv_lengths) != len(kv_rows) or any(not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)):
-            raise ValueError(f"kv_used must hold one count per sequence, between 0 and its key "
-                             f"rows {kv_rows}; got {kv_lengths}")
+        if len(kv_lengths) != len(kv_rows) or any(
+            not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)
+        ):
+            raise ValueError(
+                f"kv_used must hold one count per sequence, between 0 and its key "
+                f"rows {kv_rows}; got {kv_lengths}"
+            )
         if is_causal and any(0 < lkv < lq for lq, lkv in zip(q_lengths, kv_lengths)):
-            raise ValueError("is_causal needs at least as many keys as queries in every sequence "
-                             "(the last query sees every key)")
+            raise ValueError(
+                "is_causal needs at least as many keys as queries in every sequence "
+                "(the last query sees every key)"
+            )
         return RaggedInfo(q_lengths, kv_lengths, kv_rows)
 
     return _cached((q_offsets, kv_offsets, kv_used, n_q, n_kv, is_causal), compute)
@@ -309,10 +359,14 @@ def _dense(q, k, v, is_causal, scale, mask=None):
     # everything a query may see. Every query has at least one key.
     lq, lkv, gqa = q.shape[-2], k.shape[-2], q.shape[1] != k.shape[1]
     if mask is None and is_causal and lq == lkv:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     if mask is None and is_causal and lq > 1:
         mask = _causal_mask(lq, lkv, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+    )
 
 
 def _loop(q, k, v, info, is_causal, scale, kv_used):
@@ -321,8 +375,13 @@ def _loop(q, k, v, info, is_causal, scale, kv_used):
     # and its backward is a single concatenation
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
     out = []
-    for qi, ki, vi, n, rows in zip(qh.split(info.q_lengths, 2), kh.split(info.kv_rows, 2),
-                                   vh.split(info.kv_rows, 2), info.kv_lengths, info.kv_rows):
+    for qi, ki, vi, n, rows in zip(
+        qh.split(info.q_lengths, 2),
+        kh.split(info.kv_rows, 2),
+        vh.split(info.kv_rows, 2),
+        info.kv_lengths,
+        info.kv_rows,
+    ):
         if n < rows:  # a cache with spare room: only the rows in use
             ki, vi = ki[:, :, :n], vi[:, :, :n]
         out.append(_dense(qi, ki, vi, is_causal, scale))  # (1, H, L_q, D)
@@ -343,11 +402,17 @@ def _bucket_plan(info, device, buckets, is_causal):
         sq, skv = int(lq.max()), int(lkv.max())
         q_real = torch.arange(sq) < lq[:, None]  # (n, Sq)
         kv_real = torch.arange(skv) < lkv[:, None]  # (n, Skv)
-        q_idx = torch.where(q_real, torch.as_tensor(q_start[group])[:, None] + torch.arange(sq), 0)
-        kv_idx = torch.where(kv_real, torch.as_tensor(kv_start[group])[:, None] + torch.arange(skv), 0)
+        q_idx = torch.where(
+            q_real, torch.as_tensor(q_start[group])[:, None] + torch.arange(sq), 0
+        )
+        kv_idx = torch.where(
+            kv_real, torch.as_tensor(kv_start[group])[:, None] + torch.arange(skv), 0
+        )
         mask = kv_real[:, None, :]  # (n, 1, Skv): real keys only
         if is_causal:  # query i sees keys up to i + Lkv - Lq
-            mask = mask & (torch.arange(skv) <= torch.arange(sq)[:, None] + (lkv - lq)[:, None, None])
+            mask = mask & (
+                torch.arange(skv) <= torch.arange(sq)[:, None] + (lkv - lq)[:, None, None]
+            )
         # right padding: with equal lengths a causal query never reaches a
         # padding key, and the kernel's own causal mask is enough
         mask = None if is_causal and bool((lq == lkv).all()) else mask[:, None].to(device)
@@ -365,7 +430,9 @@ def _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=4):
     plan, inverse = info.plans[key]
     out = []
     for q_idx, kv_idx, mask, q_real in plan:
-        qb, kb, vb = (t[idx].transpose(1, 2) for t, idx in ((q, q_idx), (k, kv_idx), (v, kv_idx)))
+        qb, kb, vb = (
+            t[idx].transpose(1, 2) for t, idx in ((q, q_idx), (k, kv_idx), (v, kv_idx))
+        )
         ob = _dense(qb, kb, vb, is_causal and mask is None, scale, mask)  # (n, H, Sq, D)
         out.append(ob.transpose(1, 2)[q_real])  # the real rows, (sum Lq, H, D)
     return torch.cat(out)[inverse]
@@ -380,22 +447,40 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
     if set(info.q_lengths) != {lq} or set(info.kv_rows) != {rows}:
         return _bucketed(q, k, v, info, is_causal, scale, kv_used, buckets=1)
     n = max(info.kv_lengths)
-    if ("rectangle", is_causal) not in info.plans:  # one mask per batch, shared by every layer
+    if (
+        "rectangle",
+        is_causal,
+    ) not in info.plans:  # one mask per batch, shared by every layer
         used = torch.tensor(info.kv_lengths, device=q.device)[:, None, None, None]
-        key, query = torch.arange(n, device=q.device), torch.arange(lq, device=q.device)[:, None]
+        key, query = (
+            torch.arange(n, device=q.device),
+            torch.arange(lq, device=q.device)[:, None],
+        )
         mask = key < used  # (B, 1, 1, n), or with the causal rule (B, 1, Lq, n)
-        info.plans["rectangle", is_causal] = mask & (key <= query + used - lq) if is_causal else mask
+        info.plans["rectangle", is_causal] = (
+            mask & (key <= query + used - lq) if is_causal else mask
+        )
     qb = q.view(B, lq, *q.shape[1:]).transpose(1, 2)  # (B, H, Lq, D)
-    kb, vb = (t.view(B, rows, *t.shape[1:])[:, :n].transpose(1, 2) for t in (k, v))  # (B, H_kv, n, D)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=info.plans["rectangle", is_causal], scale=scale,
-                                         enable_gqa=qb.shape[1] != kb.shape[1])
+    kb, vb = (
+        t.view(B, rows, *t.shape[1:])[:, :n].transpose(1, 2) for t in (k, v)
+    )  # (B, H_kv, n, D)
+    out = F.scaled_dot_product_attention(
+        qb,
+        kb,
+        vb,
+        attn_mask=info.plans["rectangle", is_causal],
+        scale=scale,
+        enable_gqa=qb.shape[1] != kb.shape[1],
+    )
     return out.transpose(1, 2).reshape(q.shape)
 
 
 # Static shapes on CPU (there dynamic shapes fail to compile on 2.13): one
 # compile per token count. Automatic dynamic shapes on CUDA: a new token count
 # each batch does not compile again.
-compiled_flex_attention = torch.compile(flex_attention, dynamic=None if torch.cuda.is_available() else False)
+compiled_flex_attention = torch.compile(
+    flex_attention, dynamic=None if torch.cuda.is_available() else False
+)
 
 
 def _flex(q, k, v, info, is_causal, scale, kv_used):
@@ -408,45 +493,67 @@ def _flex(q, k, v, info, is_causal, scale, kv_used):
         shift = kv_len - torch.tensor(info.q_lengths, device=q.device)
 
         def document_mask(b, h, q_idx, kv_idx):
-            same = (q_seq[q_idx] == kv_seq[kv_idx]) & (kv_pos[kv_idx] < kv_len[kv_seq[kv_idx]])
+            same = (q_seq[q_idx] == kv_seq[kv_idx]) & (
+                kv_pos[kv_idx] < kv_len[kv_seq[kv_idx]]
+            )
             if is_causal:
                 same = same & (kv_pos[kv_idx] <= q_pos[q_idx] + shift[q_seq[q_idx]])
             return same
 
-        info.plans[key] = create_block_mask(document_mask, None, None, len(q_seq), len(kv_seq),
-                                            device=q.device)
+        info.plans[key] = create_block_mask(
+            document_mask, None, None, len(q_seq), len(kv_seq), device=q.device
+        )
     if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     # (T, H, D) -> (1, H, T, D): the whole batch as one long sequence
     qf, kf, vf = (t.transpose(0, 1)[None] for t in (q, k, v))
-    out = compiled_flex_attention(qf, kf, vf, block_mask=info.plans[key], scale=scale,
-                                   enable_gqa=q.shape[1] != k.shape[1])
+    out = compiled_flex_attention(
+        qf,
+        kf,
+        vf,
+        block_mask=info.plans[key],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return out[0].transpose(0, 1)
 
 
 def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
     """SDPA on nested jagged tensors built from the same values and offsets."""
     if is_causal and info.q_lengths != info.kv_lengths and max(info.q_lengths) > 1:
-        raise NotImplementedError("SDPA on nested tensors aligns is_causal top-left: it "
-                                  "needs equal query and key lengths")
+        raise NotImplementedError(
+            "SDPA on nested tensors aligns is_causal top-left: it "
+            "needs equal query and key lengths"
+        )
 
     def njt(x, lengths):  # (T, H, D) -> (B, H, j, D)
         offsets = offsets_from_lengths(lengths, x.device)
-        nt = torch.nested.nested_tensor_from_jagged(x.contiguous(), offsets, max_seqlen=max(lengths))
+        nt = torch.nested.nested_tensor_from_jagged(
+            x.contiguous(), offsets, max_seqlen=max(lengths)
+        )
         return nt.transpose(1, 2)
 
-    causal = is_causal and max(info.q_lengths) > 1  # one query per sequence sees every key
-    out = F.scaled_dot_product_attention(njt(q, info.q_lengths), njt(k, info.kv_rows),
-                                         njt(v, info.kv_rows), is_causal=causal, scale=scale)
+    causal = (
+        is_causal and max(info.q_lengths) > 1
+    )  # one query per sequence sees every key
+    out = F.scaled_dot_product_attention(
+        njt(q, info.q_lengths),
+        njt(k, info.kv_rows),
+        njt(v, info.kv_rows),
+        is_causal=causal,
+        scale=scale,
+    )
     return out.transpose(1, 2).values()
 
 
 def _varlen(q, k, v, info, is_causal, scale, kv_used):
-    """``varlen_attn``: the variable-length kernel of FlashAttention, on the packed batch."""
+    """``varlen_attn``, the variable-length kernel of FlashAttention, on the batch."""
     keywords = varlen_keywords()
     kw = {"scale": scale}
     if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
-        kw.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
+        kw.update(
+            {"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True}
+        )
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in keywords:
             kw["enable_gqa"] = True
@@ -459,27 +566,49 @@ def _varlen(q, k, v, info, is_causal, scale, kv_used):
     return varlen_attn(q, k, v, cu_q, cu_k, max(info.q_lengths), max(info.kv_rows), **kw)
 
 
-_BACKEND_FNS = {"varlen": _varlen, "sdpa_njt": _sdpa_njt, "flex": _flex,
-                "loop": _loop, "bucketed": _bucketed, "padded": _padded}
+_BACKEND_FNS = {
+    "varlen": _varlen,
+    "sdpa_njt": _sdpa_njt,
+    "flex": _flex,
+    "loop": _loop,
+    "bucketed": _bucketed,
+    "padded": _padded,
+}
 
 
 def _compact_plan(info, device):
     # Keep the sequences that have queries and keys, and only the key rows they
     # use: the query rows kept, the key rows kept, and the smaller batch.
-    keep = [i for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)) if lq and lkv]
+    keep = [
+        i
+        for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths))
+        if lq and lkv
+    ]
     q_start = np.cumsum([0] + info.q_lengths)
     kv_start = np.cumsum([0] + info.kv_rows)
     q_rows = [np.arange(q_start[i], q_start[i] + info.q_lengths[i]) for i in keep]
     kv_rows = [np.arange(kv_start[i], kv_start[i] + info.kv_lengths[i]) for i in keep]
     used = [info.kv_lengths[i] for i in keep]
-    return (torch.as_tensor(np.concatenate(q_rows or [[]]), dtype=torch.long, device=device),
-            torch.as_tensor(np.concatenate(kv_rows or [[]]), dtype=torch.long, device=device),
-            RaggedInfo([info.q_lengths[i] for i in keep], used, used))
+    return (
+        torch.as_tensor(np.concatenate(q_rows or [[]]), dtype=torch.long, device=device),
+        torch.as_tensor(np.concatenate(kv_rows or [[]]), dtype=torch.long, device=device),
+        RaggedInfo([info.q_lengths[i] for i in keep], used, used),
+    )
 
 
 @torch.compiler.disable  # host-side bookkeeping; a compiled model calls it as is
-def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                     scale=None, backend=None):
+def ragged_attention(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets=None,
+    *,
+    is_causal=False,
+    kv_used=None,
+    scale=None,
+    backend=None,
+):
     """Attention within each sequence of a packed batch.
 
     q: (T_q, H, D); k, v: (T_kv, H_kv, D), with H a multiple of H_kv.
@@ -492,36 +621,65 @@ def ragged_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     Returns (T_q, H, D); a query without keys gets zeros.
     """
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] \
-            or q.shape[1] % k.shape[1]:
-        raise ValueError(f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
-                         f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not q.dtype == k.dtype == v.dtype:  # fused kernels refuse a mix; autocast hides it from some
-        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
-                         "(under autocast, cast float32 rotary outputs back to the projection's dtype)")
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or k.shape != v.shape
+        or q.shape[2] != k.shape[2]
+        or q.shape[1] % k.shape[1]
+    ):
+        raise ValueError(
+            f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
+            f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if (
+        not q.dtype == k.dtype == v.dtype
+    ):  # fused kernels refuse a mix; autocast hides it from some
+        raise ValueError(
+            f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
+            "(under autocast, cast float32 rotary outputs back to the projection's dtype)"
+        )
     info = ragged_info(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
     name = backend or default_backend(q.device, q.dtype)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=needs_grad,
-                          gqa=q.shape[1] != k.shape[1])
+    why = backend_support(
+        name,
+        q.device,
+        q.dtype,
+        is_causal=is_causal,
+        needs_grad=needs_grad,
+        gqa=q.shape[1] != k.shape[1],
+    )
     if why:
-        raise RuntimeError(f"ragged_attention: backend {name!r} cannot run this here: {why}")
+        raise RuntimeError(
+            f"ragged_attention: backend {name!r} cannot run this here: {why}"
+        )
     fn = _BACKEND_FNS[name]
-    reads_kv_used = (name in ("loop", "flex") or (name == "varlen" and "seqused_k" in varlen_keywords())
-                     or (name == "padded" and len(set(info.q_lengths)) == len(set(info.kv_rows)) == 1))
-    if all(info.q_lengths) and all(info.kv_lengths) and (kv_used is None or reads_kv_used):
+    reads_kv_used = (
+        name in ("loop", "flex")
+        or (name == "varlen" and "seqused_k" in varlen_keywords())
+        or (name == "padded" and len(set(info.q_lengths)) == len(set(info.kv_rows)) == 1)
+    )
+    if (
+        all(info.q_lengths)
+        and all(info.kv_lengths)
+        and (kv_used is None or reads_kv_used)
+    ):
         return fn(q, k, v, info, is_causal, scale, kv_used)
     if "compact" not in info.plans:
         info.plans["compact"] = _compact_plan(info, q.device)
     q_rows, kv_rows, kept = info.plans["compact"]
     out = q.new_zeros(q.shape)
     if len(q_rows):
-        out = out.index_copy(0, q_rows, fn(q[q_rows], k[kv_rows], v[kv_rows], kept, is_causal, scale, None))
+        out = out.index_copy(
+            0, q_rows, fn(q[q_rows], k[kv_rows], v[kv_rows], kept, is_causal, scale, None)
+        )
     return out
 
 
-def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                        scale=None):
+def reference_attention(
+    q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None, scale=None
+):
     """The same attention in float32, sequence by sequence, on the math backend
     of SDPA, with key/value heads repeated and the causal mask built
     explicitly: a reference that shares no kernel with the backends."""
@@ -533,19 +691,28 @@ def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False,
     with sdpa_kernel(SDPBackend.MATH):
         for i, (lq, lkv) in enumerate(zip(info.q_lengths, info.kv_lengths)):
             if lq and lkv:
-                qi = q[q_start[i]:q_start[i] + lq].float().transpose(0, 1)  # (H, Lq, D)
-                ki, vi = (t[kv_start[i]:kv_start[i] + lkv].float().repeat_interleave(group, 1)
-                          .transpose(0, 1) for t in (k, v))  # (H, Lkv, D)
+                qi = q[q_start[i] : q_start[i] + lq].float().transpose(0, 1)  # (H, Lq, D)
+                ki, vi = (
+                    t[kv_start[i] : kv_start[i] + lkv]
+                    .float()
+                    .repeat_interleave(group, 1)
+                    .transpose(0, 1)
+                    for t in (k, v)
+                )  # (H, Lkv, D)
                 mask = _causal_mask(lq, lkv, q.device) if is_causal else None
-                out[q_start[i]:q_start[i] + lq] = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1)
+                out[q_start[i] : q_start[i] + lq] = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=scale
+                ).transpose(0, 1)
     return out
 
 
 def tolerances(dtype):
     """``assert_close`` tolerances for results computed in ``dtype``."""
-    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
-            torch.float16: dict(atol=5e-3, rtol=5e-3)}[dtype]
+    return {
+        torch.float32: dict(atol=1e-4, rtol=1e-4),
+        torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+        torch.float16: dict(atol=5e-3, rtol=5e-3),
+    }[dtype]
 
 
 # --- Measuring -----------------------------------------------------------------
@@ -576,7 +743,9 @@ def _kernel_label(events):
     for e in events:
         base = e.name.removesuffix("_backward")
         parent = e.cpu_parent
-        while parent is not None and parent.name.removesuffix("_backward") not in _KERNELS:
+        while (
+            parent is not None and parent.name.removesuffix("_backward") not in _KERNELS
+        ):
             parent = parent.cpu_parent
         if base in _KERNELS and parent is None:  # not called by another attention op
             label = _KERNELS[base] + (" backward" if e.name.endswith("_backward") else "")
@@ -591,7 +760,9 @@ def _kernel_label(events):
 def profile_call(fn):
     """Run ``fn`` once under the profiler: the memory it needed beyond what was
     allocated before, in MiB, and the attention kernels that ran."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the log lines of the profiler quiet
+    os.environ.setdefault(
+        "KINETO_LOG_LEVEL", "6"
+    )  # keep the log lines of the profiler quiet
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()  # free what earlier calls left behind before counting
@@ -607,9 +778,14 @@ def profile_call(fn):
     if cuda:
         peak = torch.cuda.max_memory_allocated() - before
     else:  # the running sum of the allocation and free events, in time order
-        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
-                                      for e in prof.profiler.kineto_results.events()
-                                      if e.name() == "[memory]")]
+        sizes = [
+            n
+            for _, n in sorted(
+                (e.start_ns(), e.nbytes())
+                for e in prof.profiler.kineto_results.events()
+                if e.name() == "[memory]"
+            )
+        ]
         peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
     return peak / 2**20, _kernel_label(prof.events())
 
@@ -626,8 +802,12 @@ class Timing:
     kernels: str = ""
 
     def __str__(self):
-        memory = "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"  # NaN: not measured
-        return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}" + (f"  [{self.kernels}]" if self.kernels else "")
+        memory = (
+            "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"
+        )  # NaN: not measured
+        return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}" + (
+            f"  [{self.kernels}]" if self.kernels else ""
+        )
 
 
 def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
@@ -643,7 +823,9 @@ def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
     for _ in range(rounds):  # take turns, so that a busy machine slows all alike
         for name, fn in fns.items():
             timer = benchmark.Timer("fn()", globals={"fn": fn})
-            times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
+            times[name] += timer.blocked_autorange(
+                min_run_time=min_run_time / rounds
+            ).times
     out = {}
     for name, fn in fns.items():
         q1, median, q3 = np.percentile(times[name], [25, 50, 75]) * 1e3
@@ -663,15 +845,33 @@ def where_time_goes(fn, top=6):
         fn()
         synchronize()
     rows = prof.key_averages()
-    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    own = (
+        (lambda e: e.self_device_time_total)
+        if cuda
+        else (lambda e: e.self_cpu_time_total)
+    )
     total = sum(own(e) for e in rows) or 1
     rows = sorted(rows, key=own, reverse=True)[:top]
-    return "\n".join(f"  {e.key[:52]:52s} {own(e) / 1e3:8.2f} ms {100 * own(e) / total:5.1f}%  "
-                     f"x{e.count}" for e in rows)
+    return "\n".join(
+        f"  {e.key[:52]:52s} {own(e) / 1e3:8.2f} ms {100 * own(e) / total:5.1f}%  "
+        f"x{e.count}"
+        for e in rows
+    )
 
 
-def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                     backward=False, backends=BACKENDS, min_run_time=0.5):
+def compare_backends(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets=None,
+    *,
+    is_causal=False,
+    kv_used=None,
+    backward=False,
+    backends=BACKENDS,
+    min_run_time=0.5,
+):
     """Check and time one attention job on each backend. Returns name -> Timing,
     or name -> the reason it did not run. Prints one line per backend."""
     gqa = q.shape[1] != k.shape[1]
@@ -685,13 +885,23 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
         ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out)
     results, fns = {}, {}
     for name in backends:
-        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
+        why = backend_support(
+            name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa
+        )
         if why is None:
+
             def run(name=name):
                 with torch.set_grad_enabled(backward):
-                    out = ragged_attention(q, k, v, q_offsets, kv_offsets, backend=name, **kw)
-                    return (out, torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
-                            if backward else None)
+                    out = ragged_attention(
+                        q, k, v, q_offsets, kv_offsets, backend=name, **kw
+                    )
+                    return (
+                        out,
+                        torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+                        if backward
+                        else None,
+                    )
+
             try:
                 out, grads = run()
             except Exception as err:  # one clear line instead of a traceback
@@ -699,16 +909,28 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
         if why:
             results[name] = why
             continue
-        torch.testing.assert_close(out.float(), reference, **tolerances(q.dtype),
-                                   msg=lambda m, name=name: f"{name} disagrees with the reference: {m}")
+        torch.testing.assert_close(
+            out.float(),
+            reference,
+            **tolerances(q.dtype),
+            msg=lambda m, name=name: f"{name} disagrees with the reference: {m}",
+        )
         for g, r in zip(grads or (), ref_grads if backward else ()):
-            torch.testing.assert_close(g.float(), r, **tolerances(q.dtype),
-                                       msg=lambda m, name=name: f"{name}'s gradients disagree: {m}")
+            torch.testing.assert_close(
+                g.float(),
+                r,
+                **tolerances(q.dtype),
+                msg=lambda m, name=name: f"{name}'s gradients disagree: {m}",
+            )
         fns[name] = run
     results.update(measure(fns, min_run_time=min_run_time))
     for name in backends:
         r = results[name]
-        print(f"  {name:9s} {r}" if isinstance(r, Timing) else f"  {name:9s} not available: {r}")
+        print(
+            f"  {name:9s} {r}"
+            if isinstance(r, Timing)
+            else f"  {name:9s} not available: {r}"
+        )
     return results
 
 
@@ -728,8 +950,16 @@ def pairs_scored(q_lengths, kv_lengths, causal):
     return float((q * (q + 1) / 2 if causal else q * kv).sum())
 
 
-def work_bound(q_lengths, kv_lengths=None, *, per_token, per_pair, per_kv_token=0.0,
-               causal=False, padded_causal=None):
+def work_bound(
+    q_lengths,
+    kv_lengths=None,
+    *,
+    per_token,
+    per_pair,
+    per_kv_token=0.0,
+    causal=False,
+    padded_causal=None,
+):
     """The work of the padded batch over the work of the ragged batch.
     ``padded_causal``: whether the padded side skips the masked half of the
     scores (a causal kernel) or computes the whole square (a merged mask)."""
@@ -738,8 +968,11 @@ def work_bound(q_lengths, kv_lengths=None, *, per_token, per_pair, per_kv_token=
     padded_causal = causal if padded_causal is None else padded_causal
 
     def work(ql, kvl, c):
-        return (per_token * float(ql.sum()) + per_kv_token * float(kvl.sum())
-                + per_pair * pairs_scored(ql, kvl, c))
+        return (
+            per_token * float(ql.sum())
+            + per_kv_token * float(kvl.sum())
+            + per_pair * pairs_scored(ql, kvl, c)
+        )
 
     full_q, full_kv = torch.full_like(q, int(q.max())), torch.full_like(kv, int(kv.max()))
     return work(full_q, full_kv, padded_causal) / work(q, kv, causal)
@@ -748,7 +981,10 @@ def work_bound(q_lengths, kv_lengths=None, *, per_token, per_pair, per_kv_token=
 def speedup_line(label, padded, ragged, bound):
     """The speedup of ``ragged`` over ``padded``, beside the work bound."""
     s = padded.median_ms / ragged.median_ms
-    return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}"
+    return (
+        f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, "
+        f"fraction of bound {s / bound:.2f}"
+    )
 
 
 # --- A multi-head attention layer, packed or padded --------------------------
@@ -764,7 +1000,17 @@ class MultiHeadAttention(nn.Module):
     ``context_offsets`` when packed). Returns the shape of x.
     """
 
-    def __init__(self, embed, heads, *, cross=False, bias=True, backend=None, device=None, dtype=None):
+    def __init__(
+        self,
+        embed,
+        heads,
+        *,
+        cross=False,
+        bias=True,
+        backend=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         kw = {"bias": bias, "device": device, "dtype": dtype}
         self.heads, self.cross, self.backend = heads, cross, backend
@@ -775,8 +1021,16 @@ class MultiHeadAttention(nn.Module):
             self.qkv_proj = nn.Linear(embed, 3 * embed, **kw)
         self.out_proj = nn.Linear(embed, embed, **kw)
 
-    def forward(self, x, offsets=None, *, context=None, context_offsets=None, key_valid=None,
-                is_causal=False):
+    def forward(
+        self,
+        x,
+        offsets=None,
+        *,
+        context=None,
+        context_offsets=None,
+        key_valid=None,
+        is_causal=False,
+    ):
         # packed: x (T, E) with offsets (B + 1,); padded: x (B, S, E), and
         # key_valid (B, S_kv) where some keys are padding that must be masked
         if self.cross:
@@ -786,12 +1040,18 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in (q, k, v))  # (..., H, D)
         if offsets is not None:
             kv_offsets = context_offsets if self.cross else offsets
-            out = ragged_attention(q, k, v, offsets, kv_offsets, is_causal=is_causal,
-                                   backend=self.backend)  # (T, H, D)
+            out = ragged_attention(
+                q, k, v, offsets, kv_offsets, is_causal=is_causal, backend=self.backend
+            )  # (T, H, D)
         else:
             mask = None if key_valid is None else key_valid[:, None, None, :]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, is_causal=is_causal).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                is_causal=is_causal,
+            ).transpose(1, 2)
         return self.out_proj(out.flatten(-2))
 
 
@@ -862,8 +1122,16 @@ class Packed:
         if self.cache is not None:
             k, v = self.cache.write_rows(layer, k, v, self.rows)
             kv_offsets = self.cache.row_offsets
-        return ragged_attention(q, k, v, self.offsets, kv_offsets, is_causal=True,
-                                kv_used=self.kv_used, backend=self.backend)
+        return ragged_attention(
+            q,
+            k,
+            v,
+            self.offsets,
+            kv_offsets,
+            is_causal=True,
+            kv_used=self.kv_used,
+            backend=self.backend,
+        )
 
 
 @dataclass
@@ -880,8 +1148,14 @@ class Padded:
         if self.cache is not None:
             k, v = self.cache.write_columns(layer, k, v, self.start)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=self.mask,
+            is_causal=self.mask is None,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         return out.transpose(1, 2)
 
 
@@ -904,8 +1178,14 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
         self.layer, self.n_heads, self.n_kv_heads = layer, cfg.n_heads, cfg.n_kv_heads
-        self.sizes = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
-        self.wqkv = nn.Linear(cfg.dim, sum(self.sizes), bias=False)  # one matmul for q, k, v
+        self.sizes = [
+            cfg.n_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+        ]
+        self.wqkv = nn.Linear(
+            cfg.dim, sum(self.sizes), bias=False
+        )  # one matmul for q, k, v
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin, layout):
@@ -922,7 +1202,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_hidden, bias=False)  # gate and up, one matmul
+        self.w13 = nn.Linear(
+            cfg.dim, 2 * cfg.ffn_hidden, bias=False
+        )  # gate and up, one matmul
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
 
     def forward(self, x):
@@ -987,12 +1269,19 @@ def generate_packed(model, prompts, offsets, n_new, backend=None, *, dtype=None)
     seq, pos = token_index(offsets)
     with torch.autocast(prompts.device.type, dtype=dtype, enabled=dtype != torch.float32):
         layout = Packed(offsets, backend, cache, seq * cache.capacity + pos, lengths)
-        logits = model(prompts, pos, layout)[offsets[1:] - 1]  # (B, vocab): each prompt's last token
-        one_each, rows = torch.arange(B + 1, device=prompts.device), cache.row_offsets[:-1]
+        logits = model(prompts, pos, layout)[
+            offsets[1:] - 1
+        ]  # (B, vocab): each prompt's last token
+        one_each, rows = (
+            torch.arange(B + 1, device=prompts.device),
+            cache.row_offsets[:-1],
+        )
         out = []
         for step in range(n_new):
             out.append(logits.argmax(-1))  # (B,)
             if step < n_new - 1:
                 pos = lengths + step  # each sequence's own next position
-                logits = model(out[-1], pos, Packed(one_each, backend, cache, rows + pos, pos + 1))
+                logits = model(
+                    out[-1], pos, Packed(one_each, backend, cache, rows + pos, pos + 1)
+                )
     return torch.stack(out, 1)  # (B, n_new)

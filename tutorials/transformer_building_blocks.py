@@ -31,7 +31,7 @@ backends; and a multi-head attention layer built on both, checked against
          are listed on :doc:`the toolkit's reference page </toolkit>`
 """
 
-# sphinx_gallery_tags = ["toolkit", "SDPA", "FlexAttention", "varlen attention", "benchmarks"]
+# sphinx_gallery_tags = ["toolkit", "SDPA", "FlexAttention", "varlen attention"]
 
 # %%
 # The idea in one picture
@@ -54,7 +54,8 @@ from ragged_toolkit import (
     compare_backends, default_device, default_dtype, fastest, from_padded, measure,
     offsets_from_lengths, offsets_from_position_ids, quick_mode, quiet_known_notes,
     ragged_attention, ragged_batch, reference_attention, sentence_lengths, speedup_line,
-    synchronize, to_padded, token_index, tolerances, where_time_goes, work_bound, zipf_stop_probability,
+    synchronize, to_padded, token_index, tolerances, where_time_goes, work_bound,
+    zipf_stop_probability,
 )
 
 plt.rcParams.update(FIGURE_STYLE)
@@ -68,15 +69,17 @@ fig, (ax_pad, ax_pack) = plt.subplots(2, 1, figsize=(8, 5.4), height_ratios=[4, 
 for b, n in enumerate(lengths_demo):
     for s in range(S_demo):
         real = s < n
-        ax_pad.add_patch(plt.Rectangle((s, b), 0.92, 0.86, color=colors[b] if real else "0.88"))
-        ax_pad.text(s + 0.46, b + 0.43, f"{s}" if real else "pad", ha="center", va="center",
-                    fontsize=11, color="white" if real else "0.45")
+        color = colors[b] if real else "0.88"
+        ax_pad.add_patch(plt.Rectangle((s, b), 0.92, 0.86, color=color))
+        ax_pad.text(s + 0.46, b + 0.43, f"{s}" if real else "pad", ha="center",
+                    va="center", color="white" if real else "0.45")
+slots_demo = len(lengths_demo) * S_demo
 ax_pad.set(xlim=(0, S_demo), ylim=(len(lengths_demo), 0), xticks=[], yticks=[],
-           title=f"padded (B, S) = ({len(lengths_demo)}, {S_demo}) with a mask: "
-                 f"{len(lengths_demo) * S_demo - T_demo} of {len(lengths_demo) * S_demo} slots are padding")
+           title=f"padded (B, S) = ({len(lengths_demo)}, {S_demo}) and a mask: "
+                 f"{slots_demo - T_demo} of {slots_demo} slots are padding")
 for t in range(T_demo):
     ax_pack.add_patch(plt.Rectangle((t, 0), 0.92, 0.86, color=colors[int(seq_demo[t])]))
-    ax_pack.text(t + 0.46, 0.43, f"{int(pos_demo[t])}", ha="center", va="center", fontsize=11,
+    ax_pack.text(t + 0.46, 0.43, f"{int(pos_demo[t])}", ha="center", va="center",
                  color="white")
 ax_pack.set(xlim=(0, T_demo), ylim=(1, -0.1), yticks=[], xticks=offsets_demo.tolist(),
             title=f"packed values (T,) = ({T_demo},), offsets {offsets_demo.tolist()}")
@@ -109,23 +112,21 @@ plt.show()
 # only as one attention backend among six.
 #
 # Every function this page uses comes from one module, ``ragged_toolkit``,
-# imported above; the page shows each one where it explains it. Sizes come
-# next, set in one place for the device at hand.
+# imported above, and is shown where it is explained. Sizes are set here,
+# once, for the device at hand.
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
 QUICK = quick_mode()  # the test suite's small sizes, TUTORIALS_QUICK=1
 SEED = 6
-if DEVICE == "cuda":
-    BATCH, EMBED, HEADS = 512, 512, 8  # the original tutorial's scale
-    RUN_TIME = 1.0  # seconds of timed runs per comparison
-else:
-    BATCH, EMBED, HEADS = 64, 256, 8  # real workloads: batch 512, E 512 and up
-    RUN_TIME = 0.3
+if DEVICE == "cuda":  # the original tutorial's scale; RUN_TIME: seconds per comparison
+    BATCH, EMBED, HEADS, RUN_TIME = 512, 512, 8, 1.0
+else:  # real workloads: batch 512, E 512 and up
+    BATCH, EMBED, HEADS, RUN_TIME = 64, 256, 8, 0.3
 if QUICK:
     BATCH, EMBED, RUN_TIME = BATCH // 4, EMBED // 2, 0.1
 ZIPF_ALPHA = 1.2  # the original's exponent
-print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick mode: {QUICK}")
+print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}")
 print(f"batch {BATCH}, embedding {EMBED}, heads {HEADS}")
 
 # sphinx_gallery_start_ignore
@@ -173,9 +174,10 @@ n, m = len(word_by_word), len(geometric)
 critical = 1.95 * np.sqrt((n + m) / (n * m))  # Kolmogorov-Smirnov, 0.1% level
 p_stop = zipf_stop_probability(ZIPF_ALPHA)
 print(f"stop probability per word {p_stop:.4f}, expected length 1/p = {1 / p_stop:.1f}")
-print(f"mean length: word by word {word_by_word.mean():.2f}, geometric {geometric.mean():.2f}")
+print(f"mean length: word by word {word_by_word.mean():.2f}, "
+      f"geometric {geometric.mean():.2f}")
 print(f"largest CDF gap {cdf_gap:.4f} (must stay below {critical:.4f})")
-assert cdf_gap < critical, "the geometric shortcut does not match the word-by-word lengths"
+assert cdf_gap < critical, "the geometric lengths do not match the word-by-word ones"
 
 # %%
 # Offsets, positions and padding
@@ -207,7 +209,8 @@ assert torch.equal(offsets_from_position_ids(position_ids[None]), offsets)
 
 values, offsets = ragged_batch(rng, 5, 4)
 padded, valid = to_padded(values, offsets)
-assert torch.equal(from_padded(padded, offsets), values) and int(valid.sum()) == len(values)
+assert torch.equal(from_padded(padded, offsets), values)
+assert int(valid.sum()) == len(values)
 print(f"lengths {offsets.diff().tolist()}: values {tuple(values.shape)}, "
       f"padded {tuple(padded.shape)}, {1 - len(values) / valid.numel():.0%} padding")
 
@@ -255,8 +258,9 @@ print(f"lengths {offsets.diff().tolist()}: values {tuple(values.shape)}, "
 lengths_e = torch.tensor([5, 0, 3, 7])
 offsets_e = offsets_from_lengths(lengths_e, DEVICE)
 gen = torch.Generator(DEVICE).manual_seed(SEED)
-q_e = torch.randn(int(lengths_e.sum()), 4, 16, generator=gen, device=DEVICE, dtype=DTYPE)
-k_e, v_e = (torch.randn(int(lengths_e.sum()), 2, 16, generator=gen, device=DEVICE, dtype=DTYPE)
+T_e = int(lengths_e.sum())
+q_e = torch.randn(T_e, 4, 16, generator=gen, device=DEVICE, dtype=DTYPE)
+k_e, v_e = (torch.randn(T_e, 2, 16, generator=gen, device=DEVICE, dtype=DTYPE)
             for _ in range(2))
 reference_e = reference_attention(q_e, k_e, v_e, offsets_e, is_causal=True)
 for name in BACKENDS:
@@ -398,8 +402,8 @@ with torch.no_grad():
     mha.backend = FORWARD_BACKEND
     torch.testing.assert_close(mha(x, offsets, is_causal=True).float(), ref_out[valid],
                                **tolerances(DTYPE))
-    torch.testing.assert_close(from_padded(mha(x_padded, is_causal=True), offsets).float(),
-                               ref_out[valid], **tolerances(DTYPE))
+    padded_out = from_padded(mha(x_padded, is_causal=True), offsets)
+    torch.testing.assert_close(padded_out.float(), ref_out[valid], **tolerances(DTYPE))
 print("ragged layer and padded path both match nn.MultiheadAttention on every real token")
 
 # %%
@@ -424,35 +428,19 @@ grad_out = torch.randn_like(x)
 grad_padded = to_padded(grad_out, offsets)[0]
 
 
-def padded_forward():
-    with torch.no_grad():
-        return mha(x_padded, is_causal=True)
-
-
-def ragged_forward():
-    with torch.no_grad():
-        return mha(x, offsets, is_causal=True)
-
-
-def original_forward():
-    with torch.no_grad():
-        return ref_mha_lp(x_padded, x_padded, x_padded, key_padding_mask=~valid,
-                          attn_mask=causal_mask, need_weights=False)[0]
-
-
-def padded_training():
-    mha(x_padded, is_causal=True).backward(grad_padded)
-
-
-def ragged_training():
-    mha(x, offsets, is_causal=True).backward(grad_out)
-
-
 mha.backend = FORWARD_BACKEND
-forward = measure({"padded": padded_forward, "ragged": ragged_forward,
-                   "original baseline": original_forward}, min_run_time=RUN_TIME)
+with torch.no_grad():
+    forward = measure({
+        "padded": lambda: mha(x_padded, is_causal=True),
+        "ragged": lambda: mha(x, offsets, is_causal=True),
+        "original baseline": lambda: ref_mha_lp(
+            x_padded, x_padded, x_padded, key_padding_mask=~valid, attn_mask=causal_mask,
+            need_weights=False)}, min_run_time=RUN_TIME)
 mha.backend = TRAINING_BACKEND
-training = measure({"padded": padded_training, "ragged": ragged_training}, min_run_time=RUN_TIME)
+padded_training = lambda: mha(x_padded, is_causal=True).backward(grad_padded)  # noqa
+ragged_training = lambda: mha(x, offsets, is_causal=True).backward(grad_out)  # noqa
+training = measure({"padded": padded_training, "ragged": ragged_training},
+                   min_run_time=RUN_TIME)
 per_token, per_pair = 8 * EMBED**2, 4 * EMBED
 bound = work_bound(lengths, per_token=per_token, per_pair=per_pair, causal=True)
 original_bound = work_bound(lengths, per_token=per_token, per_pair=per_pair, causal=True,
@@ -462,13 +450,14 @@ for name, t in forward.items():
 for name, t in training.items():
     print(f"fwd+bwd, {name:16s} {t}")
 print(speedup_line("forward against padded", forward["padded"], forward["ragged"], bound))
-print(speedup_line("forward against the original's baseline", forward["original baseline"],
-                   forward["ragged"], original_bound))
+print(speedup_line("forward against the original's baseline",
+                   forward["original baseline"], forward["ragged"], original_bound))
 print(speedup_line("forward and backward against padded", training["padded"],
                    training["ragged"], bound))
 tokens = len(x)
-print(f"forward, real tokens per second: padded {tokens / forward['padded'].median_ms * 1e3:,.0f}, "
-      f"ragged {tokens / forward['ragged'].median_ms * 1e3:,.0f}")
+per_s = {name: tokens / forward[name].median_ms * 1e3 for name in ("padded", "ragged")}
+print(f"forward, real tokens per second: padded {per_s['padded']:,.0f}, "
+      f"ragged {per_s['ragged']:,.0f}")
 
 # %%
 # A :term:`fraction of the bound <fraction of the bound>` near 1 means the
@@ -482,15 +471,12 @@ print(f"forward, real tokens per second: padded {tokens / forward['padded'].medi
 # %%
 # Where the time goes
 # ~~~~~~~~~~~~~~~~~~~
-# The fraction of the bound says how much of what padding costs the ragged
-# layer wins back. When it falls short, the profile says why: the operators
-# that took most of each side's time in one forward-and-backward pass. The
-# matrix multiplies (``addmm``, ``mm``) scale with the tokens on both sides;
-# what the ragged side adds is one attention call per sequence for the loop
-# backend, or the gathers of the bucketed one, and the bookkeeping around
-# them.
+# When the fraction falls short, the profile says why: the operators that
+# took most of each side's time in one forward-and-backward pass. Matrix
+# multiplies (``addmm``, ``mm``) scale with the tokens on both sides; the
+# ragged side adds one attention call per sequence (loop backend) or gathers
+# (bucketed), and the bookkeeping around them.
 
-mha.backend = TRAINING_BACKEND
 print("padded, forward and backward:")
 print(where_time_goes(padded_training))
 print("ragged, forward and backward:")
@@ -513,22 +499,20 @@ qkv_one = nn.Linear(EMBED, 3 * EMBED, bias=False, device=DEVICE, dtype=DTYPE)
 gate_up_one = nn.Linear(EMBED, 2 * HIDDEN, bias=False, device=DEVICE, dtype=DTYPE)
 
 
-def split_linear(packed, parts):
-    # the same weights as ``parts`` separate Linear layers
-    layers = [nn.Linear(packed.in_features, packed.out_features // parts, bias=False,
-                        device=DEVICE, dtype=DTYPE) for _ in range(parts)]
-    with torch.no_grad():
-        for layer, w in zip(layers, packed.weight.chunk(parts)):
-            layer.weight.copy_(w)
-    return layers
-
-
-qkv_three, gate_up_two = split_linear(qkv_one, 3), split_linear(gate_up_one, 2)
+# the separate matmuls use the same weights, as views of the packed one
+qkv_three = [lambda x, w=w: F.linear(x, w) for w in qkv_one.weight.chunk(3)]
+gate_up_two = [lambda x, w=w: F.linear(x, w) for w in gate_up_one.weight.chunk(2)]
 x_in = x.detach().requires_grad_()
+
+
+def swiglu_one(x):
+    gate, up = gate_up_one(x).chunk(2, -1)
+    return [F.silu(gate) * up]
+
+
 jobs = {  # name -> (separate matmuls, one packed matmul), each a function of x
     "packed QKV": (lambda x: [p(x) for p in qkv_three], lambda x: qkv_one(x).chunk(3, -1)),
-    "packed SwiGLU": (lambda x: [F.silu(gate_up_two[0](x)) * gate_up_two[1](x)],
-                      lambda x: [F.silu(g) * u for g, u in [gate_up_one(x).chunk(2, -1)]]),
+    "packed SwiGLU": (lambda x: [F.silu(gate_up_two[0](x)) * gate_up_two[1](x)], swiglu_one),
 }
 with torch.no_grad():
     x64 = x.double()
@@ -543,56 +527,39 @@ print("one matmul and several give the float64 result, for q, k, v and for SwiGL
 
 for name, (separate, packed) in jobs.items():
     grads = [torch.randn_like(out) for out in separate(x)]
-
-    def fwd(fn=None):
-        with torch.no_grad():
-            return fn(x)
-
-    def fwd_bwd(fn=None):
-        torch.autograd.backward(fn(x_in), grads)
-
-    for label, step in (("forward", fwd), ("forward and backward", fwd_bwd)):
-        t = measure({"separate": lambda: step(separate), "one": lambda: step(packed)},
+    with torch.no_grad():
+        t = measure({"separate": lambda: separate(x), "one": lambda: packed(x)},
                     min_run_time=RUN_TIME, profile=False)
-        print(speedup_line(f"{name}, {label}", t["separate"], t["one"], 1.0))
+    print(speedup_line(f"{name}, forward", t["separate"], t["one"], 1.0))
+    t = measure({"separate": lambda: torch.autograd.backward(separate(x_in), grads),
+                 "one": lambda: torch.autograd.backward(packed(x_in), grads)},
+                min_run_time=RUN_TIME, profile=False)
+    print(speedup_line(f"{name}, forward and backward", t["separate"], t["one"], 1.0))
 
 # %%
 # Where did the original's 144x backward come from?
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The original tutorial reported a 144x faster backward on an A100, far
-# beyond any padding bound. Its benchmark timed a single backward call of a
+# beyond any padding bound. Its benchmark timed one backward call of a
 # compiled module right after a forward-only warm-up, and a compiled module
 # compiles its backward graph when the first backward runs, so that one call
-# included compilation. The cell below compiles the original's baseline and
-# times its first backward (which compiles, or loads from the compile cache)
-# against the ragged layer's steady backward.
+# included compilation. The cell repeats that single timing, deliberately one
+# shot, on the original's baseline, against the ragged layer's steady step.
 
 compiled_original = torch.compile(ref_mha_lp)
-grad_original = torch.randn_like(x_padded)
-
-
-def original_loss():
-    out = compiled_original(x_padded, x_padded, x_padded, key_padding_mask=~valid,
-                            attn_mask=causal_mask, need_weights=False)[0]
-    return (out * grad_original).sum()
-
-
-with torch.no_grad():
-    original_loss()  # the forward-only warm-up the original did
+with torch.no_grad():  # the forward-only warm-up the original did
+    compiled_original(x_padded, x_padded, x_padded, key_padding_mask=~valid,
+                      attn_mask=causal_mask, need_weights=False)
 start = time.perf_counter()
-loss = original_loss()  # compiles the graph that records for backward
+out = compiled_original(x_padded, x_padded, x_padded, key_padding_mask=~valid,
+                        attn_mask=causal_mask, need_weights=False)[0]
+out.backward(torch.randn_like(out))  # compiles (or loads) the backward graph
 synchronize()
-first_forward_s = time.perf_counter() - start
-start = time.perf_counter()
-loss.backward()  # compiles (or loads) the backward graph
-synchronize()
-first_backward_s = time.perf_counter() - start
-print(f"original's baseline, first forward with gradients {first_forward_s:.2f} s, "
-      f"first backward {first_backward_s:.2f} s")
-print(f"ragged layer, steady forward and backward: {training['ragged'].median_ms:.2f} ms")
-ratio = (first_forward_s + first_backward_s) * 1e3 / training["ragged"].median_ms
-print(f"first forward and backward over the ragged steady step: {ratio:.0f}x "
-      f"(steady state against steady state: the speedup above)")
+first_s = time.perf_counter() - start
+ratio = first_s * 1e3 / training["ragged"].median_ms
+print(f"original's baseline, first forward and backward: {first_s:.2f} s, {ratio:.0f}x "
+      f"the "
+      f"ragged layer's steady step ({training['ragged'].median_ms:.2f} ms)")
 
 # %%
 # Cross-attention
@@ -607,7 +574,8 @@ x_q, offsets_q = ragged_batch(rng, BATCH, EMBED, device=DEVICE, dtype=DTYPE)
 x_kv, offsets_kv = ragged_batch(rng, BATCH, EMBED, device=DEVICE, dtype=DTYPE)
 torch.manual_seed(SEED)
 ref_cross = nn.MultiheadAttention(EMBED, HEADS, batch_first=True, device=DEVICE)
-cross = copy_from_nn(MultiHeadAttention(EMBED, HEADS, cross=True, device=DEVICE), ref_cross).to(DTYPE)
+cross = MultiHeadAttention(EMBED, HEADS, cross=True, device=DEVICE)
+cross = copy_from_nn(cross, ref_cross).to(DTYPE)
 q_padded, q_valid = to_padded(x_q, offsets_q)
 kv_padded, kv_valid = to_padded(x_kv, offsets_kv)
 with torch.no_grad():
@@ -616,101 +584,51 @@ with torch.no_grad():
     cross.backend = fastest(compare_backends(
         *(t.unflatten(-1, (HEADS, -1)) for t in (x_q, x_kv, x_kv)), offsets_q, offsets_kv,
         min_run_time=RUN_TIME / 2))
-    torch.testing.assert_close(cross(x_q, offsets_q, context=x_kv, context_offsets=offsets_kv).float(),
-                               ref_cross_out[q_valid], **tolerances(DTYPE))
-print(f"cross-attention matches nn.MultiheadAttention on every real query (backend chosen: {cross.backend})")
+    cross_out = cross(x_q, offsets_q, context=x_kv, context_offsets=offsets_kv)
+    torch.testing.assert_close(cross_out.float(), ref_cross_out[q_valid],
+                               **tolerances(DTYPE))
+print("cross-attention matches nn.MultiheadAttention on every real query "
+      f"(backend chosen: {cross.backend})")
 
 
-def padded_cross():
-    with torch.no_grad():
-        return cross(q_padded, context=kv_padded, key_valid=kv_valid)
-
-
-def ragged_cross():
-    with torch.no_grad():
-        return cross(x_q, offsets_q, context=x_kv, context_offsets=offsets_kv)
-
-
-cross_times = measure({"padded": padded_cross, "ragged": ragged_cross}, min_run_time=RUN_TIME)
+with torch.no_grad():
+    cross_times = measure({
+        "padded": lambda: cross(q_padded, context=kv_padded, key_valid=kv_valid),
+        "ragged": lambda: cross(x_q, offsets_q, context=x_kv,
+                                context_offsets=offsets_kv)},
+        min_run_time=RUN_TIME)
 lq, lkv = offsets_q.diff().cpu(), offsets_kv.diff().cpu()
-cross_bound = work_bound(lq, lkv, per_token=4 * EMBED**2, per_kv_token=4 * EMBED**2, per_pair=4 * EMBED)
+cross_bound = work_bound(lq, lkv, per_token=4 * EMBED**2, per_kv_token=4 * EMBED**2,
+                         per_pair=4 * EMBED)
 for name, t in cross_times.items():
     print(f"cross-attention, {name:7s} {t}")
-print(speedup_line("cross-attention forward", cross_times["padded"], cross_times["ragged"], cross_bound))
+print(speedup_line("cross-attention forward", cross_times["padded"],
+                   cross_times["ragged"], cross_bound))
 
 # %%
 # Empty sequences and fully masked rows
 # -------------------------------------
-# A batch can contain an empty sequence: a prompt with no context, a document
-# whose every token was filtered. In a padded batch that is a row with every
-# key masked, and a softmax over no keys has no value. We run the ``torch.nn``
-# layer in evaluation mode on a batch of lengths 5, 0 and 3, and the ragged
-# layer on the same batch with every backend that runs here.
+# An empty sequence (a prompt with no context, a document whose every token
+# was filtered) is, padded, a row with every key masked, and a softmax over
+# no keys has no value. The ``torch.nn`` layer in evaluation mode and the
+# ragged layer, on every backend that runs here, on lengths 5, 0 and 3:
 
 offsets_empty = offsets_from_lengths([5, 0, 3], DEVICE)
-x_empty = torch.randn(8, EMBED, generator=torch.Generator(DEVICE).manual_seed(SEED), device=DEVICE).to(DTYPE)
+gen = torch.Generator(DEVICE).manual_seed(SEED)
+x_empty = torch.randn(8, EMBED, generator=gen, device=DEVICE).to(DTYPE)
 x_empty_padded, valid_empty = to_padded(x_empty, offsets_empty)
 with torch.no_grad():
-    out_nn = ref_mha.float().eval()(x_empty_padded.float(), x_empty_padded.float(), x_empty_padded.float(),
+    x32_empty = x_empty_padded.float()
+    out_nn = ref_mha.float().eval()(x32_empty, x32_empty, x32_empty,
                                     key_padding_mask=~valid_empty, need_weights=False)[0]
-    print(f"nn.MultiheadAttention, eval: NaN rows per sequence {out_nn.isnan().all(-1).sum(-1).tolist()}")
+    nan_rows = out_nn.isnan().all(-1).sum(-1).tolist()
+    print(f"nn.MultiheadAttention, eval: NaN rows per sequence {nan_rows}")
     for name in BACKENDS:
         if backend_support(name, DEVICE, DTYPE, is_causal=True) is None:
             mha.backend = name
             out = mha(x_empty, offsets_empty, is_causal=True)
             assert out.shape == (8, EMBED) and out.isfinite().all(), name
     print("ragged layer: 8 rows (5 + 0 + 3), all finite, on every backend that runs here")
-ref_mha = ref_mha.to(DTYPE)
-
-# %%
-# Changing attention scores with FlexAttention
-# --------------------------------------------
-# The packed tokens with a document mask are a ragged batch for FlexAttention
-# too. A ``score_mod`` receives positions in the packed sequence; within one
-# document their difference is the distance inside the sentence, so
-# relative-position schemes work unchanged. ALiBi
-# (`Press et al., 2021 <https://arxiv.org/abs/2108.12409>`_) subtracts a
-# per-head slope times the query-key distance from each score. The check is
-# against the reference computed sequence by sequence with the same bias as
-# an explicit additive mask.
-
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-slopes = torch.exp2(-8.0 * torch.arange(1, HEADS + 1, device=DEVICE) / HEADS)  # (H,)
-
-
-def alibi(score, b, h, q_idx, kv_idx):
-    return score - slopes[h] * (q_idx - kv_idx)
-
-
-seq_ids = token_index(offsets)[0]
-
-
-def document_causal(b, h, q_idx, kv_idx):
-    return (seq_ids[q_idx] == seq_ids[kv_idx]) & (q_idx >= kv_idx)
-
-
-@torch.compile(dynamic=False)
-def alibi_attention(q, k, v, block_mask):
-    return flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
-
-
-block_mask = create_block_mask(document_causal, None, None, len(x), len(x), device=DEVICE)
-qf, kf, vf = (t.transpose(0, 1)[None] for t in (q_a, k_a, v_a))  # (1, H, T, D): the batch as one sequence
-with torch.no_grad():
-    out_alibi = alibi_attention(qf, kf, vf, block_mask)[0]
-    reference_alibi = torch.zeros(out_alibi.shape, device=DEVICE)
-    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        pos = torch.arange(end - start, device=DEVICE)
-        distance = (pos[:, None] - pos[None, :]).float()
-        bias = (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))
-        qs, ks, vs = (t[0, :, start:end].float() for t in (qf, kf, vf))
-        with sdpa_kernel(SDPBackend.MATH):
-            reference_alibi[:, start:end] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias)
-torch.testing.assert_close(out_alibi.float(), reference_alibi, **tolerances(DTYPE))
-print(f"ALiBi over the document-causal mask matches the reference on all {len(x)} tokens; "
-      f"the block mask skips {block_mask.sparsity():.1f}% of the score blocks")
 
 # %%
 # Speedup against the bound, across batches
@@ -726,13 +644,15 @@ print(f"ALiBi over the document-causal mask matches the reference on all {len(x)
 mha.backend = FORWARD_BACKEND
 points = []
 for alpha in (1.1, 1.35, 1.6) if QUICK else (1.1, 1.2, 1.35, 1.6):
-    x_b, offsets_b = ragged_batch(rng, BATCH, EMBED, alpha=alpha, device=DEVICE, dtype=DTYPE)
+    x_b, offsets_b = ragged_batch(rng, BATCH, EMBED, alpha=alpha, device=DEVICE,
+                                  dtype=DTYPE)
     x_b_padded = to_padded(x_b, offsets_b)[0]
     with torch.no_grad():
         t = measure({"padded": lambda: mha(x_b_padded, is_causal=True),
                      "ragged": lambda: mha(x_b, offsets_b, is_causal=True)},
                     min_run_time=RUN_TIME / 2, profile=False)
-    b = work_bound(offsets_b.diff().cpu(), per_token=per_token, per_pair=per_pair, causal=True)
+    b = work_bound(offsets_b.diff().cpu(), per_token=per_token, per_pair=per_pair,
+                   causal=True)
     points.append((alpha, b, t["padded"].median_ms / t["ragged"].median_ms))
     label = (f"Zipf {alpha:4.2f} (mean length {1 / zipf_stop_probability(alpha):4.1f}), "
              f"longest {int(offsets_b.diff().max()):3d}")
@@ -741,12 +661,14 @@ for alpha in (1.1, 1.35, 1.6) if QUICK else (1.1, 1.2, 1.35, 1.6):
 fig, ax = plt.subplots(figsize=(8, 5.5))
 top = 1.1 * max(max(p[1], p[2]) for p in points)
 ax.plot([1, top], [1, top], "--", color="gray", label="speedup = work bound")
-ax.scatter([p[1] for p in points], [p[2] for p in points], zorder=3, label=f"measured, {DEVICE}")
+ax.scatter([p[1] for p in points], [p[2] for p in points], zorder=3,
+           label=f"measured, {DEVICE}")
 for alpha, b, s in points:
     ax.annotate(f"Zipf {alpha}", (b, s), textcoords="offset points", xytext=(6, -10))
 ax.set_xlabel("work bound (padded work / ragged work)")
 ax.set_ylabel("measured forward speedup (x)")
-ax.set_title(f"Ragged vs padded causal self-attention\nbatch {BATCH}, E={EMBED}, {HEADS} heads, {DTYPE}")
+ax.set_title(f"Ragged vs padded causal self-attention\n"
+             f"batch {BATCH}, E={EMBED}, {HEADS} heads, {DTYPE}")
 ax.legend(loc="upper left")
 fig.tight_layout()
 plt.show()
@@ -756,45 +678,39 @@ plt.show()
 # %%
 # Conclusion
 # ----------
-# The lesson of the original tutorial holds: a layer that never pads does
-# only the work the batch needs, and the work bound says how much that can
-# be worth. What changed is how it is built. Linear layers, norms and
-# residuals run on packed values; attention needs only the offsets, and
-# ``ragged_attention`` takes them with whichever backend measured fastest on
+# A layer that never pads does only the work the batch needs, and the work
+# bound says how much that can be worth. Linear layers, norms and residuals
+# run on packed values; attention needs only the offsets, and
+# ``ragged_attention`` takes them with the backend that measured fastest on
 # the device at hand, checked against a reference that shares no kernel with
-# it. The other pages of this site build on exactly these functions: the
-# ``torch.nn.Transformer`` family, a packed GPT trained end to end, decoding
-# with a KV cache, and a guide to which attention path to use when.
+# it. The other pages build on these functions; score modifications such as
+# ALiBi with FlexAttention are on the :doc:`which-path page
+# <which_attention_path>`.
 #
-# Reference figures from the original tutorial
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# These are **not** from this build. The original, on an A100 with batch
-# 512 and embedding 512, reported: causal self-attention forward 5.65x
+# **Figures from the original tutorial, not from this build:** on an A100
+# with batch 512 and embedding 512, causal self-attention forward 5.65x
 # faster, 3.39 GB of peak memory saved, backward 144x (see above),
 # cross-attention forward 4.01x. Its numpy generator was not seeded, so its
-# batch, and with it the bound, is unknown. The cell below computes the
-# bound for the original's setting from this page's length generator for
-# three seeds, counting the original's padded layer as it ran (a merged mask:
-# the whole square).
+# batch and its bound are unknown; here is the bound of its setting for three
+# seeds of this page's generator, its padded layer counted as it ran (a
+# merged mask: the whole square).
 
-original_bounds = [work_bound(sentence_lengths(np.random.default_rng(s), 512), per_token=8 * 512**2,
-                              per_pair=4 * 512, causal=True, padded_causal=False) for s in (0, 1, 2)]
+original_bounds = [
+    work_bound(sentence_lengths(np.random.default_rng(s), 512), per_token=8 * 512**2,
+               per_pair=4 * 512, causal=True, padded_causal=False) for s in (0, 1, 2)]
 print("work bound of the original's setting, seeds 0, 1, 2: "
       + ", ".join(f"{b:.2f}x" for b in original_bounds))
 
 # %%
 # Further reading
 # ---------------
-#
 # * `torch.nested documentation <https://docs.pytorch.org/docs/stable/nested.html>`_
 # * `varlen_attn <https://docs.pytorch.org/docs/stable/nn.attention.varlen.html>`_
-# * `Scaled dot product attention tutorial
-#   <https://docs.pytorch.org/tutorials/intermediate/scaled_dot_product_attention_tutorial.html>`_
-# * `FlexAttention blog post <https://pytorch.org/blog/flexattention/>`_ and
-#   `attention-gym <https://github.com/meta-pytorch/attention-gym>`_ for
-#   document masks and score modifications
+# * The `scaled dot product attention tutorial <https://docs.pytorch.org/
+#   tutorials/intermediate/scaled_dot_product_attention_tutorial.html>`_
+# * The `FlexAttention blog post <https://pytorch.org/blog/flexattention/>`_ and
+#   `attention-gym <https://github.com/meta-pytorch/attention-gym>`_
 # * `Packing with FlashAttention 2 in Hugging Face transformers
-#   <https://huggingface.co/blog/packing-with-FA2>`_ (``DataCollatorWithFlattening``)
+#   <https://huggingface.co/blog/packing-with-FA2>`_
 # * `gpt-fast <https://github.com/meta-pytorch/gpt-fast>`_ and
-#   `nanoGPT <https://github.com/karpathy/nanoGPT>`_ for compact, fast
-#   transformer code
+#   `nanoGPT <https://github.com/karpathy/nanoGPT>`_

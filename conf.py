@@ -53,6 +53,7 @@ extensions = [
     "landing_cards",
     "page_stamp",
     "page_links",
+    "downloads",  # the .py, notebook and zip a reader downloads carry the toolkit
     "page_cleanup",
 ]
 templates_path = ["_templates"]
@@ -86,6 +87,11 @@ html_favicon = "_static/favicon.svg"
 # The theme warns in the console when no colour mode is set.
 html_context = {"default_mode": "auto"}
 html_show_sourcelink = False
+# No left sidebar on the tutorial pages: the article takes its width, so that
+# a code line of scripts/line_widths.py's MAX_CHARS fits at a 1280 px window
+# (_static/site.css). The header links to the tutorials; each page links to
+# the next and the previous one.
+html_sidebars = {"auto_tutorials/*": []}
 html_theme_options = {
     "navbar_align": "left",
     "show_toc_level": 2,

@@ -12,7 +12,8 @@ clipped behind a scroll bar, so this script lists every one:
   (``# sphinx_gallery_...`` config comments, ``start_ignore``/``end_ignore``
   blocks);
 * in the toolkit module beside the pages (``tutorials/ragged_toolkit.py``),
-  every line but its comments and docstrings.
+  every line: the pages show its functions whole, comments and docstrings
+  included (``literalinclude`` with ``:pyobject:``).
 
 ``python scripts/line_widths.py [FILE ...]`` prints ``file:line: length``
 for each line longer than ``MAX_CHARS`` (``--max N`` to choose another
@@ -23,21 +24,19 @@ gives the limit to other scripts and tests.
 from __future__ import annotations
 
 import argparse
-import ast
-import io
 import re
 import sys
-import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
 from gallery_layout import GALLERY_SRC, TOOLKIT, tutorial_sources  # noqa: E402
 
-# Monospace characters a code block holds at a 1280 px window (Chromium,
-# DejaVu Sans Mono, the widest of the usual monospace fonts, at the site's
-# code font size; see _static/site.css).
-MAX_CHARS = 100
+# Monospace characters a code or output block holds at a 1280 px window:
+# measured in Chromium, in DejaVu Sans Mono (as wide as the widest of the
+# usual monospace fonts) at the site's 13 px (_static/site.css), 121.1
+# characters, less a few pixels for a wider scroll bar than Chromium's.
+MAX_CHARS = 120
 
 _CONFIG_COMMENT = re.compile(r"^\s*#\s*sphinx_gallery_(?!start_ignore|end_ignore)\w+")
 _START_IGNORE = re.compile(r"^\s*#\s*sphinx_gallery_start_ignore\s*$")
@@ -69,30 +68,12 @@ def page_code_lines(path: Path) -> list[tuple[int, str]]:
     return shown
 
 
-def module_code_lines(path: Path) -> list[tuple[int, str]]:
-    """``(line number, text)`` of each line of a module that holds code: not
-    a comment-only line, not a line of a docstring."""
-    text = path.read_text()
-    prose = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                    and isinstance(body[0].value.value, str)):
-                prose.update(range(body[0].lineno, body[0].end_lineno + 1))
-    code = set()
-    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
-                            tokenize.DEDENT, tokenize.ENDMARKER):
-            code.update(range(tok.start[0], tok.end[0] + 1))
-    return [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if n in code and n not in prose]
-
-
 def long_lines(path: Path, limit: int = MAX_CHARS) -> list[tuple[int, int]]:
     """``(line number, length)`` of each shown code line of ``path`` longer
     than ``limit``."""
     path = Path(path)
-    lines = module_code_lines(path) if path.name == TOOLKIT else page_code_lines(path)
+    lines = (list(enumerate(path.read_text().splitlines(), 1)) if path.name == TOOLKIT
+             else page_code_lines(path))
     return [(n, len(text.rstrip())) for n, text in lines if len(text.rstrip()) > limit]
 
 

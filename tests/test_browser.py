@@ -1,6 +1,9 @@
 """The built site in a real browser: Debian's Chromium, headless, via Selenium.
 
 Screenshots of every page are saved under ``artifacts/screenshots/``.
+
+``BROWSER_SITE=/path/to/_build/html pytest tests/test_browser.py`` runs these
+tests on a site that is already built instead of building one.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import os
 import shutil
 import threading
 import urllib.request
@@ -70,10 +74,14 @@ def browser(request):
     # before the site is built.
     if not (CHROMIUM and CHROMEDRIVER):
         pytest.fail(MISSING, pytrace=False)
-    real_site = request.getfixturevalue("real_site")
-    server, base = serve(real_site.html)
+    if os.environ.get("BROWSER_SITE"):
+        html = Path(os.environ["BROWSER_SITE"]).resolve()
+        assert (html / "index.html").is_file(), f"BROWSER_SITE={html}: no index.html there"
+    else:
+        html = request.getfixturevalue("real_site").html
+    server, base = serve(html)
     driver = make_driver()
-    yield driver, base, real_site.html
+    yield driver, base, html
     driver.quit()
     server.shutdown()
 
@@ -151,3 +159,175 @@ def test_page_in_browser(browser, rel):
                 "fetch(arguments[0]).then(r => r.ok ? r.text() : '').then(t => done(t.length))"
                 ".catch(() => done(-1));", href)
             assert size > 100, f"{rel}: download {href} fetched {size} characters"
+
+
+# -- Widths: what fits the content column at 1280 px, and nothing wider than
+# the window at 400 px. The window is set exactly (device metrics, one CSS
+# pixel per device pixel); a vertical scroll bar takes its width from it, as
+# in a desktop browser.
+
+WIDE, NARROW, HEIGHT = 1280, 400, 900
+# Every page the site has, for the narrow window: the tutorials, the landing
+# page and the other pages, and the toolkit's reference where there is one.
+ALL_PAGES = OTHER_PAGES + TUTORIAL_PAGES + (["toolkit.html"] if (REPO / "toolkit.rst").exists() else [])
+
+
+def open_at(driver, base, html_root, rel, width):
+    """Open ``rel`` in a window ``width`` CSS pixels wide, every <details>
+    open, every image loaded and every formula typeset."""
+    if not (html_root / rel).is_file():
+        if os.environ.get("BROWSER_SITE"):
+            pytest.skip(f"{rel}: not in BROWSER_SITE")
+        pytest.fail(f"{rel}: not built")
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False})
+    open_page(driver, urljoin(base, rel))
+    driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "document.querySelectorAll('details').forEach(d => { d.open = true; });"
+        "const imgs = [...document.images];"
+        "imgs.forEach(i => { i.loading = 'eager'; });"
+        "const loaded = Promise.all(imgs.map(i => i.complete ? null"
+        " : new Promise(r => { i.addEventListener('load', r); i.addEventListener('error', r); })));"
+        "let polls = 0; (function wait() {"
+        " if (!document.querySelector('.math')) loaded.then(() => done());"
+        " else if (window.MathJax && MathJax.startup && MathJax.startup.promise)"
+        "  Promise.all([loaded, MathJax.startup.promise]).then(() => done());"
+        " else if (++polls > 600) done(); else setTimeout(wait, 100); })();")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(SHOTS / rel.replace("/", "__").replace(".html", f"@{width}.png")))
+
+
+@pytest.fixture
+def at_width(browser):
+    driver, base, html_root = browser
+    yield lambda rel, width: open_at(driver, base, html_root, rel, width)
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+# Each code and output block that scrolls sideways: the first line that is
+# wider than the block's text area, and by how many pixels. The lines are
+# measured in a copy of the block's font, so the report names the line
+# whatever the font's width.
+OVERFLOWING_BLOCKS_JS = r"""
+const out = [];
+for (const pre of document.querySelectorAll('div.highlight pre')) {
+  if (pre.scrollWidth <= pre.clientWidth + 1) continue;
+  const cs = getComputedStyle(pre);
+  const room = pre.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
+  const probe = document.createElement('span');
+  probe.style.cssText = 'position:absolute; visibility:hidden; white-space:pre; left:0; top:0';
+  pre.appendChild(probe);
+  let line = null, over = pre.scrollWidth - pre.clientWidth;
+  for (const text of pre.textContent.split('\n')) {
+    probe.textContent = text;
+    const w = probe.getBoundingClientRect().width;
+    if (w > room + 1) { line = text; over = Math.ceil(w - room); break; }
+  }
+  probe.remove();
+  out.push({kind: pre.closest('.sphx-glr-script-out') ? 'output' : 'code', over, line,
+            chars: line === null ? null : line.length});
+}
+return out;
+"""
+
+
+@pytest.mark.parametrize("rel", TUTORIAL_PAGES)
+def test_code_and_output_fit_the_column(at_width, browser, rel):
+    """At a 1280 px window no code or printed line is clipped: every code
+    block and every output block is as wide as its widest line."""
+    at_width(rel, WIDE)
+    driver = browser[0]
+    assert driver.execute_script("return document.querySelectorAll('div.highlight pre').length") > 0
+    wide = driver.execute_script(OVERFLOWING_BLOCKS_JS)
+    report = [f"  {b['kind']} block {b['over']} px too wide: " + (
+        f"{b['chars']} characters: {b['line'][:140]!r}" if b["line"] is not None else "(no single line)")
+        for b in wide]
+    if wide:
+        pytest.fail(f"{rel} at {WIDE} px: {len(wide)} block(s) scroll sideways\n" + "\n".join(report),
+                    pytrace=False)
+
+
+# Each figure at its drawn size: the width of its 1x image (the srcset
+# candidate for one device pixel per CSS pixel, else its src) or its width
+# attribute, against the width it is shown at.
+FIGURE_SIZES_JS = r"""
+const done = arguments[arguments.length - 1];
+const imgs = [...document.querySelectorAll('img.sphx-glr-single-img, img.sphx-glr-multi-img')];
+function oneX(img) {
+  for (const cand of (img.getAttribute('srcset') || '').split(',')) {
+    const [url, desc] = cand.trim().split(/\s+/);
+    if (url && (!desc || (desc.endsWith('x') && parseFloat(desc) === 1))) return new URL(url, document.baseURI).href;
+  }
+  return img.currentSrc || img.src;
+}
+Promise.all(imgs.map(img => new Promise(resolve => {
+  const cs = getComputedStyle(img);
+  const shown = img.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
+  const attr = parseFloat(img.getAttribute('width'));
+  if (attr > 0) { resolve({src: img.getAttribute('src'), drawn: attr, shown}); return; }
+  const probe = new Image();
+  probe.onload = () => resolve({src: img.getAttribute('src'), drawn: probe.naturalWidth, shown});
+  probe.onerror = () => resolve({src: img.getAttribute('src'), drawn: null, shown});
+  probe.src = oneX(img);
+}))).then(done);
+"""
+
+
+@pytest.mark.parametrize("rel", TUTORIAL_PAGES)
+def test_figures_shown_at_drawn_size(at_width, browser, rel):
+    """At a 1280 px window no figure is scaled down (its text keeps the size
+    it was drawn at)."""
+    at_width(rel, WIDE)
+    figures = browser[0].execute_async_script(FIGURE_SIZES_JS)
+    assert all(f["drawn"] for f in figures), f"{rel}: figures that did not load: {figures}"
+    shrunk = [f for f in figures if f["shown"] < 0.96 * f["drawn"]]
+    if shrunk:
+        pytest.fail(f"{rel} at {WIDE} px: figures shown narrower than drawn: " + ", ".join(
+            f"{Path(f['src']).name} {f['shown']} px of {f['drawn']} px" for f in shrunk), pytrace=False)
+
+
+# The outermost elements that stick out of the window on either side, apart
+# from those inside a box that scrolls or clips them, for the failure message.
+STICKING_OUT_JS = r"""
+const room = document.documentElement.clientWidth;
+const clipped = el => {
+  for (let p = el.parentElement; p && p !== document.body; p = p.parentElement) {
+    const cs = getComputedStyle(p);
+    if (cs.position === 'fixed') return true;
+    if (cs.overflowX !== 'visible') {
+      const r = p.getBoundingClientRect();
+      if (r.right <= room + 1 && r.left >= -1) return true;
+    }
+  }
+  return false;
+};
+const out = [], seen = new Set();
+for (const el of document.body.querySelectorAll('*')) {
+  const r = el.getBoundingClientRect();
+  if (!r.width || (r.right <= room + 1 && r.left >= -1)) continue;
+  if (getComputedStyle(el).visibility === 'hidden' || clipped(el)) continue;
+  seen.add(el);
+  if (seen.has(el.parentElement)) continue;
+  const name = el.tagName.toLowerCase() + (el.id ? '#' + el.id : '') +
+    [...el.classList].slice(0, 3).map(c => '.' + c).join('');
+  out.push(`${name} (${Math.round(r.left)}..${Math.round(r.right)} px): ` +
+           JSON.stringify((el.textContent || el.getAttribute('src') || '').trim().slice(0, 60)));
+  if (out.length >= 8) break;
+}
+return out;
+"""
+
+
+@pytest.mark.parametrize("rel", ALL_PAGES)
+def test_no_sideways_scroll_when_narrow(at_width, browser, rel):
+    """At a 400 px window no page scrolls sideways: only code and output
+    blocks may scroll inside themselves."""
+    at_width(rel, NARROW)
+    driver = browser[0]
+    page, room = driver.execute_script(
+        "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    if page > room:
+        out = driver.execute_script(STICKING_OUT_JS)
+        pytest.fail(f"{rel} at {NARROW} px: the page is {page} px wide in a {room} px window; "
+                    "sticking out:\n  " + "\n  ".join(out), pytrace=False)

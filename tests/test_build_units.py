@@ -339,3 +339,267 @@ def test_browser_tests_can_be_deselected_without_chromium(tmp_path):
     selected = subprocess.run([*cmd, "-x", "-k", "index.html"], env=env, capture_output=True, text=True,
                               cwd=REPO / "tests", timeout=300)
     assert selected.returncode == 1 and "chromium-driver" in selected.stdout, selected.stdout[-2000:]
+
+
+# --- the downloads: rST in notebook cells, the toolkit carried -----------------
+
+import downloads  # noqa: E402
+import re  # noqa: E402
+import textwrap  # noqa: E402
+
+LEFT_RST = re.compile(r"^\s*\.\. [\w:-]+::|:[\w:]+:`", re.M)
+MODULE_TEXT = textwrap.dedent('''\
+    """A toolkit stand-in."""
+    import functools
+
+
+    def plain(x):
+        return x + 1
+
+
+    @functools.lru_cache(maxsize=None)
+    @functools.wraps(plain)
+    def cached(x):
+        return x * 2
+
+
+    class Box:
+        size = 3
+
+        def area(self):
+            return self.size ** 2
+    ''')
+
+
+def _md(rst: str) -> str:
+    return downloads.rst_to_markdown(textwrap.dedent(rst), include=lambda path: MODULE_TEXT)
+
+
+def test_markdown_of_a_grid_of_cards():
+    md = _md("""\
+        Intro.
+
+        .. grid:: 2
+
+            .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
+               :class-card: card-prerequisites
+
+               * one thing
+                 on two lines
+               * another
+
+            .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
+               :class-card: card-prerequisites
+
+               * PyTorch
+
+        After.
+        """)
+    assert md == ("Intro.\n\n**What you will learn**\n\n* one thing\n  on two lines\n* another\n\n"
+                  "**Prerequisites**\n\n* PyTorch\n\nAfter.\n")
+
+
+def test_markdown_drops_raw_html_and_comments():
+    md = _md("""\
+        Before.
+
+        .. raw:: html
+
+            <div class="x">
+            </div>
+
+        .. a comment
+           that goes on
+
+        After.
+        """)
+    assert md == "Before.\n\nAfter.\n"
+
+
+def test_markdown_of_a_list_table():
+    md = _md("""\
+        .. list-table:: Backends
+           :header-rows: 1
+           :widths: 20 80
+
+           * - name
+             - what it runs
+           * - ``varlen``
+             - the variable-length kernel,
+               CUDA only
+           * - ``a|b``
+             - :func:`torch.cat`
+        """)
+    assert md == ("**Backends**\n\n| name | what it runs |\n| --- | --- |\n"
+                  "| ``varlen`` | the variable-length kernel, CUDA only |\n"
+                  "| ``a\\|b`` | `torch.cat()` |\n")
+
+
+def test_markdown_of_literalinclude_pyobject_with_decorators_and_methods():
+    md = _md("""\
+        .. literalinclude:: ../tutorials/ragged_toolkit.py
+           :pyobject: cached
+
+        .. literalinclude:: ../tutorials/ragged_toolkit.py
+           :pyobject: Box.area
+        """)
+    assert md == ("```python\n@functools.lru_cache(maxsize=None)\n@functools.wraps(plain)\n"
+                  "def cached(x):\n    return x * 2\n```\n\n"
+                  "```python\ndef area(self):\n    return self.size ** 2\n```\n")
+    with pytest.raises(LookupError, match="missing"):
+        _md(".. literalinclude:: x.py\n   :pyobject: missing\n")
+
+
+def test_markdown_of_admonitions_glossary_and_math():
+    md = _md("""\
+        .. note::
+           A note with :class:`torch.Tensor`.
+
+           Second paragraph.
+
+        .. admonition:: Why offsets
+           :class: tip
+
+           Because.
+
+        .. tip:: Short tip.
+
+        .. glossary::
+
+           packed values
+           values
+              Every token, end to end.
+
+              Still the definition.
+
+           offsets
+              Where sequences start.
+
+        * an item
+
+          .. math::
+
+             a^2 + b^2
+        """)
+    assert md == ("> **Note**\n>\n> A note with `torch.Tensor`.\n>\n> Second paragraph.\n\n"
+                  "> **Why offsets**\n>\n> Because.\n\n"
+                  "> **Tip**\n>\n> Short tip.\n\n"
+                  "**packed values**, **values**\n\nEvery token, end to end.\n\nStill the definition.\n\n"
+                  "**offsets**\n\nWhere sequences start.\n\n"
+                  "* an item\n\n  $$\n  a^2 + b^2\n  $$\n")
+
+
+def test_markdown_of_roles():
+    md = _md(":term:`ragged batch`, :term:`batches <ragged batch>`, :ref:`the intro <sphx_glr_x.py>`, "
+             ":ref:`label`, :doc:`the gallery <index>`, :doc:`../toolkit`, :func:`~torch.nn.functional.pad`, "
+             ":py:func:`torch.cat`, :meth:`x.y <Box.area>`, :class:`!torch.Tensor`, :mod:`torch.nested`, "
+             ":attr:`Box.size`, :download:`the toolkit <../tutorials/ragged_toolkit.py>`, "
+             ":download:`../tutorials/ragged_toolkit.py`, :math:`x^2`, :octicon:`rocket` launch, "
+             "`what Sphinx-Gallery makes of :ref: <sphx_glr_x.py>`, ``:term:`literal```.\n")
+    assert md == ("*ragged batch*, *batches*, *the intro*, *label*, *the gallery*, *toolkit*, `pad()`, "
+                  "`torch.cat()`, `x.y`, `torch.Tensor`, `torch.nested`, `Box.size`, the toolkit, "
+                  "`ragged_toolkit.py`, $x^2$, launch, *what Sphinx-Gallery makes of :ref:*, "
+                  "``:term:`literal```.\n")
+    linked = downloads.rst_to_markdown(":ref:`x <lbl>` and :doc:`page`",
+                                       refs=lambda kind, target: ("T", f"https://site/{kind}/{target}"))
+    assert linked == "[x](https://site/ref/lbl) and [T](https://site/doc/page)\n"
+
+
+def test_markdown_leaves_code_alone_and_is_idempotent():
+    rst = textwrap.dedent("""\
+        Text with :func:`f`.
+
+        ```python
+        # .. note:: in code
+        x = ":func:`kept`"
+        ```
+
+        .. code-block:: python
+           :caption: Example
+
+           y = 2
+        """)
+    md = _md(rst)
+    assert "# .. note:: in code\nx = \":func:`kept`\"" in md
+    assert "**Example**\n\n```python\ny = 2\n```" in md
+    assert _md(md) == md
+    outside = re.sub(r"```.*?```", "", md, flags=re.S)
+    assert not LEFT_RST.search(outside), outside
+
+
+def _nb(*cells):
+    return {"cells": [{"cell_type": kind, "metadata": {}, "source": [src],
+                       **({"outputs": [], "execution_count": None} if kind == "code" else {})}
+                      for kind, src in cells], "metadata": {}, "nbformat": 4, "nbformat_minor": 0}
+
+
+def test_notebook_for_download_writes_the_toolkit_second_and_drops_empty_cells():
+    nb = _nb(("code", "install()"), ("markdown", "\n# Title\n\n.. raw:: html\n\n   <b>x</b>\n"),
+             ("code", ""), ("markdown", "See :term:`offsets`.\n"), ("code", "from ragged_toolkit import f\n"))
+    out = downloads.notebook_for_download(nb, MODULE_TEXT)
+    kinds = [(c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"]))
+             for c in out["cells"]]
+    assert kinds == [("code", "install()"), ("code", f"%%writefile ragged_toolkit.py\n{MODULE_TEXT}"),
+                     ("markdown", "# Title\n"), ("markdown", "See *offsets*.\n"),
+                     ("code", "from ragged_toolkit import f\n")]
+    assert downloads.notebook_for_download(out, MODULE_TEXT) == out
+    assert nb["cells"][2]["source"] == [""], "the input notebook was changed"
+    import nbformat
+    nbformat.validate(nbformat.reads(downloads.dump_notebook(out), as_version=4))
+
+
+SCRIPT = '''"""
+A page
+======
+"""
+from __future__ import annotations
+
+# sphinx_gallery_tags = ["x"]
+
+# %%
+# Text.
+from ragged_toolkit import Pair, fails
+
+print(Pair(1, 2))
+'''
+DATACLASS_TOOLKIT = '''"""A toolkit with a dataclass and a backslash: \\\\d+."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Pair:
+    a: int
+    b: int
+
+
+def fails():
+    raise ValueError("from the toolkit\\n")
+'''
+
+
+def test_carry_toolkit_after_docstring_and_future_import(tmp_path):
+    out = downloads.carry_toolkit(SCRIPT, DATACLASS_TOOLKIT)
+    assert downloads.carry_toolkit(out, DATACLASS_TOOLKIT) == out, "not idempotent"
+    lines = out.splitlines()
+    assert lines[:5] == ['"""', "A page", "======", '"""', "from __future__ import annotations"]
+    assert lines[6].startswith(downloads.BEGIN)
+    assert out.index(downloads.END) < out.index("# sphinx_gallery_tags")
+    with pytest.raises(ValueError, match="cannot be embedded"):  # neither delimiter is free
+        downloads.source_literal(DATACLASS_TOOLKIT + "x = '''y'''\n")
+
+
+def test_carried_toolkit_runs_alone_with_dataclasses_and_shows_its_lines_in_tracebacks(tmp_path):
+    toolkit = DATACLASS_TOOLKIT
+    assert downloads.source_literal(toolkit).startswith("r'''")
+    assert downloads.source_literal(toolkit.replace('"""', "'")).startswith("r'''")
+    assert downloads.source_literal("x = '''a'''\n").startswith('r"""')
+    script = tmp_path / "page.py"
+    script.write_text(downloads.carry_toolkit(SCRIPT + "fails()\n", toolkit))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.stdout == "Pair(a=1, b=2)\n", proc.stderr
+    assert 'File "ragged_toolkit.py", line 14, in fails' in proc.stderr, proc.stderr
+    assert 'raise ValueError("from the toolkit\\n")' in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.py"]

@@ -6,7 +6,10 @@ Both runs use ``TUTORIALS_QUICK=1`` (smaller sizes, every assertion kept) and
 ``TUTORIALS_DTYPE=bfloat16``: the pages' CUDA dtype on a CPU, so every
 low-precision path and tolerance runs here, while the site build runs every
 page in float32 at full size. Each page thus runs three times in the suite,
-and in both dtypes. The two runs
+and in both dtypes. Each download is copied alone into an empty folder and
+run there, with no ``PYTHONPATH``: the toolkit module the pages import must
+come from the download itself (the .py carries it, the notebook's second
+cell writes it), never from the repository. The two runs
 are also the reproducibility check: they must print the same lines (sequence
 lengths, token counts, correctness figures), except lines that report a
 timing, a speed or a memory figure. Within the lines compared, decimal
@@ -24,11 +27,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import shutil
+
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from sitebuild import STEMS
+from sitebuild import FIXTURES, STEMS, TOOLKIT, Build, build, make_site
+from test_real_site import module_source, notebook_problems
 
 pytestmark = [pytest.mark.notebook, pytest.mark.lowprecision]
 
@@ -55,35 +61,60 @@ def comparable(text: str) -> list[str]:
             if ln.strip() and not MEASURED.search(ln)]
 
 
-def downloaded(real_site, stem: str, suffix: str) -> Path:
-    hits = list((real_site.html / "_downloads").rglob(stem + suffix))
+def downloaded(site, stem: str, suffix: str) -> Path:
+    hits = list((site.html / "_downloads").rglob(stem + suffix))
     assert len(hits) == 1, f"{stem}{suffix}: {hits}"
     return hits[0]
 
 
-@pytest.mark.parametrize("stem", STEMS)
-def test_downloaded_py_and_notebook_run_and_agree(real_site, stem, tmp_path, monkeypatch):
-    # The .py, with plain python, in an empty folder.
-    script = downloaded(real_site, stem, ".py")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=TIMEOUT_S,
-                          env={**{k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}, **QUICK_ENV})
-    assert proc.returncode == 0, f"{stem}.py failed in bfloat16:\n{proc.stderr[-5000:]}"
-    assert "dtype: torch.bfloat16" in proc.stdout, f"{stem}.py did not pick up TUTORIALS_DTYPE"
+def alone(download: Path, folder: Path) -> Path:
+    """``download`` copied into the empty ``folder``: nothing beside it."""
+    folder.mkdir()
+    return Path(shutil.copy2(download, folder / download.name))
 
-    # The notebook, on a fresh kernel; its first cell is the pip install line.
-    nb = nbformat.read(downloaded(real_site, stem, ".ipynb"), as_version=4)
-    for key, value in QUICK_ENV.items():
+
+def run_alone(site, stem: str, tmp_path: Path, monkeypatch, env: dict[str, str]):
+    """The page's downloaded .py (plain python) and notebook (a fresh kernel),
+    each alone in an empty folder and run there, with no PYTHONPATH; returns
+    the script's process and the executed notebook."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "PYTHONPATH")}
+    probe = subprocess.run([sys.executable, "-c", "import ragged_toolkit"], cwd=tmp_path,
+                           env=clean, capture_output=True, text=True)
+    assert probe.returncode != 0, "the toolkit is importable without any download: the test proves nothing"
+
+    script = alone(downloaded(site, stem, ".py"), tmp_path / "py")
+    proc = subprocess.run([sys.executable, script.name], cwd=script.parent, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**clean, **env})
+    assert proc.returncode == 0, f"{stem}.py failed, alone in a folder:\n{proc.stderr[-5000:]}"
+    assert not (script.parent / TOOLKIT).exists(), f"{stem}.py wrote {TOOLKIT} instead of carrying it"
+
+    # The notebook, on a fresh kernel whose folder holds nothing else; its
+    # first cell is the install cell, its second writes the toolkit.
+    notebook = alone(downloaded(site, stem, ".ipynb"), tmp_path / "nb")
+    nb = nbformat.read(notebook, as_version=4)
+    for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    written = notebook.parent / TOOLKIT
+    assert written.is_file(), f"{stem}.ipynb did not write {TOOLKIT} into its folder"
+    assert written.read_text(encoding="utf-8") == module_source(site), f"{stem}.ipynb wrote another {TOOLKIT}"
+    return proc, nb
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_downloaded_py_and_notebook_run_and_agree(real_site, stem, tmp_path, monkeypatch):
+    proc, nb = run_alone(real_site, stem, tmp_path, monkeypatch, QUICK_ENV)
+    script = downloaded(real_site, stem, ".py")
+    assert "dtype: torch.bfloat16" in proc.stdout, f"{stem}.py did not pick up TUTORIALS_DTYPE"
     first = next(c for c in nb.cells if c.cell_type == "code")
     pip_out = "".join(o.get("text", "") for o in first.outputs)
     assert "error" not in pip_out.lower(), f"{stem}: the install cell failed:\n{pip_out}"
     printed = "".join(
         o.get("text", "")
-        for c in nb.cells if c.cell_type == "code" and c is not first
+        for c in nb.cells if c.cell_type == "code" and c is not first and not c.source.startswith("%%writefile")
         for o in c.outputs if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
     a, b = comparable(proc.stdout), comparable(printed)
@@ -100,3 +131,32 @@ def test_downloaded_py_and_notebook_run_and_agree(real_site, stem, tmp_path, mon
         pytest.xfail(f"{stem}.py prints {len(usdt)} USDT lines: the page must set "
                      "KINETO_LOG_LEVEL=6 before profiling (pending in the tutorial sources)")
     assert not usdt, f"{stem}.py printed profiler noise on stderr: {usdt[:2]}"
+
+
+# --- a one-page site that uses the toolkit and the rST a notebook cannot show ----
+
+@pytest.fixture(scope="module")
+def toolkit_site(tmp_path_factory) -> Build:
+    src = make_site(tmp_path_factory.mktemp("downloads") / "site",
+                    tutorials=[FIXTURES / "downloads" / "uses_toolkit.py"])
+    result = build(src)
+    assert result.returncode == 0, result.log[-10000:]
+    return result
+
+
+def test_fixture_downloads_run_alone_and_the_notebook_reads_as_the_page(toolkit_site, tmp_path, monkeypatch):
+    proc, nb = run_alone(toolkit_site, "uses_toolkit", tmp_path, monkeypatch, {"MPLBACKEND": "agg"})
+    assert "offsets: [0, 3, 4, 8]" in proc.stdout
+    outputs = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells if c.cell_type == "code"]
+    assert outputs[1] == f"Writing {TOOLKIT}\n" and "offsets: [0, 3, 4, 8]" in outputs[-1], outputs
+
+    assert not notebook_problems(nb, module_source(toolkit_site)), notebook_problems(nb, module_source(toolkit_site))
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    for made in ("**What you will learn**\n\n* That a downloaded page runs alone",  # grid and cards
+                 "A *ragged batch* is packed values",  # :term:
+                 "more on\n*this page* and in\n*the gallery*",  # :ref: and :doc:
+                 "```python\ndef offsets_from_lengths(",  # literalinclude :pyobject:
+                 "| lengths | offsets |\n| --- | --- |\n| ``[3, 1, 4]`` | ``[0, 3, 4, 8]`` |",  # list-table
+                 "**ragged batch**\n\nSequences of different lengths"):  # glossary
+        assert made in text, f"not in the notebook: {made!r}"
+    assert "fixture-only" not in text and "octicon" not in text  # raw html and icons are dropped

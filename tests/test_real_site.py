@@ -6,6 +6,7 @@ import ast
 import re
 import sys
 import xml.etree.ElementTree as ET
+import zipfile
 from pathlib import Path
 
 import nbformat
@@ -13,10 +14,52 @@ import pytest
 import torch
 
 from pages import download_links, external_resources, run_seconds, soup
-from sitebuild import REPO, STEMS, build
+from sitebuild import REPO, STEMS, TOOLKIT, build
 
 sys.path.insert(0, str(REPO / "sphinxext"))
 import notebook_cell  # noqa: E402
+
+# rST that a notebook shows as it is, not rendered (outside fenced code,
+# which shows source: the toolkit's docstrings hold roles).
+RST_DIRECTIVE = re.compile(r"^\s*\.\. [\w:-]+::", re.M)
+RST_ROLE = re.compile(r":[\w:]+:`")
+FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.M | re.S)
+WRITEFILE = f"%%writefile {TOOLKIT}"
+
+
+def notebook_problems(nb, toolkit: str) -> list[str]:
+    """What keeps a downloaded notebook from reading as its page and running
+    alone: rST in a markdown cell, an empty code cell, and a second cell that
+    is not ``%%writefile ragged_toolkit.py`` followed by the module's source."""
+    found = []
+    for i, cell in enumerate(nb.cells, 1):
+        if cell.cell_type == "markdown":
+            prose = FENCED.sub("", cell.source)
+            found += [f"cell {i}: rST directive {m[0].strip()!r}" for m in RST_DIRECTIVE.finditer(prose)]
+            found += [f"cell {i}: rST role {m[0]!r}" for m in RST_ROLE.finditer(prose)]
+        elif cell.cell_type == "code" and not cell.source.strip():
+            found.append(f"cell {i}: an empty code cell")
+    second = nb.cells[1] if len(nb.cells) > 1 else None
+    head, _, body = second.source.partition("\n") if second is not None else ("", "", "")
+    if second is None or second.cell_type != "code" or head.strip() != WRITEFILE:
+        found.append(f"cell 2 is not the {WRITEFILE} cell: it starts {head[:60]!r}")
+    elif body != toolkit:
+        found.append(f"cell 2 writes a {TOOLKIT} that differs from the module")
+    return found
+
+
+def own_downloads(html: Path) -> dict[str, str]:
+    """The page's own .py and .ipynb links, without "Download the toolkit"
+    (a .py too)."""
+    page = soup(html)
+    for a in page.select("a.tutorial-toolkit-link"):
+        a.decompose()
+    return download_links(page)
+
+
+def module_source(site) -> str:
+    return (site.src / "tutorials" / TOOLKIT).read_text(encoding="utf-8")
+
 
 def test_there_are_tutorials():
     assert STEMS, "no tutorials in tutorials/"
@@ -43,7 +86,7 @@ def test_junit_records_every_tutorial_as_passing(real_site):
 @pytest.mark.parametrize("stem", STEMS)
 def test_downloads_exist_and_notebook_is_valid(real_site, stem):
     html = real_site.html / "auto_tutorials" / f"{stem}.html"
-    links = download_links(soup(html))
+    links = own_downloads(html)
     assert set(links) == {".py", ".ipynb"}, f"{stem}: download links {links}"
     for suffix, href in links.items():
         target = (html.parent / href).resolve()
@@ -55,6 +98,56 @@ def test_downloads_exist_and_notebook_is_valid(real_site, stem):
     # Installs only what is missing or older than requirements-minimum.txt.
     assert first_code.source.strip() == notebook_cell.install_cell(REPO / "requirements-minimum.txt").strip()
     assert "==" not in first_code.source
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_notebook_is_markdown_and_writes_the_toolkit(real_site, stem):
+    html = real_site.html / "auto_tutorials" / f"{stem}.html"
+    nb = nbformat.read((html.parent / own_downloads(html)[".ipynb"]).resolve(), as_version=4)
+    problems = notebook_problems(nb, module_source(real_site))
+    assert not problems, f"{stem}.ipynb:\n" + "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_downloaded_py_carries_the_toolkit(real_site, stem):
+    html = real_site.html / "auto_tutorials" / f"{stem}.html"
+    script = (html.parent / own_downloads(html)[".py"]).read_text(encoding="utf-8")
+    body = ast.parse(script).body
+    carried = [n for n in body if isinstance(n, ast.Assign)
+               and [getattr(t, "id", None) for t in n.targets] == ["_TOOLKIT_SOURCE"]]
+    assert [ast.literal_eval(n.value) for n in carried] == [module_source(real_site)], \
+        f"{stem}.py does not carry the module exactly once"
+    imports = [n.lineno for n in ast.walk(ast.Module(body, [])) if isinstance(n, ast.ImportFrom)
+               and n.module == TOOLKIT.removesuffix(".py")]
+    assert imports and carried[0].lineno < min(imports), f"{stem}.py imports the toolkit before defining it"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_every_page_links_the_toolkit(real_site, stem):
+    html = real_site.html / "auto_tutorials" / f"{stem}.html"
+    page, module = soup(html), module_source(real_site).encode("utf-8")
+    for where, selector in (("footer", ".sphx-glr-footer"), ("side bar", ".tutorial-toolkit")):
+        scope = page.select_one(selector)
+        links = scope.select("a.tutorial-toolkit-link") if scope is not None else []
+        assert len(links) == 1, f"{stem}: {len(links)} toolkit links in the {where}"
+        assert "Download the toolkit" in links[0].get_text(), f"{stem}: {links[0].get_text()!r}"
+        target = (html.parent / links[0]["href"]).resolve()
+        assert target.name == TOOLKIT and target.is_file(), f"{stem}: {where} link {links[0]['href']}"
+        assert target.read_bytes() == module, f"{stem}: the {where} link gives another {TOOLKIT}"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_zip_holds_the_downloads_and_the_toolkit(real_site, stem):
+    html = real_site.html / "auto_tutorials" / f"{stem}.html"
+    links = own_downloads(html)
+    zips = {a["href"] for a in soup(html).select("a.reference.download") if a["href"].endswith(".zip")}
+    assert len(zips) == 1, f"{stem}: zip links {zips}"
+    with zipfile.ZipFile((html.parent / zips.pop()).resolve()) as zf:
+        files = {name: zf.read(name) for name in zf.namelist()}
+    assert set(files) == {f"{stem}.py", f"{stem}.ipynb", TOOLKIT}, sorted(files)
+    for suffix in (".py", ".ipynb"):
+        assert files[stem + suffix] == (html.parent / links[suffix]).resolve().read_bytes(), f"{stem}{suffix}"
+    assert files[TOOLKIT] == module_source(real_site).encode("utf-8")
 
 
 def conf_value(name: str):

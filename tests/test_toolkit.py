@@ -105,7 +105,7 @@ def test_one_vocabulary(path):
                     f"{path.name}:{call.lineno}: calls {name} outside {ONLY_INSIDE[name]}"
 
 
-def test_the_vocabulary_check_names_a_copy_and_its_line(tmp_path):
+def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
     page = tmp_path / "page.py"
     page.write_text("from ragged_toolkit import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
                     "    return values\n\n\nif x:\n    ragged_attention = None\n")
@@ -114,6 +114,11 @@ def test_the_vocabulary_check_names_a_copy_and_its_line(tmp_path):
     page.write_text("import numpy as np\nrng = np.random.default_rng(0)\nlengths = rng.geometric(0.1, 4)\n")
     with pytest.raises(AssertionError, match="page.py:3: calls geometric outside sentence_lengths"):
         test_one_vocabulary(page)
+    with pytest.raises(AssertionError, match="page.py does not import from ragged_toolkit"):
+        test_every_page_imports_the_toolkit(page)
+    page.write_text("from ragged_toolkit import measure, time_it\n")
+    with pytest.raises(AssertionError, match=r"imports names ragged_toolkit does not define: \['time_it'\]"):
+        test_every_page_imports_the_toolkit(page)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)

@@ -2,11 +2,11 @@
 A packed GPT, trained and served without padding
 ================================================
 
-Pretrain a small modern decoder-only model on packed documents, the way
-``DataCollatorWithFlattening`` of Hugging Face and the packing of ``torchtune``
-and ``torchtitan`` do, against the best padded trainer a reader
-would write: same weights, same documents, same optimizer. Then generate from
-it with a KV cache that keeps each sequence's own length.
+Train a small modern decoder-only model on packed documents, the way
+Hugging Face's ``DataCollatorWithFlattening`` and the packing of
+``torchtune`` and ``torchtitan`` do, against the best padded trainer a reader
+would write: same weights, same documents, same optimizer. Then generate
+from it with a KV cache in which each sequence keeps its own length.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -15,114 +15,181 @@ it with a KV cache that keeps each sequence's own length.
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites
 
-       * How to write a GPT (RMSNorm, rotary positions that restart at every
-         document, SwiGLU, grouped-query attention) whose modules run on a
-         packed batch and, unchanged, on a padded one
-       * How to train it on packed documents, prove that it computes what the
-         padded model computes, and measure real tokens per second against
-         the work bound
+       * How one GPT (RMSNorm, rotary positions that restart at every
+         document, SwiGLU, grouped-query attention) runs on a packed batch
+         and, with the same weights, on a padded one
+       * How to train it on packed documents, prove that it computes what
+         the padded model computes, and measure real tokens per second
+         against the :term:`work bound`
        * How to prefill packed prompts and decode into a KV cache with
-         per-sequence lengths, and how that compares with padded generation
+         per-sequence lengths, against padded generation
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * The toolkit of the building-blocks page (copied below, so this file
-         runs on its own)
-       * PyTorch 2.11 or later; a CPU is enough, a CUDA GPU runs it at a
-         larger scale in ``bfloat16``
-
-Fine-tuning and pretraining data comes in documents of very different
-lengths. Padding them into a ``(B, S)`` rectangle makes every layer work on
-the longest document's length for every row; packing them end to end, with
-attention kept inside each document, makes every layer work on the real
-tokens only. This page measures what that buys for a whole model, end to
-end: data, forward, loss, backward and optimizer step.
+       * :doc:`transformer_building_blocks`: packed values and offsets, and
+         ``ragged_attention``; everything here comes from the site's module
+         ``ragged_toolkit`` (:doc:`reference </toolkit>`)
+       * PyTorch 2.11 or later; a CPU is enough, a CUDA GPU runs the page at
+         a larger scale in ``bfloat16``
 """
 
 # sphinx_gallery_tags = ["GPT", "training", "packing", "KV cache", "benchmarks"]
 
 # %%
-# Setup
-# -----
+# One model, two layouts
+# ----------------------
+# Every module of a transformer but attention works on the last dimension
+# only: embeddings, linear layers, norms, activations and residuals treat a
+# packed batch ``(T, dim)`` and a padded one ``(B, S, dim)`` alike. So one
+# model can run on both, if attention alone is told which it got. Here
+# attention gets a small *layout* object: ``Packed`` holds the offsets and
+# calls ``ragged_attention``; ``Padded`` runs one SDPA call. With right
+# padding and ``is_causal`` a real token never sees a padding token, so the
+# padded layout needs no mask for training.
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: Packed
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: Padded
+#
+# (The cache arguments are for generation, at the end of the page.) A tiny
+# model on three documents of 3, 1 and 4 tokens, packed and then padded,
+# gives the same logits on every real token. Positions restart at every
+# document: ``token_index`` gives them for the packed batch, exactly the
+# ``position_ids`` of Hugging Face's packed format.
 
-import copy
-import math
-import os
-import time
+import torch
+from ragged_toolkit import GPT, GPTConfig, Packed, Padded, offsets_from_lengths
+from ragged_toolkit import to_padded, token_index
+
+torch.manual_seed(0)
+tiny = GPT(GPTConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     ffn_hidden=64, max_seq_len=16))
+docs = [torch.tensor([5, 9, 2]), torch.tensor([7]), torch.tensor([3, 3, 8, 1])]
+tokens = torch.cat(docs)  # (T,) = (8,)
+offsets = offsets_from_lengths([len(d) for d in docs])  # [0, 3, 4, 8]
+positions = token_index(offsets)[1]  # [0, 1, 2, 0, 0, 1, 2, 3]
+ids, valid = to_padded(tokens, offsets)  # (B, S) = (3, 4), right padding
+with torch.no_grad():
+    packed = tiny(tokens, positions, Packed(offsets, "loop"))  # (T, vocab)
+    padded = tiny(ids, torch.arange(4).expand_as(ids), Padded())  # (B, S, vocab)
+torch.testing.assert_close(packed, padded[valid])
+print(f"positions {positions.tolist()}")
+print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: "
+      f"equal on all {len(tokens)} real tokens")
+
+# %%
+# The padded batch spent 12 slots on 8 tokens. On real documents, whose
+# lengths have a long tail, padding is most of the batch; the rest of the
+# page measures what skipping it buys a whole training step (data, forward,
+# loss, backward, optimizer) and generation.
+#
+# Sizes
+# ~~~~~
+# Every size is set here, per device; :term:`quick mode` shrinks them. The
+# CPU model is small so that the page builds in minutes on two cores; the
+# CUDA one trains under ``bfloat16`` autocast. (Real runs: width 2048 and
+# up, 16 and more layers, thousands of documents per step.)
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-
-from ragged_toolkit import (
-    GPT, GPTConfig, KVCache, Packed, Padded, Timing, synchronize, compare_backends, default_device,
-    default_dtype, fastest, generate_packed, measure, offsets_from_lengths, pairs_scored,
-    profile_call, quick_mode, quiet_known_notes, sentence_lengths, speedup_line, to_padded,
-    token_index, tolerances, where_time_goes,
-)
+from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
 QUICK = quick_mode()
 SEED = 0
-print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick mode: {QUICK}")
+if DEVICE == "cuda":
+    MODEL = dict(vocab_size=4096, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4,
+                 ffn_hidden=2816, max_seq_len=4096)
+    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 128, 300, 1e-3, 1.1
+    PROMPTS, NEW_TOKENS = 64, 64
+else:
+    MODEL = dict(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=2,
+                 ffn_hidden=688, max_seq_len=1024)
+    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 32, 100, 3e-3, 1.2
+    PROMPTS, NEW_TOKENS = 16, 32
+if QUICK:
+    MODEL.update(vocab_size=128, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176)
+    DOCS_PER_BATCH, STEPS, LR, PROMPTS, NEW_TOKENS = 16, 60, 1e-2, 8, 8
+WARMUP_STEPS = 3  # steps left out of the throughput figures (first calls, compiling)
+RUN_TIME = 0.2 if QUICK else 1.0 if DEVICE == "cuda" else 0.4  # s per comparison
+print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")
+print("model: " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[:4]))
+print("       " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[4:]))
+print(f"{STEPS} steps of {DOCS_PER_BATCH} documents, Zipf exponent {ZIPF_ALPHA}")
 
 # sphinx_gallery_start_ignore
 quiet_known_notes()
 # sphinx_gallery_end_ignore
 
 # %%
-# Sizes
-# ~~~~~
-# Every size is set here. On CPU the model is small (width 256, two layers)
-# so that the whole page builds in a few minutes on two cores; on CUDA it is
-# four times wider, twice as deep, and trains in ``bfloat16`` autocast. Documents
-# are drawn from the site's length generator, uncapped but for the model's
-# context length, which a real trainer would cap at too.
+# The model
+# ---------
+# The usual modern decoder-only stack, written flat in the style of
+# ``gpt-fast``: a token embedding; blocks of RMSNorm, grouped-query attention
+# with rotary position embeddings, RMSNorm and a SwiGLU feed-forward network,
+# each with a residual connection; a final RMSNorm and an output layer, not
+# tied to the embedding, as in Llama.
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: GPTConfig
+#
+# Attention computes q, k and v with one matmul, rotates q and k by each
+# token's position, and hands them to the layout; ``n_heads / n_kv_heads``
+# query heads share each key/value head (grouped-query attention).
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: apply_rope
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: Attention
+#
+# The feed-forward network never sees the layout; the block passes it on:
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: FeedForward
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: Block
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: GPT
+#
+# Two copies of one model, one for each trainer:
 
-if DEVICE == "cuda":
-    MODEL = dict(vocab_size=4096, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
-                 max_seq_len=4096)
-    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 128, 300, 1e-3, 1.1
-    PROMPTS, NEW_TOKENS = 64, 64
-else:  # real runs: width 2048 and up, 16+ layers, thousands of documents per step
-    MODEL = dict(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
-                 max_seq_len=1024)
-    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 32, 100, 3e-3, 1.2
-    PROMPTS, NEW_TOKENS = 16, 32
-if QUICK:
-    MODEL.update(vocab_size=128, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176)
-    DOCS_PER_BATCH, STEPS, LR, PROMPTS, NEW_TOKENS = 16, 60, 1e-2, 8, 8
-TOPICS = 4  # the corpus below has this many kinds of document
-WARMUP_STEPS = 3  # steps left out of the throughput figures (first calls, compilation)
-RUN_TIME = 0.2 if QUICK else 1.0 if DEVICE == "cuda" else 0.4  # seconds of timed runs per comparison
-print(f"model {MODEL}")
-print(f"{STEPS} steps of {DOCS_PER_BATCH} documents, Zipf exponent {ZIPF_ALPHA}")
+import copy
+
+cfg = GPTConfig(**MODEL)
+torch.manual_seed(SEED)
+ragged_model = GPT(cfg).to(DEVICE)
+padded_model = copy.deepcopy(ragged_model)  # the same initial weights
+n_params = sum(p.numel() for p in ragged_model.parameters())
+print(f"{n_params / 1e6:.2f} M parameters; "
+      f"{cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads")
 
 # %%
 # A corpus of packed documents
 # ----------------------------
-# The documents must be learnable, so that the two trainers can be compared
-# on a loss that falls, and they must need attention within the document.
-# Each document has a topic, its first token; after that, every token is
-# drawn from four likely successors of the previous token, and the table of
-# successors is the topic's own. A model that does not look back at the
-# document's first token cannot know which table applies, and one that looks
-# into the previous document would read the wrong topic, so the document
-# boundaries matter. The lengths come from the site's sentence-length
-# generator, capped at the model's context length.
+# The documents must be learnable, so that the two trainers are compared on
+# a loss that falls, and they must need attention within the document. Each
+# document has a topic, its first token; after that, every token is drawn
+# from four likely successors of the previous token, from the topic's own
+# table. A model that does not look back at the document's first token
+# cannot know which table applies, and one that looks into the previous
+# document reads the wrong topic, so the boundaries matter. The lengths
+# come from the site's length generator, capped at the context length.
+
+from ragged_toolkit import sentence_lengths
+
+TOPICS = 4
+SUCCESSOR_PROBS = np.array([0.55, 0.25, 0.12, 0.08])
 
 
 def successor_tables(rng, topics, vocab):
     """For each topic and token: four successor tokens (topic ids excluded)."""
     return rng.integers(topics, vocab, size=(topics, vocab, 4))
-
-
-SUCCESSOR_PROBS = np.array([0.55, 0.25, 0.12, 0.08])
 
 
 def documents(rng, tables, lengths):
@@ -135,7 +202,8 @@ def documents(rng, tables, lengths):
     for p in range(1, longest):
         ids[:, p] = token
         token = tables[topic, token, rng.choice(4, size=B, p=SUCCESSOR_PROBS)]
-    return torch.from_numpy(np.concatenate([ids[b, :n] for b, n in enumerate(lengths.tolist())]))
+    rows = [ids[b, :n] for b, n in enumerate(lengths.tolist())]
+    return torch.from_numpy(np.concatenate(rows))
 
 
 def next_token_targets(tokens, offsets):
@@ -156,55 +224,22 @@ for _ in range(STEPS):
     batches.append((documents(rng, tables, lengths).to(DEVICE), offsets.to(DEVICE)))
 real = sum(len(tokens) for tokens, _ in batches)
 slots = sum(DOCS_PER_BATCH * int(offsets.diff().max()) for _, offsets in batches)
-print(f"{real} real tokens in {STEPS} batches; padded batches would hold {slots} token slots, "
-      f"{slots / real:.2f}x the real tokens ({cut} documents cut at the context length)")
+print(f"{real} real tokens in {STEPS} batches ({cut} documents cut at the context)")
+print(f"padded batches would hold {slots} token slots, {slots / real:.2f}x the tokens")
 tokens, offsets = batches[0]
 print(f"first batch: lengths {offsets.diff().tolist()[:12]} ...")
 
 # %%
-# The model
-# ---------
-# The usual modern decoder-only stack, written flat in the style of
-# ``gpt-fast``: token embedding; blocks of RMSNorm, grouped-query attention
-# with rotary position embeddings, RMSNorm and a SwiGLU feed-forward network,
-# each with a residual connection; a final RMSNorm and an output layer. The
-# output layer is a separate matrix, not tied to the embedding, as in Llama.
-#
-# Every module works on the last dimension only, so the same weights run on
-# a packed batch ``(T, dim)`` and on a padded one ``(B, S, dim)``. The one
-# place that must know which it is, attention, gets a small *layout* object:
-#
-# * ``Packed``: the offsets, and ``ragged_attention`` with a backend;
-# * ``Padded``: one SDPA call over ``(B, H, S, D)``. With right padding and
-#   ``is_causal`` a real token never sees a padding token, so training needs
-#   no mask at all and runs a fused causal kernel; generation with left
-#   padding passes an explicit mask.
-#
-# Both layouts can also write the new keys and values into a KV cache first;
-# that is for generation, at the end of the page. Rotary embeddings take each
-# token's position *in its own document*, which for the packed batch comes
-# from ``token_index``: positions restart at every document, exactly the
-# ``position_ids`` of Hugging Face's packed format.
-
-from dataclasses import dataclass
-
-
-cfg = GPTConfig(**MODEL)
-torch.manual_seed(SEED)
-ragged_model = GPT(cfg).to(DEVICE)
-padded_model = copy.deepcopy(ragged_model)  # the same initial weights
-n_params = sum(p.numel() for p in ragged_model.parameters())
-print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads")
-
-# %%
 # One training step, two ways
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ---------------------------
 # The packed step feeds the documents as they are, ``(T,)`` ids with their
 # offsets. The padded step is the best padded trainer a reader would write:
 # the same model on right-padded ``(B, S)`` ids, SDPA with ``is_causal`` and
 # no mask, the loss masked at padding with ``ignore_index``. Both average the
 # loss over the same real targets. On CUDA both run under ``bfloat16``
 # autocast, as mixed-precision training does; the weights stay in float32.
+
+import torch.nn.functional as F
 
 
 def packed_loss(model, tokens, offsets, backend):
@@ -231,6 +266,9 @@ def padded_loss(model, tokens, offsets):
 # written out as matrix products and a softmax), so that the two share no
 # attention kernel.
 
+from ragged_toolkit import tolerances
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 tolerance = tolerances(DTYPE)
 loss_r = packed_loss(ragged_model, tokens, offsets, "loop")
 loss_r.backward()
@@ -238,11 +276,13 @@ with sdpa_kernel(SDPBackend.MATH):
     loss_p = padded_loss(padded_model, tokens, offsets)
     loss_p.backward()
 torch.testing.assert_close(loss_r, loss_p, **tolerance)
-for (name, p_r), p_p in zip(ragged_model.named_parameters(), padded_model.parameters()):
-    torch.testing.assert_close(p_r.grad, p_p.grad, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
-print(f"loss {loss_r.item():.4f} (packed) and {loss_p.item():.4f} (padded); "
-      f"gradients of all {n_params:,} parameters agree "
-      f"(largest difference {max((a.grad - b.grad).abs().max().item() for a, b in zip(ragged_model.parameters(), padded_model.parameters())):.1e})")
+pairs = list(zip(ragged_model.named_parameters(), padded_model.parameters()))
+for (name, p_r), p_p in pairs:
+    torch.testing.assert_close(p_r.grad, p_p.grad, **tolerance,
+                               msg=lambda m, name=name: f"{name}: {m}")
+gap = max((p_r.grad - p_p.grad).abs().max().item() for (_, p_r), p_p in pairs)
+print(f"loss {loss_r.item():.4f} (packed) and {loss_p.item():.4f} (padded)")
+print(f"gradients of all {n_params:,} parameters agree (largest difference {gap:.1e})")
 ragged_model.zero_grad(set_to_none=True)
 padded_model.zero_grad(set_to_none=True)
 
@@ -251,12 +291,42 @@ padded_model.zero_grad(set_to_none=True)
 # -------------------------------------------
 # The model's attention job, measured on this device: causal, grouped-query
 # (``n_heads`` query heads over ``n_kv_heads`` key/value heads), forward and
-# backward, on the first batch. The packed model trains with the winner.
+# backward, on the first batch. ``compare_backends`` checks every backend
+# that runs here against the float32 reference and times them; the table
+# prints the median and the interquartile range (IQR) in milliseconds, the
+# peak memory in MiB, and in brackets the :term:`kernel label` of what ran
+# (``CPU flash`` is SDPA's fused kernel for CPUs). The packed model trains
+# with the fastest.
+
+import contextlib
+import io
+import textwrap
+
+from ragged_toolkit import Timing, compare_backends, fastest
+
+
+def print_timings(results):
+    """name -> Timing (or why it did not run), one line each, within 90 columns."""
+    w = max(map(len, results))
+    for name, r in results.items():
+        if not isinstance(r, Timing):
+            print(textwrap.fill(f"  {name:{w}} not available: {r}", 90,
+                                subsequent_indent=" " * (w + 3)))
+            continue
+        row = f"  {name:{w}} {r.median_ms:8.2f} ms  IQR {r.iqr_ms:5.2f}"
+        if r.peak_mib == r.peak_mib:  # NaN where memory was not measured
+            row += f"  {r.peak_mib:6.1f} MiB"
+        kernels = f"  [{r.kernels}]" if r.kernels else ""
+        print(row + kernels if len(row + kernels) <= 90 else f"{row}\n{' ' * w}{kernels}")
+
 
 q_job = torch.randn(len(tokens), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True, backward=True,
-                            min_run_time=RUN_TIME)
+kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
+                     dtype=DTYPE)
+with contextlib.redirect_stdout(io.StringIO()):  # its own table is wider than the page
+    backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True,
+                                backward=True, min_run_time=RUN_TIME)
+print_timings(backends)
 TRAINING_BACKEND = fastest(backends)
 print(f"training backend chosen on {DEVICE}: {TRAINING_BACKEND}")
 
@@ -269,11 +339,16 @@ print(f"training backend chosen on {DEVICE}: {TRAINING_BACKEND}")
 # symbolic sizes instead. On the packed side the attention call is not
 # traced (``ragged_attention`` is host-side bookkeeping around one kernel
 # call per backend), so the compiled packed model is a few graphs around it;
-# the probe prints how many graphs were compiled for how many batch sizes,
-# which shows whether anything recompiled per batch.
-# Whether compiling pays off depends on the device and the sizes, so each
-# side trains a few steps both ways, on copies of the models, and keeps the
-# faster. The first compiled steps are left out: they compile.
+# the table says how many graphs were compiled for how many batch sizes,
+# which shows whether anything recompiled per batch. Whether compiling pays
+# off depends on the device and the sizes, so each side trains a few steps
+# both ways, on copies of the models, and keeps the faster. The first steps
+# are left out: they compile.
+
+import time
+
+from ragged_toolkit import synchronize
+from torch._dynamo.utils import counters
 
 
 def train_step(model, optimizer, loss):
@@ -281,9 +356,6 @@ def train_step(model, optimizer, loss):
     loss.backward()
     optimizer.step()
     return loss.detach()
-
-
-from torch._dynamo.utils import counters
 
 
 def probe(make_loss, model, compiled, steps):
@@ -309,17 +381,20 @@ def packed_step_loss(model, tokens, offsets):
 
 
 PROBE_STEPS = WARMUP_STEPS + (3 if QUICK else 6)
+sizes = len({len(t) for t, _ in batches[:PROBE_STEPS]})
+print(f"  {'trainer':16s}  tokens/s  first {WARMUP_STEPS} steps  graphs compiled "
+      f"({PROBE_STEPS} batches, {sizes} sizes)")
 speeds = {}
 for side, make_loss, model in (("packed", packed_step_loss, ragged_model),
                                ("padded", padded_loss, padded_model)):
     for compiled in (False, True):
         name = f"{side}, {'compiled' if compiled else 'eager'}"
         speeds[name], warm, graphs = probe(make_loss, model, compiled, PROBE_STEPS)
-        print(f"{name:17s} {speeds[name]:9,.0f} tokens/s; its first {WARMUP_STEPS} steps took {warm:5.1f} s"
-              + (f"; {graphs} graphs compiled for {PROBE_STEPS} batches of "
-                 f"{len({len(t) for t, _ in batches[:PROBE_STEPS]})} different sizes" if compiled else ""))
-COMPILE = {side: speeds[f"{side}, compiled"] > speeds[f"{side}, eager"] for side in ("packed", "padded")}
-print("compile chosen: " + ", ".join(f"{side} {'yes' if c else 'no'}" for side, c in COMPILE.items()))
+        print(f"  {name:16s}  {speeds[name]:8,.0f}  {warm:11.1f} s"
+              + (f"  {graphs:15d}" if compiled else ""))
+COMPILE = {side: speeds[f"{side}, compiled"] > speeds[f"{side}, eager"]
+           for side in ("packed", "padded")}
+print("compile chosen: " + ", ".join(f"{s} {c and 'yes' or 'no'}" for s, c in COMPILE.items()))
 
 # %%
 # Training
@@ -332,37 +407,41 @@ print("compile chosen: " + ", ".join(f"{side} {'yes' if c else 'no'}" for side, 
 # synchronized; throughput counts *real* tokens (the padded trainer gets no
 # credit for padding) over the steps after the first ``WARMUP_STEPS``.
 
+import math
+
 
 def schedule(step):
     warmup = max(STEPS // 20, 1)
-    return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / STEPS, 1.0)))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(step / STEPS, 1.0)))
+    return min(1.0, (step + 1) / warmup) * cosine
 
 
 trainers = {}
 for side, model, make_loss in (("packed", ragged_model, packed_step_loss),
                                ("padded", padded_model, padded_loss)):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    trainers[side] = dict(model=model, runner=torch.compile(model, dynamic=True) if COMPILE[side] else model,
-                          optimizer=optimizer, make_loss=make_loss, losses=[], seconds=[],
-                          scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+    runner = torch.compile(model, dynamic=True) if COMPILE[side] else model
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    trainers[side] = dict(model=model, runner=runner, optimizer=optimizer, losses=[],
+                          make_loss=make_loss, scheduler=scheduler, seconds=[])
 for tokens_i, offsets_i in batches:
     for t in trainers.values():
         start = time.perf_counter()
-        loss = train_step(t["model"], t["optimizer"], t["make_loss"](t["runner"], tokens_i, offsets_i))
+        loss = t["make_loss"](t["runner"], tokens_i, offsets_i)
+        loss = train_step(t["model"], t["optimizer"], loss)
         t["scheduler"].step()
         synchronize()
         t["seconds"].append(time.perf_counter() - start)
         t["losses"].append(loss.item())
 
-timed_tokens = sum(len(t) for t, _ in batches[WARMUP_STEPS:])
-for t in trainers.values():
-    t["tokens/s"] = timed_tokens / sum(t["seconds"][WARMUP_STEPS:])
-    per_step = np.array([len(b[0]) for b in batches[WARMUP_STEPS:]]) / np.array(t["seconds"][WARMUP_STEPS:])
-    q1, q3 = np.percentile(per_step, [25, 75])
-    t["spread"] = q3 - q1
+timed_tokens = np.array([len(b[0]) for b in batches[WARMUP_STEPS:]])
 for side, t in trainers.items():
-    print(f"{side}: loss {np.mean(t['losses'][:5]):.3f} -> {np.mean(t['losses'][-10:]):.3f}, "
-          f"{t['tokens/s']:,.0f} real tokens/s (per-step IQR {t['spread']:,.0f})")
+    seconds = np.array(t["seconds"][WARMUP_STEPS:])
+    t["tokens/s"] = timed_tokens.sum() / seconds.sum()
+    q1, q3 = np.percentile(timed_tokens / seconds, [25, 75])
+    first, last = np.mean(t["losses"][:5]), np.mean(t["losses"][-10:])
+    print(f"{side}: loss {first:.3f} -> {last:.3f}, "
+          f"{t['tokens/s']:,.0f} real tokens/s (per-step IQR {q3 - q1:,.0f})")
 
 # %%
 # The work bound of this run
@@ -374,28 +453,44 @@ for side, t in trainers.items():
 # causal kernel skips the masked half too). The forward and backward passes
 # scale both sides alike, so the ratio is the bound.
 
-per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding table
+from ragged_toolkit import pairs_scored
+
+per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding
 per_pair = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim
 work = {"packed": 0.0, "padded": 0.0}
 for _, offsets_i in batches[WARMUP_STEPS:]:
     lengths_i = offsets_i.diff().cpu()
     longest = torch.full_like(lengths_i, int(lengths_i.max()))
-    work["packed"] += per_token * float(lengths_i.sum()) + per_pair * pairs_scored(lengths_i, lengths_i, True)
-    work["padded"] += per_token * float(longest.sum()) + per_pair * pairs_scored(longest, longest, True)
+    work["packed"] += (per_token * float(lengths_i.sum())
+                       + per_pair * pairs_scored(lengths_i, lengths_i, True))
+    work["padded"] += (per_token * float(longest.sum())
+                       + per_pair * pairs_scored(longest, longest, True))
 bound = work["padded"] / work["packed"]
 R, P = trainers["packed"]["tokens/s"], trainers["padded"]["tokens/s"]
 print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, speedup {R / P:.2f}x, "
       f"work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
 
 # %%
-# Peak memory of one training step on each side (forward and backward of the
-# last batch, on copies so the trained models are untouched):
+# The last number is the :term:`fraction of the bound`: the measured
+# speedup over the work bound. Near 1, the packed trainer turned all the
+# work it skips into speed. Below 1, part of it went to overheads: one
+# attention call per document with the loop backend, the bookkeeping around
+# the packed batch, the few graph breaks of the compiled packed model. A
+# fraction above 1 means the padded trainer is slower per unit of work than
+# the packed one: its larger activations cost memory traffic, cache misses
+# and allocations that the bound, which counts FLOPs only, does not see.
+#
+# Those activations show in the peak memory of one training step on each
+# side (forward and backward of the last batch, on copies of the models):
+
+from ragged_toolkit import profile_call
 
 tokens_l, offsets_l = batches[-1]
 for side, t in trainers.items():
     model_copy = copy.deepcopy(t["model"])
-    peak, kernels = profile_call(lambda: t["make_loss"](model_copy, tokens_l, offsets_l).backward())
-    print(f"{side}: peak {peak:.1f} MiB above the weights, attention kernels: {kernels}")
+    peak, kernels = profile_call(
+        lambda: t["make_loss"](model_copy, tokens_l, offsets_l).backward())
+    print(f"{side}: peak {peak:6.1f} MiB above the weights  [{kernels}]")
 
 # %%
 # The two loss curves must agree: the trainers compute the same thing, so
@@ -403,23 +498,48 @@ for side, t in trainers.items():
 # model learned (its last ten losses average below 60% of its first five)
 # and the two curves' averages over the last ten steps agree within 2%.
 
+losses = {side: np.array(t["losses"]) for side, t in trainers.items()}
+first, last = losses["packed"][:5].mean(), losses["packed"][-10:].mean()
+last_padded = losses["padded"][-10:].mean()
+assert last < 0.6 * first, f"the packed model did not learn: {first:.3f} -> {last:.3f}"
+assert abs(last - last_padded) < 0.02 * last_padded, \
+    f"the curves disagree: {last:.4f} vs {last_padded:.4f}"
+print(f"packed loss {first:.3f} -> {last:.3f}")
+print(f"last ten steps: packed {last:.4f}, padded {last_padded:.4f}")
+
+# %%
+# The curves lie on top of each other, so the first figure marks them with
+# different symbols at different steps and plots their difference below.
+
 import matplotlib.pyplot as plt
+from ragged_toolkit import FIGURE_STYLE
 
-first, last = np.mean(trainers["packed"]["losses"][:5]), np.mean(trainers["packed"]["losses"][-10:])
-last_padded = np.mean(trainers["padded"]["losses"][-10:])
-assert last < 0.6 * first, f"the packed model did not learn: loss {first:.3f} -> {last:.3f}"
-assert abs(last - last_padded) < 0.02 * last_padded, f"the curves disagree: {last:.4f} vs {last_padded:.4f}"
-print(f"packed loss {first:.3f} -> {last:.3f}; last ten steps, packed {last:.4f} and padded {last_padded:.4f}")
-
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
-for side, style in (("packed", "-"), ("padded", "--")):
-    t = trainers[side]
-    ax1.plot(t["losses"], style, label=f"{side} ({t['tokens/s']:,.0f} tokens/s)")
-    ax2.plot(np.cumsum(t["seconds"]), t["losses"], style, label=side)
-ax1.set(xlabel="step", ylabel="training loss", title=f"Same weights, same documents ({DEVICE})")
-ax2.set(xlabel="seconds", ylabel="training loss", title="Loss against wall-clock time")
+plt.rcParams.update(FIGURE_STYLE)
+every = max(STEPS // 12, 1)
+styles = {"packed": dict(ls="-", marker="o", markevery=(0, every)),
+          "padded": dict(ls="--", marker="s", mfc="none", markevery=(every // 2, every))}
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[2, 1],
+                               layout="constrained")
+for side, style in styles.items():
+    ax1.plot(losses[side], label=side, **style)
+ax1.set(ylabel="training loss", title=f"Same weights, same documents ({DEVICE})")
 ax1.legend()
-ax2.legend()
+ax2.plot(losses["packed"] - losses["padded"], ".-", color="C2")
+ax2.axhline(0, color="gray", lw=0.8)
+ax2.set(xlabel="step", ylabel="packed - padded")
+plt.show()
+
+# %%
+# The second figure puts the same losses against wall-clock time: the
+# curve that reaches a loss first trained faster.
+
+fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+for side, style in styles.items():
+    t = trainers[side]
+    ax.plot(np.cumsum(t["seconds"]), losses[side], **style,
+            label=f"{side}, {t['tokens/s']:,.0f} real tokens/s")
+ax.set(xlabel="seconds", ylabel="training loss", title="Loss against wall-clock time")
+ax.legend()
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 1
@@ -427,17 +547,31 @@ plt.show()
 # %%
 # Generation
 # ----------
-# The trained model now writes. Prompts are the beginnings of new documents;
-# ``NEW_TOKENS`` tokens are generated greedily for each. Two ways:
+# The trained model now writes. Prompts are the beginnings of new
+# documents; ``NEW_TOKENS`` tokens are generated greedily for each. The
+# keys and values of every token go into a cache with room for ``capacity``
+# tokens per sequence; seen as packed rows, sequence ``b`` owns rows
+# ``b * capacity ...``, so the cache is a packed batch whose offsets are
+# ``capacity`` apart:
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: KVCache
+#
+# Generation runs two ways:
 #
 # * **packed**: the prompts' tokens packed end to end and prefilled in one
-#   call, each writing its keys and values into its sequence's rows of the KV
-#   cache; then each step feeds one token per sequence, at that sequence's own
-#   position, and attends to that sequence's own keys (``kv_used``).
+#   call, each writing its keys and values into its sequence's rows of the
+#   cache; then each step feeds one token per sequence, at that sequence's
+#   own position, and attends to that sequence's own keys (``kv_used``);
 # * **padded**: the prompts left-padded to the longest one, as Hugging Face's
 #   ``generate`` pads them, so that every sequence ends in the same column;
 #   prefill with a causal mask that also hides the padding, then each step
 #   writes one column of the cache and masks the padding keys.
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: generate_packed
+
+from ragged_toolkit import KVCache, generate_packed
 
 
 @torch.no_grad()
@@ -458,7 +592,8 @@ def generate_padded(model, prompts, offsets, n_new):
     cache = KVCache(model.cfg, B, S + n_new, prompts.device, DTYPE)
     keys_valid = torch.cat([valid, valid.new_ones(B, n_new)], 1)  # (B, S + n_new)
     with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
-        logits = model(ids, positions, Padded(mask[:, None], cache, 0))[:, -1]  # (B, vocab)
+        prefill = Padded(mask[:, None], cache, 0)
+        logits = model(ids, positions, prefill)[:, -1]  # (B, vocab)
         out = []
         for step in range(n_new):
             out.append(logits.argmax(-1))
@@ -473,7 +608,8 @@ def generate_padded(model, prompts, offsets, n_new):
 # Prompts, and the backend for decoding: one query per sequence against that
 # sequence's cached keys, measured like the training job.
 
-prompt_lengths = sentence_lengths(rng, PROMPTS, ZIPF_ALPHA).clamp(max=cfg.max_seq_len - NEW_TOKENS)
+prompt_lengths = sentence_lengths(rng, PROMPTS, ZIPF_ALPHA).clamp(
+    max=cfg.max_seq_len - NEW_TOKENS)
 prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
 prompts = documents(rng, tables, prompt_lengths).to(DEVICE)
 model = trainers["packed"]["model"].eval()
@@ -483,10 +619,14 @@ print(f"{PROMPTS} prompts, {len(prompts)} tokens, longest {int(prompt_lengths.ma
 capacity = int(prompt_lengths.max()) + NEW_TOKENS
 used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)  # a decoding step half way
 q_step = torch.randn(PROMPTS, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-kv_step = torch.randn(PROMPTS * capacity, cfg.n_kv_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-decode_backends = compare_backends(q_step, kv_step, kv_step.clone(), torch.arange(PROMPTS + 1, device=DEVICE),
-                                   torch.arange(PROMPTS + 1, device=DEVICE) * capacity, is_causal=True,
-                                   kv_used=used, min_run_time=RUN_TIME / 2)
+kv_step = torch.randn(PROMPTS * capacity, cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
+                      dtype=DTYPE)
+one_each = torch.arange(PROMPTS + 1, device=DEVICE)  # one query per sequence
+with contextlib.redirect_stdout(io.StringIO()):
+    decode_backends = compare_backends(q_step, kv_step, kv_step.clone(), one_each,
+                                       one_each * capacity, is_causal=True, kv_used=used,
+                                       min_run_time=RUN_TIME / 2)
+print_timings(decode_backends)
 
 # %%
 # That table times one step's attention with its bookkeeping already done.
@@ -495,12 +635,15 @@ decode_backends = compare_backends(q_step, kv_step, kv_step.clone(), torch.arang
 # every step, once for all layers. So the choice is made on whole
 # generations, for the two backends with the fastest steps above:
 
+from ragged_toolkit import measure
+
 ran = sorted((n for n, r in decode_backends.items() if isinstance(r, Timing)),
              key=lambda n: decode_backends[n].median_ms)[:2]
-generation_times = measure({name: lambda name=name: generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, name)
-                            for name in ran}, min_run_time=RUN_TIME / 2, profile=False)
-for name, t in generation_times.items():
-    print(f"  generation with {name:9s} {t}")
+generation_times = measure(
+    {name: lambda name=name: generate_packed(model, prompts, prompt_offsets,
+                                             NEW_TOKENS, name) for name in ran},
+    min_run_time=RUN_TIME / 2, profile=False)
+print_timings({f"generation with {n}": t for n, t in generation_times.items()})
 DECODE_BACKEND = fastest(generation_times)
 print(f"decoding backend chosen on {DEVICE}: {DECODE_BACKEND}")
 
@@ -510,67 +653,89 @@ print(f"decoding backend chosen on {DEVICE}: {DECODE_BACKEND}")
 # token; in bfloat16 rounding can flip a near tie, so the check there asks
 # for 90% of the tokens.)
 
-out_packed = generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)
-out_padded = generate_padded(model, prompts, prompt_offsets, NEW_TOKENS)
+
+def padded_generation():
+    return generate_padded(model, prompts, prompt_offsets, NEW_TOKENS)
+
+
+def packed_generation():
+    return generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)
+
+
+out_packed, out_padded = packed_generation(), padded_generation()
 agree = (out_packed == out_padded).float().mean().item()
-assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), f"the generations agree on {agree:.1%} of the tokens"
+assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), \
+    f"the generations agree on {agree:.1%} of the tokens"
 print(f"packed and padded generation agree on {agree:.1%} of {out_packed.numel()} tokens")
 
-times = measure({"padded": lambda: generate_padded(model, prompts, prompt_offsets, NEW_TOKENS),
-                 "packed": lambda: generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)},
+# %%
+# Then both are timed. The work bound counts the tokens and pairs of the
+# prefill, then one token per sequence per step, each scoring every key in
+# use: on the padded side the padding keys too.
+
+from ragged_toolkit import speedup_line
+
+times = measure({"padded": padded_generation, "packed": packed_generation},
                 min_run_time=2 * RUN_TIME)
+print_timings({f"generation, {n}": t for n, t in times.items()})
 new = PROMPTS * NEW_TOKENS
-for side, t in times.items():
-    print(f"generation, {side}: {t}  {new / t.median_ms * 1e3:,.0f} new tokens/s")
-# the work: the tokens and pairs of the prefill, then one token per sequence per
-# step, scoring every key in use (padding keys too, on the padded side)
+print(", ".join(f"{side} {new / t.median_ms * 1e3:,.0f}" for side, t in times.items())
+      + " new tokens/s")
 steps = torch.arange(NEW_TOKENS - 1)
+longest = int(prompt_lengths.max())
 work_packed = (per_token * (float(prompt_lengths.sum()) + PROMPTS * (NEW_TOKENS - 1))
                + per_pair * (pairs_scored(prompt_lengths, prompt_lengths, True)
                              + float((prompt_lengths[:, None] + steps + 1).sum())))
-longest = int(prompt_lengths.max())
 work_padded = (per_token * PROMPTS * (longest + NEW_TOKENS - 1)
-               + per_pair * PROMPTS * (longest * (longest + 1) / 2 + float((longest + steps + 1).sum())))
-print(speedup_line("generation", times["padded"], times["packed"], work_padded / work_packed))
+               + per_pair * PROMPTS * (longest * (longest + 1) / 2
+                                       + float((longest + steps + 1).sum())))
+generation_bound = work_padded / work_packed
+print(speedup_line("generation", times["padded"], times["packed"], generation_bound))
 
 # %%
-# Where the generation time goes: most of the work the packed side saves is
-# in the prefill, while every decoding step runs the model on one token per
-# sequence on both sides, and the packed side attends sequence by sequence
-# when the loop is its decoding backend. The operators that took most of
-# each generation's time:
+# Most of the work the packed side saves is in the prefill, while every
+# decoding step runs the model on one token per sequence on both sides, so
+# the bound of generation is smaller than the bound of training. A fraction
+# of the bound below 1 is the cost of the packed steps' bookkeeping (and,
+# with the loop backend, of one attention call per sequence and layer); a
+# fraction above 1 means the padded side is slower per unit of work, its
+# larger cache and masks costing memory traffic that the bound does not
+# count. The operators that took most of each generation's time:
 
-for side, fn in (("padded", lambda: generate_padded(model, prompts, prompt_offsets, NEW_TOKENS)),
-                 ("packed", lambda: generate_packed(model, prompts, prompt_offsets, NEW_TOKENS,
-                                                    DECODE_BACKEND))):
+from ragged_toolkit import where_time_goes
+
+for side, fn in (("padded", padded_generation), ("packed", packed_generation)):
     print(f"{side} generation:")
     print(where_time_goes(fn))
 
 # %%
 # Conclusion
 # ----------
-# A packed trainer is the padded trainer minus the padding: the same modules,
-# the same loss on the same targets, the same optimizer, and a loss curve that
-# ends where the padded one ends, within noise. What changes is the work. The training line above
-# compares real tokens per second on this device, beside the work bound of
-# the run and the fraction of it the packed trainer reached; the peak-memory
-# lines show the activations that padding would have held. In generation,
-# the work padding adds is in the prefill and in the padding keys that every
-# decoding step scores, while each step runs one token per sequence on both
-# sides; the generation line says how much of that this device turned into
-# speed.
+# A packed trainer is the padded trainer minus the padding: the same
+# modules, the same loss on the same targets, the same optimizer, and a loss
+# curve that ends where the padded one ends, within rounding. What changes
+# is the work. The training line above compares real tokens per second on
+# this device, beside the work bound of the run and the fraction of it the
+# packed trainer reached; the peak-memory lines show the activations that
+# padding would have held. In generation, the work padding adds is in the
+# prefill and in the padding keys that every decoding step scores, while
+# each step runs one token per sequence on both sides; the generation line
+# says how much of that this device turned into speed.
 #
 # In a real trainer the packed batch is what Hugging Face's
 # ``DataCollatorWithFlattening`` produces (``position_ids`` restarting at 0;
-# ``offsets_from_position_ids`` on the building-blocks page turns them into
-# offsets), and on a GPU ``varlen_attn`` is the attention call.
+# ``offsets_from_position_ids`` turns them into offsets), and on a GPU
+# ``varlen_attn`` is the attention call. :doc:`ragged_decoding_kv_cache_gqa`
+# takes the KV cache further: every cached step checked, grouped-query
+# attention's smaller cache, and FlexAttention decoding.
 #
 # Further reading
 # ---------------
 # * `Packing with FlashAttention 2 <https://huggingface.co/blog/packing-with-FA2>`_
 # * `torchtitan <https://github.com/pytorch/torchtitan>`_ and
 #   `torchtune <https://github.com/pytorch/torchtune>`_ (sample packing)
-# * `gpt-fast <https://github.com/meta-pytorch/gpt-fast>`_ (the model's style, the KV cache)
+# * `gpt-fast <https://github.com/meta-pytorch/gpt-fast>`_ (the model's style,
+#   the KV cache)
 # * Ainslie et al., `GQA <https://arxiv.org/abs/2305.13245>`_; Su et al.,
 #   `RoFormer <https://arxiv.org/abs/2104.09864>`_; Shazeer,
 #   `GLU variants <https://arxiv.org/abs/2002.05202>`_

@@ -232,3 +232,24 @@ def test_second_build_executes_nothing(real_site):
     # not the work done.
     assert again.cpu_seconds < 60, f"no-change rebuild took {again.cpu_seconds:.1f} s of CPU"
     print(f"no-change rebuild: {again.seconds:.1f} s, {again.cpu_seconds:.1f} s of CPU")
+
+
+GLOSSARY_PAGE = "ragged_batches_intro"
+GLOSSARY_TERMS = {"work bound", "fraction of the bound", "kernel label", "quick mode",
+                  "the original tutorial's baseline"}
+
+
+def test_the_intro_page_defines_the_glossary(real_site):
+    page = soup(real_site.html / "auto_tutorials" / f"{GLOSSARY_PAGE}.html")
+    terms = {dt.get_text(" ", strip=True).rstrip("¶#").strip() for dt in page.select("dl.glossary dt")}
+    assert GLOSSARY_TERMS <= terms, f"glossary terms: {sorted(terms)}"
+
+
+@pytest.mark.parametrize("stem", [s for s in STEMS if s != GLOSSARY_PAGE])
+def test_every_page_links_the_glossary(real_site, stem):
+    page = soup(real_site.html / "auto_tutorials" / f"{stem}.html")
+    article = page.select_one("article") or page
+    hrefs = [a.get("href", "") for a in article.select("a[href]")]
+    to_glossary = [h for h in hrefs if h.startswith(f"{GLOSSARY_PAGE}.html#term-")
+                   or h == f"{GLOSSARY_PAGE}.html#glossary"]
+    assert to_glossary, f"{stem}: no link to the glossary on {GLOSSARY_PAGE}"

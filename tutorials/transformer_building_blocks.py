@@ -84,17 +84,15 @@ for t in range(T_demo):
 ax_pack.set(xlim=(0, T_demo), ylim=(1, -0.1), yticks=[], xticks=offsets_demo.tolist(),
             title=f"packed values (T,) = ({T_demo},), offsets {offsets_demo.tolist()}")
 ax_pack.set_xlabel("offsets: where each sequence starts, then where the last one ends")
-for spine in (*ax_pad.spines.values(), *ax_pack.spines.values()):
-    spine.set_visible(False)
+ax_pad.axis("off")
 fig.tight_layout()
 plt.show()
 
 # %%
 # Everything in a transformer but attention works on one token at a time
 # (linear layers, norms, activations, residuals), so it runs on the values as
-# if the batch were one long sequence, with no padding and no mask. Attention
-# alone needs the offsets, to keep sequences apart. The same two tensors go
-# by other names:
+# one long sequence, with no padding and no mask; attention alone needs the
+# offsets, to keep sequences apart. The two tensors go by other names:
 #
 # * FlashAttention and ``torch.nn.attention.varlen.varlen_attn`` call the
 #   offsets ``cu_seqlens`` (cumulative sequence lengths, as ``int32``);
@@ -150,8 +148,7 @@ quiet_known_notes()
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: sentence_lengths
 #
-# The shortcut must give the lengths of the literal process, so the cell
-# draws sentences word by word too and compares the two samples with a
+# The cell checks the shortcut against drawing words one by one with a
 # two-sample Kolmogorov-Smirnov test: the largest gap between the two
 # empirical distribution functions must stay below the gap that two samples
 # of one distribution exceed with probability 0.1%.
@@ -163,32 +160,23 @@ is_stop = np.isin(words, STOP_RANKS)
 word_by_word = is_stop.argmax(axis=1)[is_stop.any(axis=1)] + 1
 geometric = sentence_lengths(rng, n_sentences, ZIPF_ALPHA).numpy()
 grid = np.arange(1, max(word_by_word.max(), geometric.max()) + 1)
-
-
-def cdf(sample):
-    return np.searchsorted(np.sort(sample), grid, side="right") / len(sample)
-
-
-cdf_gap = np.abs(cdf(word_by_word) - cdf(geometric)).max()
+cdf_gap = np.abs(np.searchsorted(np.sort(word_by_word), grid, side="right") / len(word_by_word)
+                 - np.searchsorted(np.sort(geometric), grid, side="right") / len(geometric)).max()
 n, m = len(word_by_word), len(geometric)
 critical = 1.95 * np.sqrt((n + m) / (n * m))  # Kolmogorov-Smirnov, 0.1% level
 p_stop = zipf_stop_probability(ZIPF_ALPHA)
 print(f"stop probability per word {p_stop:.4f}, expected length 1/p = {1 / p_stop:.1f}")
-print(f"mean length: word by word {word_by_word.mean():.2f}, "
-      f"geometric {geometric.mean():.2f}")
+print(f"mean length: word by word {word_by_word.mean():.2f}, geometric {geometric.mean():.2f}")
 print(f"largest CDF gap {cdf_gap:.4f} (must stay below {critical:.4f})")
 assert cdf_gap < critical, "the geometric lengths do not match the word-by-word ones"
 
 # %%
 # Offsets, positions and padding
 # ------------------------------
-# Offsets come from lengths with one cumulative sum. ``token_index`` gives
-# every packed token its sequence and its position in that sequence: all a
-# layer needs to build positions (rotary embeddings restart at every
-# sequence) or to pad the batch where a padded tensor is needed.
-#
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
-#    :pyobject: offsets_from_lengths
+# Offsets come from lengths with one cumulative sum (``offsets_from_lengths``).
+# ``token_index`` gives every packed token its sequence and its position in
+# it: all a layer needs to build positions (rotary embeddings restart at
+# every sequence) or to pad the batch where a padded tensor is needed.
 #
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: token_index
@@ -289,14 +277,11 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 # %%
 # Measuring
 # ---------
-# ``measure`` times several functions side by side with
-# ``torch.utils.benchmark``. It times each first call alone (it may compile),
-# then lets the functions take turns for a few rounds, so that a busy
-# machine slows all of them alike, and reports the median and the
-# interquartile range (IQR) of the timed blocks, in milliseconds. Then it
-# runs each function once more under ``torch.profiler``, for the peak memory
-# in MiB beyond what was allocated before the call, and for the
-# :term:`kernel that ran <kernel label>`.
+# ``measure`` times functions side by side with ``torch.utils.benchmark``:
+# each first call alone (it may compile), then the functions take turns for
+# a few rounds, so that a busy machine slows all alike; it reports the median
+# and interquartile range (IQR) in ms, then profiles each call once more for
+# its peak memory in MiB and the :term:`kernel that ran <kernel label>`.
 #
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: measure
@@ -477,10 +462,8 @@ print(f"forward, real tokens per second: padded {per_s['padded']:,.0f}, "
 # ragged side adds one attention call per sequence (loop backend) or gathers
 # (bucketed), and the bookkeeping around them.
 
-print("padded, forward and backward:")
-print(where_time_goes(padded_training))
-print("ragged, forward and backward:")
-print(where_time_goes(ragged_training))
+print("padded, forward and backward:\n" + where_time_goes(padded_training))
+print("ragged, forward and backward:\n" + where_time_goes(ragged_training))
 
 # %%
 # Packed projections

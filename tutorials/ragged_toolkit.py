@@ -50,7 +50,9 @@ def _release(version):
     return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
 
 
-if _release(torch.__version__) < MINIMUM_TORCH:
+# (a documentation build without torch reads this module against a stand-in
+# whose __version__ is no string: nothing to check there)
+if isinstance(torch.__version__, str) and _release(torch.__version__) < MINIMUM_TORCH:
     raise RuntimeError(
         f"The tutorials need PyTorch {'.'.join(map(str, MINIMUM_TORCH))} or later; "
         f"this is {torch.__version__}. Upgrade with `pip install -U torch`."

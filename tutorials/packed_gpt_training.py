@@ -2,11 +2,10 @@
 A packed GPT, trained and served without padding
 ================================================
 
-Train a small modern decoder-only model on packed documents, the way
-Hugging Face's ``DataCollatorWithFlattening`` and the packing of
-``torchtune`` and ``torchtitan`` do, against the best padded trainer a reader
-would write: same weights, same documents, same optimizer. Then generate
-from it with a KV cache in which each sequence keeps its own length.
+Train a small modern GPT on packed documents, as Hugging Face's
+``DataCollatorWithFlattening``, ``torchtune`` and ``torchtitan`` pack them,
+against the best padded trainer: same weights, documents and optimizer.
+Then generate with a KV cache in which each sequence keeps its own length.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -15,12 +14,11 @@ from it with a KV cache in which each sequence keeps its own length.
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites
 
-       * How one GPT (RMSNorm, rotary positions that restart at every
-         document, SwiGLU, grouped-query attention) runs on a packed batch
-         and, with the same weights, on a padded one
-       * How to train it on packed documents, prove that it computes what
-         the padded model computes, and measure real tokens per second
-         against the :term:`work bound`
+       * How one GPT (RMSNorm, rotary positions, SwiGLU, grouped-query
+         attention) runs on a packed batch and, unchanged, on a padded one
+       * How to train it on packed documents, prove it computes what the
+         padded model computes, and measure real tokens per second against
+         the :term:`work bound`
        * How to prefill packed prompts and decode into a KV cache with
          per-sequence lengths, against padded generation
 
@@ -28,8 +26,8 @@ from it with a KV cache in which each sequence keeps its own length.
        :class-card: card-prerequisites
 
        * :doc:`transformer_building_blocks`: packed values and offsets, and
-         ``ragged_attention``; everything here comes from the site's module
-         ``ragged_toolkit`` (:doc:`reference </toolkit>`)
+         ``ragged_attention``; the model and the measuring helpers come from
+         the site's module ``ragged_toolkit`` (:doc:`reference </toolkit>`)
        * PyTorch 2.11 or later; a CPU is enough, a CUDA GPU runs the page at
          a larger scale in ``bfloat16``
 """
@@ -54,11 +52,10 @@ from it with a KV cache in which each sequence keeps its own length.
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: Padded
 #
-# (The cache arguments are for generation, at the end of the page.) A tiny
-# model on three documents of 3, 1 and 4 tokens, packed and then padded,
-# gives the same logits on every real token. Positions restart at every
-# document: ``token_index`` gives them for the packed batch, exactly the
-# ``position_ids`` of Hugging Face's packed format.
+# (The cache is for generation, at the end.) A tiny model on documents of
+# 3, 1 and 4 tokens, packed and then padded, gives the same logits on every
+# real token. Positions restart at every document: ``token_index`` gives
+# them, exactly the ``position_ids`` of Hugging Face's packed format.
 
 import torch
 from ragged_toolkit import GPT, GPTConfig, Packed, Padded, offsets_from_lengths
@@ -76,15 +73,13 @@ with torch.no_grad():
     packed = tiny(tokens, positions, Packed(offsets, "loop"))  # (T, vocab)
     padded = tiny(ids, torch.arange(4).expand_as(ids), Padded())  # (B, S, vocab)
 torch.testing.assert_close(packed, padded[valid])
-print(f"positions {positions.tolist()}")
 print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: "
       f"equal on all {len(tokens)} real tokens")
 
 # %%
-# The padded batch spent 12 slots on 8 tokens. On real documents, whose
-# lengths have a long tail, padding is most of the batch; the rest of the
-# page measures what skipping it buys a whole training step (data, forward,
-# loss, backward, optimizer) and generation.
+# The padded batch spent 12 slots on 8 tokens. Real document lengths have a
+# long tail, so padding is most of the batch; the page measures what
+# skipping it buys a whole training step, and generation.
 #
 # Sizes
 # ~~~~~
@@ -157,7 +152,7 @@ quiet_known_notes()
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: GPT
 #
-# Two copies of one model, one for each trainer:
+# One copy of the model for each trainer:
 
 import copy
 
@@ -183,13 +178,8 @@ print(f"{n_params / 1e6:.2f} M parameters; "
 
 from ragged_toolkit import sentence_lengths
 
-TOPICS = 4
+TOPICS = 4  # token ids 0 .. TOPICS - 1 are the topics
 SUCCESSOR_PROBS = np.array([0.55, 0.25, 0.12, 0.08])
-
-
-def successor_tables(rng, topics, vocab):
-    """For each topic and token: four successor tokens (topic ids excluded)."""
-    return rng.integers(topics, vocab, size=(topics, vocab, 4))
 
 
 def documents(rng, tables, lengths):
@@ -214,7 +204,8 @@ def next_token_targets(tokens, offsets):
 
 
 rng = np.random.default_rng(SEED)
-tables = successor_tables(rng, TOPICS, MODEL["vocab_size"])
+# for each topic and token, its four successors (never a topic id)
+tables = rng.integers(TOPICS, MODEL["vocab_size"], size=(TOPICS, MODEL["vocab_size"], 4))
 batches, cut = [], 0
 for _ in range(STEPS):
     lengths = sentence_lengths(rng, DOCS_PER_BATCH, ZIPF_ALPHA)
@@ -232,12 +223,11 @@ print(f"first batch: lengths {offsets.diff().tolist()[:12]} ...")
 # %%
 # One training step, two ways
 # ---------------------------
-# The packed step feeds the documents as they are, ``(T,)`` ids with their
+# The packed step feeds the documents as they are, ``(T,)`` ids and their
 # offsets. The padded step is the best padded trainer a reader would write:
-# the same model on right-padded ``(B, S)`` ids, SDPA with ``is_causal`` and
-# no mask, the loss masked at padding with ``ignore_index``. Both average the
-# loss over the same real targets. On CUDA both run under ``bfloat16``
-# autocast, as mixed-precision training does; the weights stay in float32.
+# right-padded ``(B, S)`` ids, a causal kernel and no mask, the loss masked
+# at padding. Both average the loss over the same real targets, under
+# autocast where the dtype is not float32 (the weights stay in float32).
 
 import torch.nn.functional as F
 
@@ -260,11 +250,9 @@ def padded_loss(model, tokens, offsets):
 
 # %%
 # Before timing anything, the proof that the two steps compute the same
-# thing: same loss, and the same gradient for every parameter, on the first
-# batch. The packed side uses the per-sequence loop here, which every device
-# has. The padded side runs on PyTorch's math backend of SDPA (attention
-# written out as matrix products and a softmax), so that the two share no
-# attention kernel.
+# thing: the same loss and the same gradient for every parameter, on the
+# first batch. The packed side uses the per-sequence loop, the padded side
+# SDPA's math backend (matrix products and a softmax): no shared kernel.
 
 from ragged_toolkit import tolerances
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -289,66 +277,42 @@ padded_model.zero_grad(set_to_none=True)
 # %%
 # Which attention backend trains fastest here
 # -------------------------------------------
-# The model's attention job, measured on this device: causal, grouped-query
-# (``n_heads`` query heads over ``n_kv_heads`` key/value heads), forward and
-# backward, on the first batch. ``compare_backends`` checks every backend
-# that runs here against the float32 reference and times them; the table
-# prints the median and the interquartile range (IQR) in milliseconds, the
-# peak memory in MiB, and in brackets the :term:`kernel label` of what ran
-# (``CPU flash`` is SDPA's fused kernel for CPUs). The packed model trains
-# with the fastest.
+# The model's attention job on the first batch, causal, grouped-query,
+# forward and backward: ``compare_backends`` checks each backend that runs
+# here against the float32 reference and times them all. Each row: median
+# and interquartile range (IQR) in ms, peak memory in MiB, and in brackets
+# the :term:`kernel label` of what ran (``CPU flash`` is SDPA's fused CPU
+# kernel). The packed model trains with the fastest.
 
-import contextlib
-import io
-import textwrap
-
-from ragged_toolkit import Timing, compare_backends, fastest
+from ragged_toolkit import Timing, compare_backends, fastest, print_timings
 
 
-def print_timings(results):
-    """name -> Timing (or why it did not run), one line each, within 90 columns."""
-    w = max(map(len, results))
-    for name, r in results.items():
-        if not isinstance(r, Timing):
-            print(textwrap.fill(f"  {name:{w}} not available: {r}", 90,
-                                subsequent_indent=" " * (w + 3)))
-            continue
-        row = f"  {name:{w}} {r.median_ms:8.2f} ms  IQR {r.iqr_ms:5.2f}"
-        if r.peak_mib == r.peak_mib:  # NaN where memory was not measured
-            row += f"  {r.peak_mib:6.1f} MiB"
-        kernels = f"  [{r.kernels}]" if r.kernels else ""
-        print(row + kernels if len(row + kernels) <= 90 else f"{row}\n{' ' * w}{kernels}")
 
 
 q_job = torch.randn(len(tokens), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
 kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
                      dtype=DTYPE)
-with contextlib.redirect_stdout(io.StringIO()):  # its own table is wider than the page
-    backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True,
-                                backward=True, min_run_time=RUN_TIME)
-print_timings(backends)
+backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True,
+                            backward=True, min_run_time=RUN_TIME)
 TRAINING_BACKEND = fastest(backends)
 print(f"training backend chosen on {DEVICE}: {TRAINING_BACKEND}")
 
 # %%
 # Compile where it helps
 # ~~~~~~~~~~~~~~~~~~~~~~
-# Every batch has a new token count (packed) or a new longest document
-# (padded), so a model compiled for fixed shapes would recompile at almost
-# every step. ``torch.compile(dynamic=True)`` compiles each graph once for
-# symbolic sizes instead. On the packed side the attention call is not
-# traced (``ragged_attention`` is host-side bookkeeping around one kernel
-# call per backend), so the compiled packed model is a few graphs around it;
-# the table says how many graphs were compiled for how many batch sizes,
-# which shows whether anything recompiled per batch. Whether compiling pays
-# off depends on the device and the sizes, so each side trains a few steps
-# both ways, on copies of the models, and keeps the faster. The first steps
-# are left out: they compile.
+# Every batch has a new size, so ``torch.compile(dynamic=True)`` compiles
+# each graph once for symbolic sizes. The packed attention call is not
+# traced (``ragged_attention`` is host-side bookkeeping around the kernel
+# calls): the compiled packed model is a few graphs around it, and the table
+# counts them, which shows whether anything recompiled per batch. Each side
+# trains a few steps both ways, on copies of the models, and keeps the
+# faster; the first steps, which compile, are left out.
 
+import functools
 import time
 
 from ragged_toolkit import synchronize
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters  # counts the graphs compiled
 
 
 def train_step(model, optimizer, loss):
@@ -376,10 +340,7 @@ def probe(make_loss, model, compiled, steps):
     return timed / sum(elapsed[WARMUP_STEPS:]), sum(elapsed[:WARMUP_STEPS]), graphs
 
 
-def packed_step_loss(model, tokens, offsets):
-    return packed_loss(model, tokens, offsets, TRAINING_BACKEND)
-
-
+packed_step_loss = functools.partial(packed_loss, backend=TRAINING_BACKEND)
 PROBE_STEPS = WARMUP_STEPS + (3 if QUICK else 6)
 sizes = len({len(t) for t, _ in batches[:PROBE_STEPS]})
 print(f"  {'trainer':16s}  tokens/s  first {WARMUP_STEPS} steps  graphs compiled "
@@ -394,18 +355,18 @@ for side, make_loss, model in (("packed", packed_step_loss, ragged_model),
               + (f"  {graphs:15d}" if compiled else ""))
 COMPILE = {side: speeds[f"{side}, compiled"] > speeds[f"{side}, eager"]
            for side in ("packed", "padded")}
-print("compile chosen: " + ", ".join(f"{s} {c and 'yes' or 'no'}" for s, c in COMPILE.items()))
+print("compile chosen: " + ", ".join(f"{s} {'yes' if c else 'no'}"
+                                     for s, c in COMPILE.items()))
 
 # %%
 # Training
 # --------
-# Both trainers start from the same weights and see the same batches in the
-# same order, with the same optimizer (AdamW) and learning-rate schedule
-# (linear warm-up, cosine decay). They take turns, one step each, so that
-# whatever else the machine does slows both alike. Each step is timed from
-# the batch on the device to the update of the optimizer, with the device
-# synchronized; throughput counts *real* tokens (the padded trainer gets no
-# credit for padding) over the steps after the first ``WARMUP_STEPS``.
+# Same weights, same batches in the same order, same optimizer (AdamW) and
+# schedule (linear warm-up, cosine decay). The trainers take turns, one step
+# each, so that whatever else the machine does slows both alike. A step is
+# timed from the batch on the device to the optimizer's update, synchronized;
+# throughput counts *real* tokens (the padded trainer gets no credit for
+# padding) after the first ``WARMUP_STEPS``.
 
 import math
 
@@ -446,12 +407,10 @@ for side, t in trainers.items():
 # %%
 # The work bound of this run
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What each trainer must compute, counted per token and per query-key pair
-# over the timed batches: the projections, feed-forward layers and output
-# layer cost ``2 x`` their weights per token, and attention ``4 H D`` per
-# pair per layer, the causal half on both sides (the padded trainer's
-# causal kernel skips the masked half too). The forward and backward passes
-# scale both sides alike, so the ratio is the bound.
+# What each trainer must compute over the timed batches: ``2 x`` the weights
+# of every matrix per token, and ``4 H D`` per query-key pair and layer for
+# attention, the causal half on both sides (the padded causal kernel skips
+# the masked half too). The backward pass scales both sides alike.
 
 from ragged_toolkit import pairs_scored
 
@@ -467,21 +426,19 @@ for _, offsets_i in batches[WARMUP_STEPS:]:
                        + per_pair * pairs_scored(longest, longest, True))
 bound = work["padded"] / work["packed"]
 R, P = trainers["packed"]["tokens/s"], trainers["padded"]["tokens/s"]
-print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, speedup {R / P:.2f}x, "
-      f"work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
+print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, "
+      f"speedup {R / P:.2f}x, work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
 
 # %%
-# The last number is the :term:`fraction of the bound`: the measured
-# speedup over the work bound. Near 1, the packed trainer turned all the
-# work it skips into speed. Below 1, part of it went to overheads: one
-# attention call per document with the loop backend, the bookkeeping around
-# the packed batch, the few graph breaks of the compiled packed model. A
-# fraction above 1 means the padded trainer is slower per unit of work than
-# the packed one: its larger activations cost memory traffic, cache misses
-# and allocations that the bound, which counts FLOPs only, does not see.
-#
-# Those activations show in the peak memory of one training step on each
-# side (forward and backward of the last batch, on copies of the models):
+# The last number is the :term:`fraction of the bound`, the measured
+# speedup over the work bound. Near 1, the packed trainer turned all the work
+# it skips into speed. Below 1, part of it went to overheads: one attention
+# call per document with the loop backend, the bookkeeping of the packed
+# batch, the graph breaks of the compiled packed model. Above 1, the padded
+# trainer is slower per unit of work than the packed one: its larger
+# activations cost memory traffic, cache misses and allocations that the
+# bound, which counts FLOPs only, does not see.
+# Those activations show in the peak memory of one step on the last batch:
 
 from ragged_toolkit import profile_call
 
@@ -496,7 +453,11 @@ for side, t in trainers.items():
 # The two loss curves must agree: the trainers compute the same thing, so
 # they can only drift apart by rounding. The page stops unless the packed
 # model learned (its last ten losses average below 60% of its first five)
-# and the two curves' averages over the last ten steps agree within 2%.
+# and the two curves' averages over the last ten steps agree within 2%. The
+# curves lie on top of each other, so the first figure marks them with
+# different symbols at different steps and plots their difference below;
+# the second puts them against wall-clock time, where the faster trainer's
+# curve reaches each loss first.
 
 losses = {side: np.array(t["losses"]) for side, t in trainers.items()}
 first, last = losses["packed"][:5].mean(), losses["packed"][-10:].mean()
@@ -507,16 +468,12 @@ assert abs(last - last_padded) < 0.02 * last_padded, \
 print(f"packed loss {first:.3f} -> {last:.3f}")
 print(f"last ten steps: packed {last:.4f}, padded {last_padded:.4f}")
 
-# %%
-# The curves lie on top of each other, so the first figure marks them with
-# different symbols at different steps and plots their difference below.
-
 import matplotlib.pyplot as plt
 from ragged_toolkit import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 every = max(STEPS // 12, 1)
-styles = {"packed": dict(ls="-", marker="o", markevery=(0, every)),
+styles = {"packed": dict(ls="-", lw=3, alpha=0.6, marker="o", markevery=(0, every)),
           "padded": dict(ls="--", marker="s", mfc="none", markevery=(every // 2, every))}
 fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[2, 1],
                                layout="constrained")
@@ -526,12 +483,8 @@ ax1.set(ylabel="training loss", title=f"Same weights, same documents ({DEVICE})"
 ax1.legend()
 ax2.plot(losses["packed"] - losses["padded"], ".-", color="C2")
 ax2.axhline(0, color="gray", lw=0.8)
-ax2.set(xlabel="step", ylabel="packed - padded")
+ax2.set(xlabel="step", ylabel="loss, packed - padded")
 plt.show()
-
-# %%
-# The second figure puts the same losses against wall-clock time: the
-# curve that reaches a loss first trained faster.
 
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
 for side, style in styles.items():
@@ -547,26 +500,24 @@ plt.show()
 # %%
 # Generation
 # ----------
-# The trained model now writes. Prompts are the beginnings of new
-# documents; ``NEW_TOKENS`` tokens are generated greedily for each. The
-# keys and values of every token go into a cache with room for ``capacity``
-# tokens per sequence; seen as packed rows, sequence ``b`` owns rows
-# ``b * capacity ...``, so the cache is a packed batch whose offsets are
-# ``capacity`` apart:
+# The trained model now writes, greedily, ``NEW_TOKENS`` tokens for each of
+# a batch of prompts. The keys and values of every token go into a cache
+# with room for ``capacity`` tokens per sequence; seen as packed rows,
+# sequence ``b`` owns rows ``b * capacity ...``: a packed batch whose offsets
+# are ``capacity`` apart.
 #
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: KVCache
 #
 # Generation runs two ways:
 #
-# * **packed**: the prompts' tokens packed end to end and prefilled in one
-#   call, each writing its keys and values into its sequence's rows of the
-#   cache; then each step feeds one token per sequence, at that sequence's
-#   own position, and attends to that sequence's own keys (``kv_used``);
-# * **padded**: the prompts left-padded to the longest one, as Hugging Face's
-#   ``generate`` pads them, so that every sequence ends in the same column;
-#   prefill with a causal mask that also hides the padding, then each step
-#   writes one column of the cache and masks the padding keys.
+# * **packed**: the prompts packed end to end and prefilled in one call,
+#   each token writing its keys and values into its sequence's rows; then
+#   each step feeds one token per sequence, at its own position, attending
+#   to its own keys (``kv_used``);
+# * **padded**: the prompts left-padded, as Hugging Face's ``generate`` pads
+#   them; prefill with a causal mask that also hides the padding, then each
+#   step writes one column of the cache and masks the padding keys.
 #
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: generate_packed
@@ -605,8 +556,9 @@ def generate_padded(model, prompts, offsets, n_new):
 
 
 # %%
-# Prompts, and the backend for decoding: one query per sequence against that
-# sequence's cached keys, measured like the training job.
+# The decoding backend is measured like the training job: one query per
+# sequence against its cached keys (``compiled graph (inductor kernel)`` is
+# the code ``torch.compile`` generated, FlexAttention's on a CPU).
 
 prompt_lengths = sentence_lengths(rng, PROMPTS, ZIPF_ALPHA).clamp(
     max=cfg.max_seq_len - NEW_TOKENS)
@@ -622,20 +574,18 @@ q_step = torch.randn(PROMPTS, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DT
 kv_step = torch.randn(PROMPTS * capacity, cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
                       dtype=DTYPE)
 one_each = torch.arange(PROMPTS + 1, device=DEVICE)  # one query per sequence
-with contextlib.redirect_stdout(io.StringIO()):
-    decode_backends = compare_backends(q_step, kv_step, kv_step.clone(), one_each,
-                                       one_each * capacity, is_causal=True, kv_used=used,
-                                       min_run_time=RUN_TIME / 2)
-print_timings(decode_backends)
+decode_backends = compare_backends(q_step, kv_step, kv_step.clone(), one_each,
+                                   one_each * capacity, is_causal=True, kv_used=used,
+                                   min_run_time=RUN_TIME / 2)
 
 # %%
-# That table times one step's attention with its bookkeeping already done.
-# In generation the lengths change at every step, so whatever a backend
+# That table times one step's attention with its bookkeeping done. While
+# generating, the lengths change at every step, so whatever a backend
 # prepares per batch (gather indices, a block mask) is prepared again at
-# every step, once for all layers. So the choice is made on whole
-# generations, for the two backends with the fastest steps above:
+# every step; the choice is made on whole generations, for the two backends
+# with the fastest steps above:
 
-from ragged_toolkit import measure
+from ragged_toolkit import measure, speedup_line, where_time_goes
 
 ran = sorted((n for n, r in decode_backends.items() if isinstance(r, Timing)),
              key=lambda n: decode_backends[n].median_ms)[:2]
@@ -648,10 +598,11 @@ DECODE_BACKEND = fastest(generation_times)
 print(f"decoding backend chosen on {DEVICE}: {DECODE_BACKEND}")
 
 # %%
-# Both generations must write the same tokens: they run the same model on
-# the same prompts, packed or padded. (In float32 they agree token for
-# token; in bfloat16 rounding can flip a near tie, so the check there asks
-# for 90% of the tokens.)
+# Both generations must write the same tokens (in float32 token for token;
+# in bfloat16 rounding can flip a near tie, so there 90% must agree). Then
+# both are timed. The work bound counts the tokens and pairs of the prefill,
+# then one token per sequence per step, each scoring every key in use: on
+# the padded side the padding keys too.
 
 
 def padded_generation():
@@ -667,13 +618,6 @@ agree = (out_packed == out_padded).float().mean().item()
 assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), \
     f"the generations agree on {agree:.1%} of the tokens"
 print(f"packed and padded generation agree on {agree:.1%} of {out_packed.numel()} tokens")
-
-# %%
-# Then both are timed. The work bound counts the tokens and pairs of the
-# prefill, then one token per sequence per step, each scoring every key in
-# use: on the padded side the padding keys too.
-
-from ragged_toolkit import speedup_line
 
 times = measure({"padded": padded_generation, "packed": packed_generation},
                 min_run_time=2 * RUN_TIME)
@@ -693,16 +637,13 @@ generation_bound = work_padded / work_packed
 print(speedup_line("generation", times["padded"], times["packed"], generation_bound))
 
 # %%
-# Most of the work the packed side saves is in the prefill, while every
-# decoding step runs the model on one token per sequence on both sides, so
-# the bound of generation is smaller than the bound of training. A fraction
-# of the bound below 1 is the cost of the packed steps' bookkeeping (and,
-# with the loop backend, of one attention call per sequence and layer); a
-# fraction above 1 means the padded side is slower per unit of work, its
-# larger cache and masks costing memory traffic that the bound does not
-# count. The operators that took most of each generation's time:
-
-from ragged_toolkit import where_time_goes
+# The packed side saves most of its work in the prefill; every decoding
+# step runs one token per sequence on both sides, so the bound is smaller
+# than in training. A fraction below 1 is the cost of the packed steps'
+# bookkeeping (with the loop backend, one attention call per sequence and
+# layer); above 1, the padded side is slower per unit of work, its larger
+# cache and masks costing memory traffic that the bound does not count.
+# The operators that took most of each generation's time:
 
 for side, fn in (("padded", padded_generation), ("packed", packed_generation)):
     print(f"{side} generation:")
@@ -712,22 +653,15 @@ for side, fn in (("padded", padded_generation), ("packed", packed_generation)):
 # Conclusion
 # ----------
 # A packed trainer is the padded trainer minus the padding: the same
-# modules, the same loss on the same targets, the same optimizer, and a loss
-# curve that ends where the padded one ends, within rounding. What changes
-# is the work. The training line above compares real tokens per second on
-# this device, beside the work bound of the run and the fraction of it the
-# packed trainer reached; the peak-memory lines show the activations that
-# padding would have held. In generation, the work padding adds is in the
-# prefill and in the padding keys that every decoding step scores, while
-# each step runs one token per sequence on both sides; the generation line
-# says how much of that this device turned into speed.
+# modules, loss, targets and optimizer, and a loss curve that ends where the
+# padded one ends, within rounding. What changes is the work: the training
+# and generation lines say how much of the work bound this device turned
+# into speed, the peak-memory lines what padding would have held.
 #
-# In a real trainer the packed batch is what Hugging Face's
-# ``DataCollatorWithFlattening`` produces (``position_ids`` restarting at 0;
-# ``offsets_from_position_ids`` turns them into offsets), and on a GPU
-# ``varlen_attn`` is the attention call. :doc:`ragged_decoding_kv_cache_gqa`
-# takes the KV cache further: every cached step checked, grouped-query
-# attention's smaller cache, and FlexAttention decoding.
+# In a real trainer the packed batch is what ``DataCollatorWithFlattening``
+# produces (``offsets_from_position_ids`` turns its ``position_ids`` into
+# offsets), and on a GPU ``varlen_attn`` is the attention call.
+# :doc:`ragged_decoding_kv_cache_gqa` takes the KV cache further.
 #
 # Further reading
 # ---------------

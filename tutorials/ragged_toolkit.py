@@ -926,14 +926,18 @@ def compare_backends(
             )
         fns[name] = run
     results.update(measure(fns, min_run_time=min_run_time))
-    for name in backends:
-        r = results[name]
-        print(
-            f"  {name:9s} {r}"
-            if isinstance(r, Timing)
-            else f"  {name:9s} not available: {r}"
-        )
+    results = {name: results[name] for name in backends}
+    print_timings(results)
     return results
+
+
+def print_timings(results):
+    """One line per entry of ``results`` (name -> :class:`Timing`, or the
+    reason it did not run), names aligned."""
+    width = max(map(len, results), default=0)
+    for name, r in results.items():
+        print(f"  {name:{width}s} {r}" if isinstance(r, Timing) else
+              f"  {name:{width}s} not available: {r}")
 
 
 def fastest(results):

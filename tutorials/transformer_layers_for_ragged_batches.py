@@ -13,10 +13,10 @@ proven equal to ``torch.nn``, measured against it, trained end to end.
        :class-card: card-prerequisites
 
        * How to write the encoder and decoder layers, their stacks and
-         ``nn.Transformer`` so that they take packed values plus offsets
-         instead of a padded batch and three kinds of padding masks
-       * How to prove, output for output and gradient for gradient, that
-         they compute what ``torch.nn`` computes
+         ``nn.Transformer`` for packed values plus offsets instead of a
+         padded batch and three kinds of padding masks, and how to prove,
+         output for output and gradient for gradient, that they compute
+         what ``torch.nn`` computes
        * What skipping the padding buys a whole model, beside the
          :term:`work bound`, and that the ragged model learns a task as the
          padded one does: both losses fall, and end within a stated tolerance
@@ -35,16 +35,14 @@ proven equal to ``torch.nn``, measured against it, trained end to end.
 # Offsets instead of masks
 # ------------------------
 # ``torch.nn``'s transformer layers take a padded ``(B, S, E)`` batch and a
-# padding mask for each attention, and spend time and memory on the padding.
-# The layers below take packed values ``(T, E)`` and offsets ``(B + 1,)``,
-# and have no mask argument. Everything in a layer but attention works token
-# by token, so it runs on the packed values as they are; attention is the
-# toolkit's ``MultiHeadAttention``, which keeps the sequences apart with the
+# padding mask for each attention. The layers below take packed values
+# ``(T, E)`` and offsets ``(B + 1,)``, and no mask: everything but attention
+# works token by token, on the packed values as they are, and attention, the
+# toolkit's ``MultiHeadAttention``, keeps the sequences apart with the
 # offsets. The rest follows ``torch.nn`` line for line: the same submodule
-# names (so weights load by name), the same defaults (post-norm,
-# ``dropout=0.1``, ReLU), ``norm_first``, GELU and ``bias``. The decoder
-# layer is the encoder layer plus cross-attention to the encoder's output,
-# the ``memory``, which has offsets of its own.
+# names (so weights load by name), defaults (post-norm, ``dropout=0.1``,
+# ReLU) and options (``norm_first``, GELU, ``bias``). The decoder layer adds
+# cross-attention to the encoder's output, the ``memory``, with its offsets.
 
 import copy
 
@@ -97,12 +95,9 @@ class TransformerDecoderLayer(TransformerEncoderLayer):
         self.dropout3 = nn.Dropout(self.dropout1.p)  # dropout2: after cross-attention
 
     def forward(self, x, offsets, memory, memory_offsets, is_causal=True):
-        def cross(h):
-            return self.dropout2(self.multihead_attn(h, offsets, context=memory,
-                                                     context_offsets=memory_offsets))
-
         x = self._residual(x, self.norm1, lambda h: self._sa(h, offsets, is_causal))
-        x = self._residual(x, self.norm2, cross)
+        x = self._residual(x, self.norm2, lambda h: self.dropout2(self.multihead_attn(
+            h, offsets, context=memory, context_offsets=memory_offsets)))
         return self._residual(x, self.norm3, lambda h: self._ff(h, self.dropout3))
 
 
@@ -187,32 +182,26 @@ class Transformer(nn.Module):
 
 
 # %%
-# What replaces ``nn.Transformer``'s arguments: the three
-# ``*_key_padding_mask`` are gone (the offsets say where each sequence ends;
-# the memory has the source's); ``tgt_mask`` with ``tgt_is_causal`` becomes
-# ``tgt_is_causal=True``, the decoder's default, and ``src_mask`` with
-# ``src_is_causal`` becomes ``is_causal=True`` on an encoder (a GPT-style
-# stack), with no mask built; other masks are a ``mask_mod`` for
-# FlexAttention (building-blocks page). Dropout acts where ``torch.nn``'s
-# does, but not on attention weights, which ``varlen_attn`` and FlexAttention
-# have no argument for. ``batch_first``, ``enable_nested_tensor`` and
-# ``mask_check`` mean nothing for a packed batch. The other arguments keep
-# their meaning and defaults.
+# Of ``nn.Transformer``'s arguments, the three ``*_key_padding_mask`` are
+# gone (the offsets say where each sequence ends); a causal ``tgt_mask`` or
+# ``src_mask`` becomes ``is_causal=True`` (the decoder's default), with no
+# mask built; other masks are a ``mask_mod`` for FlexAttention. Dropout acts
+# where ``torch.nn``'s does, but not on attention weights, which
+# ``varlen_attn`` and FlexAttention have no argument for. ``batch_first``,
+# ``enable_nested_tensor`` and ``mask_check`` mean nothing for a packed
+# batch; the other arguments keep their meaning and defaults.
 #
 # Proof of parity with ``torch.nn``
 # ---------------------------------
 # For each layer and stack we copy the weights of the ``torch.nn`` module
 # into ours, run ``torch.nn`` on the padded batch with its masks and ours on
-# the packed batch, and compare the outputs at every real token and the
-# gradient of every parameter after a backward pass from a random weighting
-# of those outputs; any mismatch stops the page. Dropout is 0, for
-# determinism, and the check runs in float32, so that it tests the code and
-# not the rounding. ``torch.nn``'s eval-mode "fast path" treats padding
-# differently (zeros at padding, NaN for a sequence that is all padding);
-# the cell turns it off. Weights load by name, except that ``torch.nn``'s
-# ``in_proj_weight``, ``(3E, E)``, is the packed ``qkv_proj`` of
-# self-attention and is split into ``q_proj`` and ``kv_proj`` for
-# cross-attention; the same mapping translates gradients.
+# the packed batch, and compare the outputs at every real token and every
+# parameter's gradient after a backward pass; any mismatch stops the page.
+# Dropout is 0, and the check runs in float32, to test the code and not the
+# rounding. ``torch.nn``'s eval-mode "fast path", which treats padding
+# differently, is turned off. Weights load by name, except that
+# ``torch.nn``'s ``in_proj_weight``, ``(3E, E)``, is our ``qkv_proj`` of
+# self-attention, split into ``q_proj`` and ``kv_proj`` for cross-attention.
 
 from ragged_toolkit import from_padded, ragged_batch, to_padded, tolerances
 
@@ -259,11 +248,6 @@ def make_nn_transformer(d_model, nhead, num_encoder_layers, num_decoder_layers, 
 # measurements leave tgt_key_padding_mask out and torch.nn runs a causal kernel.
 
 
-def nn_decoder(m, x, valid, mem, mem_valid):
-    return m(x, mem, tgt_mask=causal_mask(x.shape[1]), tgt_is_causal=True,
-             tgt_key_padding_mask=~valid, memory_key_padding_mask=~mem_valid)
-
-
 def nn_transformer(m, tgt, tgt_valid, src, src_valid, mask_tgt_padding=True):
     return m(src, tgt, tgt_mask=causal_mask(tgt.shape[1]), tgt_is_causal=True,
              src_key_padding_mask=~src_valid, memory_key_padding_mask=~src_valid,
@@ -273,7 +257,10 @@ def nn_transformer(m, tgt, tgt_valid, src, src_valid, mask_tgt_padding=True):
 CALLS = {  # kind -> (torch.nn on padded tensors, ours on packed tensors)
     "Encoder": (lambda m, x, valid, mem, mem_valid: m(x, src_key_padding_mask=~valid),
                 lambda m, x, off, mem, mem_off: m(x, off)),
-    "Decoder": (nn_decoder, lambda m, x, off, mem, mem_off: m(x, off, mem, mem_off)),
+    "Decoder": (lambda m, x, valid, mem, mem_valid: m(
+                    x, mem, tgt_mask=causal_mask(x.shape[1]), tgt_is_causal=True,
+                    tgt_key_padding_mask=~valid, memory_key_padding_mask=~mem_valid),
+                lambda m, x, off, mem, mem_off: m(x, off, mem, mem_off)),
     "Transformer": (nn_transformer,
                     lambda m, x, off, mem, mem_off: m(mem, mem_off, x, off)),
 }
@@ -286,7 +273,7 @@ def check_parity(name, reference, ragged, x, x_off, mem, mem_off):
     out_nn = run_nn(reference, *to_padded(x, x_off), *to_padded(mem, mem_off))
     out_nn = from_padded(out_nn, x_off)
     out_rg = run_ragged(ragged, x, x_off, mem, mem_off)
-    cotangent = torch.randn_like(out_rg)
+    cotangent = torch.randn_like(out_rg)  # a random weighting of the outputs
     (out_nn * cotangent).sum().backward()
     (out_rg * cotangent).sum().backward()
     torch.testing.assert_close(out_rg, out_nn, **tolerances(torch.float32))
@@ -349,8 +336,8 @@ with torch.no_grad():
     torch.testing.assert_close(ragged.eval()(mem, m_off, x, x_off),
                                from_padded(out_nn, x_off), **tolerances(torch.float32))
     ragged.train()
-    a, b = ragged(mem, m_off, x, x_off), ragged(mem, m_off, x, x_off)
-    assert not torch.allclose(a, b), "dropout must be active in training mode"
+    two_calls = ragged(mem, m_off, x, x_off), ragged(mem, m_off, x, x_off)
+    assert not torch.allclose(*two_calls), "dropout must be active in training mode"
 print("eval mode: matches nn.Transformer; training mode: dropout active")
 
 # %%
@@ -415,11 +402,10 @@ nn_encoder_stack = nn.TransformerEncoder(
     enable_nested_tensor=False).to(DEVICE)
 rg_encoder_stack = TransformerEncoder(TransformerEncoderLayer(E, NHEAD, **kw), LAYERS,
                                       nn.LayerNorm(E))
-rg_encoder_stack = set_backends(load_from_nn(rg_encoder_stack, nn_encoder_stack))
-rg_encoder_stack = rg_encoder_stack.to(DEVICE)
 nn_full = make_nn_transformer(E, NHEAD, LAYERS, LAYERS, **kw).to(DEVICE)
 rg_full = Transformer(E, NHEAD, LAYERS, LAYERS, **kw)
-rg_full = set_backends(load_from_nn(rg_full, nn_full)).to(DEVICE)
+for rg, ref in ((rg_encoder_stack, nn_encoder_stack), (rg_full, nn_full)):
+    set_backends(load_from_nn(rg, ref)).to(DEVICE)
 
 with torch.no_grad():
     out_nn = nn_transformer(nn_full, tgt_pad.float(), tgt_valid, src_pad.float(),
@@ -503,15 +489,13 @@ for (model, mode), t in results.items():
 
 # %%
 # A :term:`fraction of the bound` near 1 means the ragged model wins back
-# what padding costs in work. Below 1, overheads eat part of the win: one
-# attention call per sequence and layer for the loop backend, the gathers of
-# the bucketed one, the bookkeeping around them. A fraction above 1 means
-# the padded side is slower per unit of work than the packed one: its larger
-# tensors cost memory traffic and allocations that the bound, which counts
-# FLOPs only, does not see. The profiles of one forward-and-backward pass of
-# the full transformer show where each side's time goes: the matrix
-# multiplies (``addmm``, ``mm``) scale with the tokens on both sides; the
-# attention calls and the bookkeeping around them are the ragged side's own.
+# what padding costs in work; below 1, overheads (one attention call per
+# sequence and layer for the loop backend, the gathers of the bucketed one)
+# eat part of it. A fraction above 1 means the padded side is slower per
+# unit of work than the packed one: its larger tensors cost memory traffic
+# and allocations that the bound, which counts FLOPs only, does not see. The
+# profiles show where each side's time goes: the matrix multiplies
+# (``addmm``, ``mm``) scale with the tokens on both sides.
 
 from ragged_toolkit import where_time_goes
 
@@ -523,14 +507,12 @@ for side in ("padded", "ragged"):
 # Trained end to end
 # ------------------
 # Parity at initialization says nothing about training, so we train both
-# models on a task that needs attention: copy a sequence of random symbols.
-# The decoder sees the tokens it has written so far, never the next one, so
-# for output position ``t`` it must find source token ``t`` through
-# cross-attention, by position. The lengths come from the site's generator,
-# cut only at the context length, so the batches are as ragged as real
-# sentences. Token ids: 0 is padding (on the ``torch.nn`` side only), 1
-# starts the target, 2 ends it, the symbols are ``3 .. VOCAB - 1``; the
-# decoder reads ``[BOS] + source`` and predicts ``source + [EOS]``.
+# models to copy a sequence of random symbols: the decoder never sees the
+# next token, so for output ``t`` it must find source token ``t`` through
+# cross-attention. The lengths come from the site's generator, cut at the
+# context length. Token ids: 0 is padding (``torch.nn`` side only), 1 starts
+# the target, 2 ends it, the symbols are ``3 .. VOCAB - 1``; the decoder
+# reads ``[BOS] + source`` and predicts ``source + [EOS]``.
 
 from ragged_toolkit import offsets_from_lengths, sentence_lengths, token_index
 
@@ -542,13 +524,10 @@ def copy_batch(rng, batch):
     """Packed ids: source, its offsets, decoder input, target, their offsets."""
     lengths = sentence_lengths(rng, batch, max_len=MAX_LEN - 1).tolist()
     src = [rng.integers(3, VOCAB, n) for n in lengths]
-
-    def packed(seqs):
-        return torch.as_tensor(np.concatenate(seqs), device=DEVICE)
-
-    return (packed(src), offsets_from_lengths(lengths, DEVICE),
-            packed([np.concatenate([[BOS], s]) for s in src]),
-            packed([np.concatenate([s, [EOS]]) for s in src]),
+    tgt_in, tgt_out = [np.r_[BOS, s] for s in src], [np.r_[s, EOS] for s in src]
+    src, tgt_in, tgt_out = (torch.as_tensor(np.concatenate(seqs), device=DEVICE)
+                            for seqs in (src, tgt_in, tgt_out))
+    return (src, offsets_from_lengths(lengths, DEVICE), tgt_in, tgt_out,
             offsets_from_lengths([n + 1 for n in lengths], DEVICE))
 
 
@@ -671,21 +650,24 @@ print(f"both losses fell below 40% of their start; final losses {padded_run['las
 # where they overlap.
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 from ragged_toolkit import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
-fig, ax = plt.subplots()
+fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")
 every = max(1, TRAIN["steps"] // 12)
 for i, (name, run) in enumerate(runs.items()):
     ax.plot(np.cumsum(run["seconds"]), run["losses"], marker="os"[i], ls=("-", "--")[i],
             markevery=(i * every // 2, every),
-            label=f"{name}, {run['tokens/s']:,.0f} tokens/s")
+            label=f"{name}, {run['tokens/s']:,.0f} real tokens/s")
 ax.set_xlabel("seconds of training (measured)")
 ax.set_ylabel("cross-entropy loss")
 ax.set_yscale("log")
+ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # ticks at 1, 2, 5 x 10^k
+ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+ax.yaxis.set_minor_formatter(NullFormatter())
 ax.set_title(f"Copying ragged sequences, {DEVICE}, {str(DTYPE).removeprefix('torch.')}")
-ax.legend()
-fig.tight_layout()
+fig.legend(loc="outside lower center")  # below the axes, clear of both curves
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 1

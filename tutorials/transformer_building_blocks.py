@@ -689,8 +689,8 @@ print("work bound of the original's setting, seeds 0, 1, 2: "
 # ---------------
 # * `torch.nested documentation <https://docs.pytorch.org/docs/stable/nested.html>`_
 # * `varlen_attn <https://docs.pytorch.org/docs/stable/nn.attention.varlen.html>`_
-# * The `scaled dot product attention tutorial <https://docs.pytorch.org/
-#   tutorials/intermediate/scaled_dot_product_attention_tutorial.html>`_
+# * The `scaled dot product attention tutorial
+#   <https://docs.pytorch.org/tutorials/intermediate/scaled_dot_product_attention_tutorial.html>`_
 # * The `FlexAttention blog post <https://pytorch.org/blog/flexattention/>`_ and
 #   `attention-gym <https://github.com/meta-pytorch/attention-gym>`_
 # * `Packing with FlashAttention 2 in Hugging Face transformers

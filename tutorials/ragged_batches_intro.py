@@ -63,6 +63,17 @@ assert torch.equal(from_padded(padded, offsets), values)
 print("sentence 2:", values[offsets[2]:offsets[3]])
 
 # %%
+# The same batch as a picture (``draw_batch`` from the toolkit): each token
+# shows its position in its sentence, and each sentence has its colour.
+
+import matplotlib.pyplot as plt
+from ragged_toolkit import FIGURE_STYLE, draw_batch
+
+plt.rcParams.update(FIGURE_STYLE)
+draw_batch([len(s) for s in sentences])
+plt.show()
+
+# %%
 # Sizes
 # -----
 # Every size on this page is set here, once, for the device it runs on.
@@ -71,7 +82,7 @@ print("sentence 2:", values[offsets[2]:offsets[3]])
 
 import numpy as np
 from ragged_toolkit import (
-    FIGURE_STYLE, default_device, default_dtype, measure, quick_mode, quiet_known_notes,
+    default_device, default_dtype, measure, quick_mode, quiet_known_notes,
     sentence_lengths, speedup_line, zipf_stop_probability,
 )
 
@@ -114,9 +125,6 @@ print(f"{BATCH} sentences, {int(lengths.sum())} tokens, "
 # The histogram has the long right tail of real text: most sentences are
 # short, a few are very long, and the longest one sets the padded length.
 
-import matplotlib.pyplot as plt
-
-plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 4))
 ax.hist(lengths.numpy(), bins=40, color="#4c72b0")
 ax.axvline(int(lengths.max()), color="#c44e52", linestyle="--",

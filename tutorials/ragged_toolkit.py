@@ -204,6 +204,41 @@ def from_padded(padded, offsets):
     return padded[token_index(offsets)]
 
 
+def draw_batch(lengths):
+    """A figure of one batch both ways: padded ``(B, S)`` with its padding
+    slots, and packed values ``(T,)`` with the offsets under them. Each token
+    shows its position in its sequence; each sequence has its own colour."""
+    import matplotlib.pyplot as plt
+
+    offsets = offsets_from_lengths(lengths)
+    seq, pos = token_index(offsets)
+    B, S, T = len(lengths), max(lengths), len(seq)
+    colors = plt.get_cmap("tab10")(np.arange(B) % 10)
+    fig, (ax_pad, ax_pack) = plt.subplots(2, 1, figsize=(8, 1.1 * B + 2.4),
+                                          height_ratios=[B, 1.6])
+
+    def cell(ax, x, y, color, text, ink):
+        ax.add_patch(plt.Rectangle((x, y), 0.92, 0.86, color=color))
+        ax.text(x + 0.46, y + 0.43, text, ha="center", va="center", color=ink)
+
+    for b, n in enumerate(lengths):
+        for s in range(S):
+            real = s < n
+            cell(ax_pad, s, b, colors[b] if real else "0.88", f"{s}" if real else "pad",
+                 "white" if real else "0.45")
+    for t in range(T):
+        cell(ax_pack, t, 0, colors[int(seq[t])], f"{int(pos[t])}", "white")
+    ax_pad.set(xlim=(0, S), ylim=(B, 0),
+               title=f"padded (B, S) = ({B}, {S}) and a mask: "
+               f"{B * S - T} of {B * S} slots are padding")
+    ax_pad.axis("off")
+    ax_pack.set(xlim=(0, T), ylim=(1, -0.1), yticks=[], xticks=offsets.tolist(),
+                title=f"packed values (T,) = ({T},), offsets {offsets.tolist()}")
+    ax_pack.set_xlabel("offsets: where each sequence starts, then where the last one ends")
+    fig.tight_layout()
+    return fig
+
+
 # --- Attention within each sequence --------------------------------------------
 
 

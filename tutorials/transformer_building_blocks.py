@@ -42,50 +42,11 @@ backends; and a multi-head attention layer built on both, checked against
 # number of real tokens, plus **offsets** ``(B + 1,)``, where each sequence
 # starts and the last one ends. The picture draws both for one small batch.
 
-import time
-
 import matplotlib.pyplot as plt
-import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from ragged_toolkit import (
-    BACKENDS, FIGURE_STYLE, MultiHeadAttention, STOP_RANKS, backend_support,
-    compare_backends, default_device, default_dtype, fastest, from_padded, measure,
-    offsets_from_lengths, offsets_from_position_ids, quick_mode, quiet_known_notes,
-    ragged_attention, ragged_batch, reference_attention, sentence_lengths, speedup_line,
-    synchronize, to_padded, token_index, tolerances, where_time_goes, work_bound,
-    zipf_stop_probability,
-)
+from ragged_toolkit import FIGURE_STYLE, draw_batch
 
 plt.rcParams.update(FIGURE_STYLE)
-lengths_demo = [5, 2, 7, 3]
-offsets_demo = offsets_from_lengths(lengths_demo)
-seq_demo, pos_demo = token_index(offsets_demo)
-S_demo, T_demo = max(lengths_demo), len(seq_demo)
-colors = plt.get_cmap("tab10")(np.arange(len(lengths_demo)))
-
-fig, (ax_pad, ax_pack) = plt.subplots(2, 1, figsize=(8, 5.4), height_ratios=[4, 1.6])
-for b, n in enumerate(lengths_demo):
-    for s in range(S_demo):
-        real = s < n
-        color = colors[b] if real else "0.88"
-        ax_pad.add_patch(plt.Rectangle((s, b), 0.92, 0.86, color=color))
-        ax_pad.text(s + 0.46, b + 0.43, f"{s}" if real else "pad", ha="center",
-                    va="center", color="white" if real else "0.45")
-slots_demo = len(lengths_demo) * S_demo
-ax_pad.set(xlim=(0, S_demo), ylim=(len(lengths_demo), 0), xticks=[], yticks=[],
-           title=f"padded (B, S) = ({len(lengths_demo)}, {S_demo}) and a mask: "
-                 f"{slots_demo - T_demo} of {slots_demo} slots are padding")
-for t in range(T_demo):
-    ax_pack.add_patch(plt.Rectangle((t, 0), 0.92, 0.86, color=colors[int(seq_demo[t])]))
-    ax_pack.text(t + 0.46, 0.43, f"{int(pos_demo[t])}", ha="center", va="center",
-                 color="white")
-ax_pack.set(xlim=(0, T_demo), ylim=(1, -0.1), yticks=[], xticks=offsets_demo.tolist(),
-            title=f"packed values (T,) = ({T_demo},), offsets {offsets_demo.tolist()}")
-ax_pack.set_xlabel("offsets: where each sequence starts, then where the last one ends")
-ax_pad.axis("off")
-fig.tight_layout()
+draw_batch([5, 2, 7, 3])
 plt.show()
 
 # %%
@@ -109,9 +70,23 @@ plt.show()
 # interface here is the plain pair of tensors, and a nested tensor appears
 # only as one attention backend among six.
 #
-# Every function this page uses comes from one module, ``ragged_toolkit``,
-# imported above, and is shown where it is explained. Sizes are set here,
-# once, for the device at hand.
+# Every function this page uses comes from one module, ``ragged_toolkit``
+# (``draw_batch`` drew the picture), and is shown where it is explained.
+# Sizes are set here, once, for the device at hand.
+
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from ragged_toolkit import (
+    BACKENDS, MultiHeadAttention, STOP_RANKS, backend_support, compare_backends,
+    default_device, default_dtype, fastest, from_padded, measure, offsets_from_lengths,
+    offsets_from_position_ids, quick_mode, quiet_known_notes, ragged_attention, ragged_batch,
+    reference_attention, sentence_lengths, speedup_line, synchronize, to_padded, token_index,
+    tolerances, where_time_goes, work_bound, zipf_stop_probability,
+)
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -656,7 +631,7 @@ ax.legend(loc="upper left")
 fig.tight_layout()
 plt.show()
 
-# sphinx_gallery_thumbnail_number = 1
+# sphinx_gallery_thumbnail_number = 2
 
 # %%
 # Conclusion

@@ -94,6 +94,7 @@ def quick_mode():
 # Matplotlib settings for the pages' figures: 12-point text at 100 dpi is
 # about 17 px, as large as the page's body text when a figure of at most
 # 8 inches (800 px) is shown at its natural size in the content column.
+#: Matplotlib ``rcParams`` for the pages' figures (``plt.rcParams.update(FIGURE_STYLE)``).
 FIGURE_STYLE = {
     "figure.dpi": 100,
     "savefig.dpi": 100,
@@ -242,6 +243,7 @@ def draw_batch(lengths):
 # --- Attention within each sequence --------------------------------------------
 
 
+#: The names of ``ragged_attention``'s backends.
 BACKENDS = ("varlen", "sdpa_njt", "flex", "loop", "bucketed", "padded")
 
 

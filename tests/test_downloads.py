@@ -48,7 +48,10 @@ TIMEOUT_S = 600
 MEASURED = re.compile(
     r"\b(ms|us|µs|ns|s|sec|seconds|tokens/s|tok/s|it/s|MB|MiB|GB|GiB|KB|KiB|bytes)\b"
     r"|speedup|faster|slower|median|IQR|fraction|throughput|\d+(\.\d+)?x\b|time|memory|peak"
-    r"|chosen|decoding with",
+    r"|chosen|decoding with"
+    # a kernel label on a line of its own, and the ranking of the paths that
+    # follow the measured choice ("then: ..."): both follow from timings
+    r"|^\s*\[[^\]]*\]\s*$|^\s*then:",
     re.I)
 
 

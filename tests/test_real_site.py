@@ -241,7 +241,8 @@ GLOSSARY_TERMS = {"work bound", "fraction of the bound", "kernel label", "quick 
 
 def test_the_intro_page_defines_the_glossary(real_site):
     page = soup(real_site.html / "auto_tutorials" / f"{GLOSSARY_PAGE}.html")
-    terms = {dt.get_text(" ", strip=True).rstrip("¶#").strip() for dt in page.select("dl.glossary dt")}
+    terms = {dt.get_text(" ", strip=True).rstrip("¶#").strip().replace("\u2019", "'")
+             for dt in page.select("dl.glossary dt")}
     assert GLOSSARY_TERMS <= terms, f"glossary terms: {sorted(terms)}"
 
 

@@ -64,7 +64,7 @@ print("sentence 2:", values[offsets[2]:offsets[3]])
 
 # %%
 # The same batch as a picture (``draw_batch`` from the toolkit): each token
-# shows its position in its sentence, and each sentence has its colour.
+# shows its position in its sentence, and each sentence has its color.
 
 import matplotlib.pyplot as plt
 from ragged_toolkit import FIGURE_STYLE, draw_batch

@@ -208,7 +208,7 @@ def from_padded(padded, offsets):
 def draw_batch(lengths):
     """A figure of one batch both ways: padded ``(B, S)`` with its padding
     slots, and packed values ``(T,)`` with the offsets under them. Each token
-    shows its position in its sequence; each sequence has its own colour."""
+    shows its position in its sequence; each sequence has its own color."""
     import matplotlib.pyplot as plt
 
     offsets = offsets_from_lengths(lengths)

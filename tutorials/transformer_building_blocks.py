@@ -416,7 +416,7 @@ print(speedup_line("forward and backward against padded", training["padded"],
                    training["ragged"], bound))
 tokens = len(x)
 per_s = {name: tokens / forward[name].median_ms * 1e3 for name in ("padded", "ragged")}
-print(f"forward, real tokens per second: padded {per_s['padded']:,.0f}, "
+print(f"forward, real tokens/s: padded {per_s['padded']:,.0f}, "
       f"ragged {per_s['ragged']:,.0f}")
 
 # %%

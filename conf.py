@@ -31,10 +31,12 @@ author = "The ragged-transformers tutorial contributors"
 copyright = "2026, " + author
 
 # -- Build environment ----------------------------------------------------------
-# Each build compiles with an empty inductor/Triton cache of its own, so the
-# compile times on the pages do not depend on what ran on the machine before
-# (set TORCHINDUCTOR_CACHE_DIR to choose one; the page stamp says which).
+# Every tutorial runs in a process of its own, killed past the time limit,
+# and compiles with an empty inductor/Triton cache of its own, so nothing one
+# page does or compiles reaches another (set TORCHINDUCTOR_CACHE_DIR to share
+# a cache; the page stamp says which). sphinxext/tutorial_isolation.py.
 tutorial_isolation.use_private_compile_cache()
+tutorial_isolation.run_each_tutorial_in_its_own_process()
 # torch.profiler's kineto prints "USDT ... profiler_start/stop" on stderr for
 # every profiled region; its lowest level above those lines is 6.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -119,12 +121,12 @@ sphinx_gallery_conf = {
     "ignore_pattern": r"__init__\.py|" + re.escape(TOOLKIT),
     # Reading order, not file names: sphinxext/gallery_order.py.
     "within_subsection_order": "gallery_order.TutorialOrder",
-    # Before and after every tutorial: state reset, seeds, page stamp, time
-    # limit (sphinxext/tutorial_isolation.py).
-    "reset_modules": ("matplotlib", "tutorial_isolation.reset_state"),
-    "reset_modules_order": "both",
-    # CUDA peak allocated with CUDA, peak RSS growth on CPU; every code block
-    # runs through it, under the time limit (sphinxext/tutorial_memory.py).
+    # Each tutorial runs in a fresh process (sphinxext/tutorial_isolation.py):
+    # only matplotlib's defaults are set before it, as Sphinx-Gallery does.
+    "reset_modules": ("matplotlib",),
+    "reset_modules_order": "before",
+    # The peak of the tutorial's own process: CUDA allocated with CUDA, peak
+    # RSS on CPU; every code block runs through it (sphinxext/tutorial_memory.py).
     "show_memory": tutorial_memory.PeakMemory(),
     "junit": "sphinx-gallery/junit-results.xml",
     # Each figure also at twice its resolution, for sharp text on dense

@@ -12,11 +12,18 @@ the exit status is 1 if any page failed, 2 if there is no CUDA GPU.
 
 ``--allow-cpu`` runs the same on a machine without CUDA (for testing this
 script; the pages then pick their CPU sizes).
+
+A page that imports a package this Python lacks beyond PyTorch, numpy and
+matplotlib (``transformers`` for ``hf_packed_training``) is not run: its line
+says SKIP, names the package and how to bring it in, and the total counts
+it; a skip fails nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import os
 import re
@@ -32,7 +39,7 @@ from gallery_order import reading_order_key  # noqa: E402
 
 BUDGET_S = 8 * 60  # the whole check, on one H200
 FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")
-TRAINING = re.compile(r"^training: ragged .*$", re.M)
+TRAINING = re.compile(r"^(?:\w+ )?training: ragged .*$", re.M)  # "hf training: ragged ..." too
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -50,6 +57,24 @@ def cuda_status() -> tuple[bool, str]:
         return False, (f"no CUDA GPU is visible (torch.cuda.is_available() is False; PyTorch {version}, "
                        f"{build}): gpu-check needs a machine with an NVIDIA GPU and a CUDA build of PyTorch")
     return True, f"PyTorch {version}, CUDA {cuda}, {' '.join(name).strip()}"
+
+
+# Packages some pages import beyond the bare GPU machine's torch, numpy and
+# matplotlib, and the line that says how to bring them (they are pinned in
+# requirements-tutorials.txt).
+OPTIONAL = {"transformers": "pip install --no-index --find-links wheels transformers "
+                            "(wheels from pip download -d wheels transformers==<pin>)"}
+
+
+def missing_packages(path: Path) -> list[str]:
+    """The packages of ``OPTIONAL`` that the page imports and this Python lacks."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    return sorted(name for name in imported & set(OPTIONAL) if importlib.util.find_spec(name) is None)
 
 
 def summarize(stem: str, ok: bool, seconds: float, output: str) -> str:
@@ -127,17 +152,27 @@ def main(argv=None) -> int:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tutorials"), os.environ.get("PYTHONPATH")]))}
     results, total = [], time.perf_counter()
     for path in pages:
+        missing = missing_packages(path)
+        if missing:
+            line = (f"SKIP {path.stem:40s} needs {', '.join(missing)}, not installed here: "
+                    + "; ".join(OPTIONAL[m] for m in missing))
+            print(line, flush=True)
+            results.append({"page": path.stem, "passed": None, "skipped": f"needs {', '.join(missing)}",
+                            "seconds": 0.0, "fractions": [], "summary": line})
+            continue
         passed, seconds, output = run_page(path, args.out, args.timeout, env)
         line = summarize(path.stem, passed, seconds, output)
         print(line, flush=True)
         results.append({"page": path.stem, "passed": passed, "seconds": round(seconds, 1),
                         "fractions": [float(f) for f in FRACTION.findall(output)], "summary": line})
     elapsed = time.perf_counter() - total
-    print(f"gpu-check: {sum(r['passed'] for r in results)} of {len(results)} pages passed in {elapsed:.0f} s"
+    skipped = sum(r["passed"] is None for r in results)
+    print(f"gpu-check: {sum(bool(r['passed']) for r in results)} of {len(results)} pages passed in {elapsed:.0f} s"
+          + (f", {skipped} skipped (a package missing)" if skipped else "")
           + ("" if elapsed <= BUDGET_S else f" (over the {BUDGET_S // 60}-minute budget)"))
     (args.out / "summary.json").write_text(json.dumps({"status": status, "seconds": round(elapsed, 1),
                                                        "pages": results}, indent=1) + "\n")
-    return 0 if all(r["passed"] for r in results) else 1
+    return 0 if all(r["passed"] is not False for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ toolkit, so the result is the same however many builds ran before:
   source, embedded as a string (:func:`carry_toolkit`);
 * **the notebook**: its second cell writes ``ragged_toolkit.py`` into the
   kernel's folder with ``%%writefile`` (after the install cell,
-  ``notebook_cell.py``); no empty code cell is left (a cell that held only
+  ``notebook_cell.py``), and a page that needs more than the first cell
+  installs gets its own install cell third (``page_install_cell``); no
+  empty code cell is left (a cell that held only
   ``# sphinx_gallery_tags``); and the rST that Sphinx-Gallery leaves in the
   markdown cells (grids and cards, notes, tables, ``literalinclude``, roles)
   becomes Markdown (:func:`rst_to_markdown`, :func:`notebook_for_download`);
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT, tutorial_sources
+from notebook_cell import PAGE_CELL_HEAD, page_install_cell
 
 MODULE = TOOLKIT.removesuffix(".py")  # "ragged_toolkit"
 
@@ -428,15 +431,16 @@ def _source(cell: dict) -> str:
 
 
 def notebook_for_download(nb: dict, toolkit_source: str, *, include: Include | None = None,
-                          refs: Refs | None = None) -> dict:
+                          refs: Refs | None = None, page_cell: str | None = None) -> dict:
     """Sphinx-Gallery's notebook as it is downloaded: the install cell, then
-    the cell that writes the toolkit, then the page, with no empty code cell
-    and no rST in its markdown. Applied to its own result it changes nothing."""
+    the cell that writes the toolkit, then ``page_cell`` (what only this page
+    installs) if any, then the page, with no empty code cell and no rST in
+    its markdown. Applied to its own result it changes nothing."""
     nb = copy.deepcopy(nb)
     cells = []
     for cell in nb["cells"]:
         src = _source(cell)
-        if cell["cell_type"] == "code" and (not src.strip() or src.startswith(WRITEFILE)):
+        if cell["cell_type"] == "code" and (not src.strip() or src.startswith((WRITEFILE, PAGE_CELL_HEAD))):
             continue
         if cell["cell_type"] == "markdown":
             src = rst_to_markdown(src, include=include, refs=refs)
@@ -446,6 +450,9 @@ def notebook_for_download(nb: dict, toolkit_source: str, *, include: Include | N
         cells.append(cell)
     at = 1 if cells and cells[0]["cell_type"] == "code" else 0  # after the install cell
     cells.insert(at, toolkit_cell(toolkit_source))
+    if page_cell:
+        cells.insert(at + 1, {"cell_type": "code", "execution_count": None, "metadata": {},
+                              "outputs": [], "source": page_cell})
     nb["cells"] = cells
     return nb
 
@@ -604,6 +611,10 @@ def write_downloads(app, exc) -> None:
 
     refs = _refs(app)
     made: dict[str, dict[str, str]] = {}  # stem -> suffix -> text
+    minimums = src / "requirements-minimum.txt"
+
+    def page_cell(stem):  # what only this page installs (notebook_cell.py)
+        return page_install_cell(minimums, stem) if minimums.exists() else None
 
     def text_for(stem, suffix):
         if suffix not in made.setdefault(stem, {}):
@@ -612,7 +623,8 @@ def write_downloads(app, exc) -> None:
             else:
                 nb = json.loads((gallery / f"{stem}.ipynb").read_text(encoding="utf-8"))
                 try:
-                    nb = notebook_for_download(nb, toolkit, include=include, refs=refs)
+                    nb = notebook_for_download(nb, toolkit, include=include, refs=refs,
+                                               page_cell=page_cell(stem))
                 except (LookupError, ValueError, OSError) as err:
                     from sphinx.errors import ExtensionError
                     raise ExtensionError(f"{GALLERY_SRC}/{stem}.py: its notebook: {err}") from None

@@ -36,24 +36,15 @@ def describe_environment() -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
-        info["memory"] = "peak CUDA memory allocated (torch.cuda.max_memory_allocated)"
+        info["memory"] = tutorial_memory.CUDA_FIGURE
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         info["device"] = f"CPU, {cores} cores"
-        _, current = tutorial_memory.rss_source()
-        if not current:
-            info["memory"] = ("growth of the build process's peak resident memory while the page "
-                              "ran, a lower bound (this machine gives no finer measure)")
-        else:
-            info["memory"] = (f"peak growth of the build process's resident memory (RSS) while the "
-                              f"page ran, sampled every {tutorial_memory.SAMPLE_S * 1000:g} ms")
-            info["memory"] += (
-                ", after freed memory was returned to the system"
-                if tutorial_memory.independent_of_page_order() else
-                ", a lower bound (memory that earlier pages freed may be reused without growing it)")
+        info["memory"] = tutorial_memory.cpu_figure()
     cache = os.environ.get("TUTORIALS_COMPILE_CACHE")
     info["compile_cache"] = (
-        "an empty torch.compile cache of its own" if cache == "private" else
+        "an empty torch.compile cache of its own, in a process that ran nothing else"
+        if cache == "private" else
         f"the torch.compile cache in {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'its default place')}")
     return info
 

@@ -1,97 +1,99 @@
-"""The memory figure under each tutorial page ("Estimated memory usage").
+"""The callable Sphinx-Gallery runs every code block through (``show_memory``).
 
-Sphinx-Gallery calls the ``show_memory`` callable around every code block and
-around an empty call just before the tutorial starts, and prints the largest
-block figure minus that starting one.
+It gives the memory figure under each page ("Estimated memory usage"). Each
+tutorial runs in a process of its own (``tutorial_isolation``), so the
+figure is that process's own peak, kept by the system, nothing sampled:
+with CUDA ``torch.cuda.max_memory_allocated``; on CPU the peak resident
+memory (``VmHWM`` on Linux, ``ru_maxrss`` on macOS, the peak working set on
+Windows), started afresh just before the page's first block, so that what
+the process did before (a fresh interpreter's start-up, Sphinx-Gallery's
+imports) cannot hide it; where the system cannot do that (macOS, Windows)
+the page stamp calls the figure a lower bound. Sphinx-Gallery calls it
+around an empty call before the first block too, and prints the largest
+figure minus that first one.
 
-* With CUDA: ``torch.cuda.max_memory_allocated``, peak since reset.
-* On CPU, where PyTorch keeps no allocator statistics: the resident memory
-  (RSS) of the build process from ``psutil`` (Linux, macOS, Windows), sampled
-  every 5 ms while the block runs. Memory a previous page freed but the C
-  allocator kept would be reused without raising the RSS, so the figure would
-  depend on which page ran before: before each page the build returns freed
-  heap memory to the system (``malloc_trim`` where the C library has it, see
-  :func:`release_freed_memory`). Where neither psutil nor that works, the
-  figure is the growth of the process's peak RSS, a lower bound, and the page
-  stamp says so.
-
-Each block runs inside :func:`tutorial_guards.run_block` (time limit, no
-``sys.exit``).
+It also keeps a page from ending the build: a ``SystemExit`` in a block
+becomes :class:`TutorialFailure`, an ordinary exception naming the tutorial
+and the line, so the page is written with the error where its code stopped
+and the build fails once every page has run.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
+import os
 import sys
-import threading
+from pathlib import PurePath
 
-import tutorial_guards
-
-SAMPLE_S = 0.005
-
-
-_PROCESS = {}  # pid -> psutil.Process, made once: it is read every SAMPLE_S
-
-
-def _psutil_rss() -> int:
-    import os
-
-    import psutil
-
-    pid = os.getpid()
-    if pid not in _PROCESS:
-        _PROCESS[pid] = psutil.Process(pid)
-    return _PROCESS[pid].memory_info().rss
+CPU_FIGURE = ("peak resident memory (RSS) of the process that ran this page and nothing else, "
+              "above what it held when the page's code began")
+CUDA_FIGURE = ("peak CUDA memory allocated (torch.cuda.max_memory_allocated) by the process that "
+               "ran this page and nothing else")
+LOWER_BOUND = ", a lower bound (the process's start-up may have used more before the page began)"
+CLEAR_REFS = "/proc/self/clear_refs"  # "5" starts the peak afresh (Linux)
+_started: list[bool] = []  # once the page's empty first call has run, in this process
+_current = {"file": None}  # "tutorials/<name>.py", set in the tutorial's process
 
 
-def _peak_rss() -> int:
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+class TutorialFailure(RuntimeError):
+    """Raised to Sphinx-Gallery in place of the tutorial's SystemExit."""
 
 
-def rss_source():
-    """(function returning bytes, whether it reads the current RSS) for this
-    machine."""
+def start_tutorial(name: str | None) -> None:
+    _current["file"] = name
+
+
+def cpu_figure() -> str:
+    """What the CPU figure is, for the page stamp."""
+    return CPU_FIGURE + ("" if os.access(CLEAR_REFS, os.W_OK) else LOWER_BOUND)
+
+
+def reset_peak() -> bool:
+    """Start this process's peak resident memory afresh, where the system
+    allows it. Returns whether it could."""
     try:
-        _psutil_rss()
-        return _psutil_rss, True
-    except Exception:  # psutil missing, or no /proc on a Linux without it
-        return _peak_rss, False
-
-
-def independent_of_page_order() -> bool:
-    """Whether the CPU figure is the page's own: the current RSS can be read,
-    and memory freed by earlier pages can be handed back first."""
-    return rss_source()[1] and _malloc_trim() is not None
-
-
-_LIBC = []  # [the C library, or None], once looked up
-
-
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    if not _LIBC:
-        name = ctypes.util.find_library("c")
-        try:
-            _LIBC.append(ctypes.CDLL(name) if name else None)
-        except OSError:
-            _LIBC.append(None)
-    return getattr(_LIBC[0], "malloc_trim", None)
-
-
-def release_freed_memory() -> bool:
-    """Hand memory that is free in the C allocator back to the system, so
-    the next page's allocations raise the RSS. True where that is possible."""
-    gc.collect()
-    trim = _malloc_trim()
-    if trim is None:
+        with open(CLEAR_REFS, "w") as f:
+            f.write("5")
+        return True
+    except OSError:
         return False
-    trim(0)
-    return True
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: ``VmHWM`` on Linux (what
+    the reset starts afresh; ``ru_maxrss`` there also keeps the peak of the
+    build process a spawned interpreter was started from)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 2**10
+    except (OSError, StopIteration):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        import psutil
+
+        return psutil.Process().memory_info().peak_wset / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB elsewhere
+
+
+def run_block(func):
+    """Run one code block of the current tutorial: no ``sys.exit``."""
+    name = _current["file"]
+    try:
+        return func()
+    except SystemExit as exc:
+        if name is None:  # not inside a tutorial (a test)
+            raise
+        line, tb = None, exc.__traceback__  # the tutorial's innermost line
+        while tb is not None:
+            if PurePath(tb.tb_frame.f_code.co_filename).as_posix().endswith("/" + name):
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        raise TutorialFailure(
+            f"{name} called sys.exit({exc.code!r}) (or raised SystemExit)"
+            f"{'' if line is None else f' at line {line}'}: a tutorial must not end the build; "
+            "raise an exception instead") from None
 
 
 class PeakMemory:
@@ -107,30 +109,11 @@ class PeakMemory:
     def __call__(self, func):
         import torch
 
+        if not _started:  # Sphinx-Gallery's empty call before the first block
+            _started.append(reset_peak())
+        out = run_block(func)
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            out = tutorial_guards.run_block(func)
-            torch.cuda.synchronize()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() / 2**20, out
-        return _cpu_peak(func)
-
-
-def _cpu_peak(func):
-    rss, _ = rss_source()
-    peak = [rss()]
-    done = threading.Event()
-
-    def sample():
-        while not done.wait(SAMPLE_S):
-            peak[0] = max(peak[0], rss())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        out = tutorial_guards.run_block(func)
-    finally:
-        done.set()
-        sampler.join()
-    peak[0] = max(peak[0], rss())
-    return peak[0] / 2**20, out
+        return peak_rss_mb(), out

@@ -243,18 +243,20 @@ def test_a_renamed_tutorial_leaves_no_stale_page(tmp_path):
 
 # --- the build's own compile cache -------------------------------------------
 
-def test_each_build_compiles_with_a_cache_of_its_own(tmp_path):
+def test_each_tutorial_compiles_with_a_cache_of_its_own(tmp_path):
+    # Two pages in each of two builds: four empty caches, one per process.
     dirs = []
     for i in range(2):
         site = make_site(tmp_path / f"site{i}", tutorials=[TINY[1], FAULTS / "compile_cache.py"])
+        shutil.copy2(FAULTS / "compile_cache.py", site / "tutorials" / "compile_cache_again.py")
         env = {"TORCHINDUCTOR_CACHE_DIR": "", "TRITON_CACHE_DIR": ""}
         result = build(site, env=env)
         assert result.returncode == 0, result.log[-3000:]
-        text = soup(site / "_build" / "html" / "auto_tutorials" / "compile_cache.html").get_text(" ")
-        dirs.append(re.search(r"inductor cache: (\S+)", text).group(1))
-        stamp = soup(site / "_build" / "html" / "auto_tutorials" / "compile_cache.html").select_one(".build-stamp")
-        assert "empty torch.compile cache of its own" in stamp.get_text(" ")
-    assert dirs[0] != dirs[1], dirs
+        for stem in ("compile_cache", "compile_cache_again"):
+            html = soup(site / "_build" / "html" / "auto_tutorials" / f"{stem}.html")
+            dirs.append(re.search(r"inductor cache: (\S+)", html.get_text(" ")).group(1))
+            assert "empty torch.compile cache of its own" in html.select_one(".build-stamp").get_text(" ")
+    assert len(set(dirs)) == 4, dirs
     assert all("tutorials-compile-cache-" in d for d in dirs), dirs
 
 

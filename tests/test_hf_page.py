@@ -1,0 +1,246 @@
+"""The transformers page (tutorials/hf_packed_training.py): its minimum and
+pin, the install cell only its notebook gets, the check-versions matrix for
+transformers, the failure where transformers' attention interface changes,
+and its equality checks failing where the registered function is replaced by
+the stock ``sdpa`` one."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sitebuild import REPO
+
+sys.path.insert(0, str(REPO / "sphinxext"))
+sys.path.insert(0, str(REPO / "scripts"))
+import check_versions  # noqa: E402
+import downloads  # noqa: E402
+import notebook_cell  # noqa: E402
+
+STEM = "hf_packed_training"
+PAGE = REPO / "tutorials" / f"{STEM}.py"
+MINIMUMS = REPO / "requirements-minimum.txt"
+
+
+def release(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("+")[0].split(".")[:3])
+
+
+def page_constant(name: str) -> str:
+    for node in ast.parse(PAGE.read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{PAGE.name} sets no {name}")
+
+
+def test_the_page_minimum_is_the_one_in_requirements_minimum_and_the_pin_is_newer():
+    mins = dict(notebook_cell.page_minimums(MINIMUMS, STEM))
+    assert mins == {"transformers": page_constant("MINIMUM_TRANSFORMERS")}
+    pinned = check_versions.pins()["transformers"]
+    assert release(pinned) >= release(mins["transformers"])
+    assert "transformers" not in dict(notebook_cell.minimums(MINIMUMS)), \
+        "transformers is a minimum of every notebook: it must be this page's only"
+
+
+def test_only_this_page_gets_the_extra_install_cell():
+    assert "transformers" not in notebook_cell.install_cell(MINIMUMS)
+    assert notebook_cell.page_install_cell(MINIMUMS, "ragged_batches_intro") is None
+    cell = notebook_cell.page_install_cell(MINIMUMS, STEM)
+    assert cell.startswith(notebook_cell.PAGE_CELL_HEAD)
+    assert f"transformers', '{page_constant('MINIMUM_TRANSFORMERS')}'" in cell and "==" not in cell
+
+
+def _run_page_cell(monkeypatch, installed: dict[str, str]) -> tuple[list, str]:
+    import importlib.metadata
+
+    calls = []
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    def check_call(cmd):
+        calls.append(cmd[cmd.index("--quiet") + 1:])
+        for req in calls[-1]:
+            name, minimum = req.split(">=")
+            installed[name] = minimum
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(subprocess, "check_call", check_call)
+    printed = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
+    exec(compile(notebook_cell.page_install_cell(MINIMUMS, STEM), "page_cell", "exec"), {})
+    return calls, "\n".join(printed)
+
+
+def test_the_extra_cell_installs_only_what_is_missing_or_too_old_and_is_silent_otherwise(monkeypatch):
+    minimum = page_constant("MINIMUM_TRANSFORMERS")
+    assert _run_page_cell(monkeypatch, {"transformers": "5.24.0"}) == ([], "")
+    calls, printed = _run_page_cell(monkeypatch, {"transformers": "4.40.0"})
+    assert calls == [[f"transformers>={minimum}"]] and printed == f"installed: transformers {minimum}"
+    calls, _ = _run_page_cell(monkeypatch, {})
+    assert calls == [[f"transformers>={minimum}"]]
+
+
+def test_the_notebook_puts_the_page_cell_third_once():
+    nb = {"cells": [{"cell_type": "code", "source": "# install", "metadata": {}, "outputs": []},
+                    {"cell_type": "code", "source": "print(1)", "metadata": {}, "outputs": []}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    extra = notebook_cell.page_install_cell(MINIMUMS, STEM)
+    out = downloads.notebook_for_download(nb, "TOOLKIT = 1\n", page_cell=extra)
+    sources = [c["source"] for c in out["cells"]]
+    assert sources[0] == "# install" and sources[1].startswith(downloads.WRITEFILE)
+    assert sources[2] == extra and sources[3] == "print(1)"
+    assert downloads.notebook_for_download(out, "TOOLKIT = 1\n", page_cell=extra) == out
+    assert len(downloads.notebook_for_download(nb, "TOOLKIT = 1\n")["cells"]) == 3
+
+
+def test_the_transformers_matrix_is_oldest_pinned_newest():
+    assert check_versions.imports_transformers(PAGE)
+    assert not check_versions.imports_transformers(REPO / "tutorials" / "ragged_batches_intro.py")
+    assert check_versions.transformers_matrix() == [
+        page_constant("MINIMUM_TRANSFORMERS"), check_versions.pins()["transformers"],
+        check_versions.NEWEST_TRANSFORMERS]
+
+
+def test_a_transformers_environment_is_its_own(tmp_path, monkeypatch):
+    made = []
+
+    def venv(cmd, **kw):
+        made.append(cmd)
+        Path(cmd[-1]).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(check_versions.subprocess, "run", venv)
+    monkeypatch.setattr(check_versions, "_pip", lambda python, *reqs: made.append(reqs))
+    python = check_versions.environment("2.13.0", tmp_path, {"transformers": "4.54.0"})
+    assert python == tmp_path / "torch-2.13.0-transformers-4.54.0" / "bin" / "python"
+    assert "transformers==4.54.0" in made[-1] and "torch==2.13.0" in made[-1]
+    pinned = check_versions.pins()["transformers"]
+    python = check_versions.environment("2.13.0", tmp_path, {"transformers": pinned})
+    assert python == tmp_path / "torch-2.13.0" / "bin" / "python", "the pin needs no environment of its own"
+    assert f"transformers=={pinned}" in made[-1]
+
+
+def test_the_transformers_record_is_its_own(tmp_path, monkeypatch):
+    record = {"torch": "2.13.0", "transformers": "4.54.0", "pages": {STEM: {"result": "passed"}}}
+    monkeypatch.setattr(check_versions, "check", lambda torch, pages, root, extra=None: dict(record))
+    out, torch_record = tmp_path / "hf.json", tmp_path / "torch.json"
+    assert check_versions.main(["--transformers", "4.54.0", "--pages", str(PAGE), "--record", str(torch_record),
+                                "--transformers-record", str(out)]) == 0
+    assert not torch_record.exists(), "a transformers run wrote the PyTorch record"
+    written = json.loads(out.read_text())
+    assert list(written["checked"]) == ["4.54.0"] and "transformers" in written["about"]
+
+
+# --- the page itself ---------------------------------------------------------------
+
+def page_until(marker: str) -> str:
+    source = PAGE.read_text()
+    assert marker in source, marker
+    return source.split(marker)[0]
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """The page's cells up to its registration, run here: its namespace."""
+    pytest.importorskip("transformers")
+    env = {"TUTORIALS_QUICK": "1", "MPLBACKEND": "agg"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    sys.path.insert(0, str(REPO / "tutorials"))
+    try:
+        namespace = {"__name__": "hf_page"}
+        exec(compile(page_until("# A stock model, three ways"), str(PAGE), "exec"), namespace)
+    finally:
+        sys.path.remove(str(REPO / "tutorials"))
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return namespace
+
+
+def test_the_registered_function_matches_sdpa_on_one_document(registered):
+    import torch
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    module = torch.nn.Module()
+    out, _ = registered["ragged_attention_forward"](module, q, k, v, None, scaling=8 ** -0.5,
+                                                    position_ids=torch.arange(7)[None])
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2))  # (B, T, H, D)
+
+
+@pytest.mark.parametrize("case", ["layout", "no boundaries", "boundaries"])
+def test_a_changed_attention_interface_stops_with_one_clear_line(registered, case):
+    import torch
+
+    fn, module = registered["ragged_attention_forward"], torch.nn.Module()
+    q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    if case == "layout":  # (B, T, H, D) where (B, H, T, D) is expected
+        args, kw = (q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2)), {"position_ids": torch.arange(6)[None]}
+    elif case == "no boundaries":
+        args, kw = (q, kv, kv), {}
+    else:  # boundaries that do not cover the tokens
+        args, kw = (q, kv, kv), {"cu_seq_lens_q": torch.tensor([0, 2, 4], dtype=torch.int32)}
+    with pytest.raises(RuntimeError, match=r"transformers \S+ has changed its attention interface"):
+        fn(module, *args, None, **kw)
+
+
+def test_a_padding_mask_is_refused(registered):
+    import torch
+
+    q = torch.randn(1, 4, 6, 8)
+    with pytest.raises(ValueError, match="takes packed rows"):
+        registered["ragged_attention_forward"](torch.nn.Module(), q, q, q, torch.ones(1, 1, 6, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["registered", "replaced by sdpa"])
+def test_the_equality_checks_fail_when_sdpa_replaces_the_registered_function(tmp_path, replaced):
+    pytest.importorskip("transformers")
+    source = page_until("# Training against what readers run")
+    line = "AttentionInterface.register(NAME, ragged_attention_forward)"
+    assert line in source
+    if replaced:
+        source = source.replace(line, 'AttentionInterface.register(NAME, ALL_ATTENTION_FUNCTIONS["sdpa"])')
+    script = tmp_path / f"{STEM}.py"
+    script.write_text(source)
+    env = {**os.environ, "TUTORIALS_QUICK": "1", "MPLBACKEND": "agg",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tutorials"), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    if not replaced:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "packed rows with 'sdpa' attend across documents" in proc.stdout
+        return
+    assert proc.returncode != 0, "the checks passed with stock sdpa in place of ragged_attention"
+    assert "AssertionError: ragged_toolkit differs from the padded model" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_gpu_check_skips_the_page_where_transformers_is_missing(tmp_path, monkeypatch, capsys):
+    import gpu_check
+
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert gpu_check.missing_packages(PAGE) == ["transformers"]
+    assert gpu_check.main(["--allow-cpu", "--pages", STEM, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"SKIP {STEM}" in out and "needs transformers" in out and "1 skipped" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["pages"][0]["passed"] is None and summary["pages"][0]["skipped"]
+
+
+def test_the_transformers_record_holds_what_ran_and_no_machine_paths():
+    text = check_versions.TRANSFORMERS_RECORD.read_text()
+    assert "site-packages" not in text and str(REPO) not in text
+    checked = json.loads(text)["checked"]
+    assert set(checked) <= set(check_versions.transformers_matrix()), "a release outside the matrix"
+    for version, rec in checked.items():
+        assert rec["transformers"] == version and rec["pages"][STEM]["result"] in ("passed", "failed")

@@ -12,6 +12,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import threading
 import urllib.request
@@ -205,31 +206,42 @@ def at_width(browser):
     driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
-# Each code and output block that scrolls sideways: the first line that is
-# wider than the block's text area, and by how many pixels. The lines are
+# Each code block that scrolls sideways and each output block that wraps: the
+# lines that are wider than the block's text area, and by how many pixels. The lines are
 # measured in a copy of the block's font, so the report names the line
 # whatever the font's width.
 OVERFLOWING_BLOCKS_JS = r"""
 const out = [];
 for (const pre of document.querySelectorAll('div.highlight pre')) {
-  if (pre.scrollWidth <= pre.clientWidth + 1) continue;
+  const kind = pre.closest('.sphx-glr-script-out') ? 'output' : 'code';
   const cs = getComputedStyle(pre);
+  const wraps = cs.whiteSpace.startsWith('pre-wrap');
+  if (!wraps && pre.scrollWidth <= pre.clientWidth + 1) continue;
   const room = pre.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
   const probe = document.createElement('span');
   probe.style.cssText = 'position:absolute; visibility:hidden; white-space:pre; left:0; top:0';
   pre.appendChild(probe);
-  let line = null, over = pre.scrollWidth - pre.clientWidth;
+  const lines = [];
   for (const text of pre.textContent.split('\n')) {
     probe.textContent = text;
     const w = probe.getBoundingClientRect().width;
-    if (w > room + 1) { line = text; over = Math.ceil(w - room); break; }
+    if (w > room + 1) lines.push({line: text, over: Math.ceil(w - room), chars: text.length});
   }
   probe.remove();
-  out.push({kind: pre.closest('.sphx-glr-script-out') ? 'output' : 'code', over, line,
-            chars: line === null ? null : line.length});
+  if (lines.length || !wraps) out.push({kind, wraps, lines,
+      over: pre.scrollWidth - pre.clientWidth});
 }
 return out;
 """
+
+
+# The printed lines that an issue gives "exactly", for tools to read: these
+# may be wider than the column, and wrap there; nothing else may.
+EXACT_LINE = re.compile(
+    r"transformers \S+: packed rows with 'sdpa' attend across documents"
+    r"|token imbalance \(max/mean tokens per rank\):"
+    r"|data-parallel step: world size"
+    r"|corpus: \d+ documents from ")
 
 
 @pytest.mark.parametrize("rel", TUTORIAL_PAGES)
@@ -239,12 +251,19 @@ def test_code_and_output_fit_the_column(at_width, browser, rel):
     at_width(rel, WIDE)
     driver = browser[0]
     assert driver.execute_script("return document.querySelectorAll('div.highlight pre').length") > 0
-    wide = driver.execute_script(OVERFLOWING_BLOCKS_JS)
-    report = [f"  {b['kind']} block {b['over']} px too wide: " + (
-        f"{b['chars']} characters: {b['line'][:140]!r}" if b["line"] is not None else "(no single line)")
-        for b in wide]
-    if wide:
-        pytest.fail(f"{rel} at {WIDE} px: {len(wide)} block(s) scroll sideways\n" + "\n".join(report),
+    report = []
+    for b in driver.execute_script(OVERFLOWING_BLOCKS_JS):
+        # An output line whose exact form tools read may wrap (the CSS wraps
+        # output at this width); every other line must fit.
+        lines = [x for x in b["lines"]
+                 if not (b["kind"] == "output" and b["wraps"] and EXACT_LINE.match(x["line"]))]
+        if b["lines"] and not lines:
+            continue
+        report += [f"  {b['kind']} block {x['over']} px too wide: "
+                   f"{x['chars']} characters: {x['line'][:140]!r}" for x in lines[:1]] or [
+            f"  {b['kind']} block {b['over']} px too wide: (no single line)"]
+    if report:
+        pytest.fail(f"{rel} at {WIDE} px: {len(report)} block(s) do not fit\n" + "\n".join(report),
                     pytrace=False)
 
 

@@ -1,11 +1,12 @@
 """
-A packed GPT, trained and served without padding
-================================================
+A packed GPT on real text: training and prefill without padding
+===============================================================
 
-Train a small modern GPT on packed documents, as Hugging Face's
-``DataCollatorWithFlattening``, ``torchtune`` and ``torchtitan`` pack them,
-against the best padded trainer: same weights, documents and optimizer.
-Then generate with a KV cache in which each sequence keeps its own length.
+Train a small modern GPT on packed documents of real text, as Hugging
+Face's ``DataCollatorWithFlattening``, ``torchtune`` and ``torchtitan`` pack
+them, against the best padded trainer: same weights, documents and
+optimizer. Then generate: a packed prefill of prompts of different lengths,
+and decoding steps of fixed shape from a KV cache.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -19,8 +20,8 @@ Then generate with a KV cache in which each sequence keeps its own length.
        * How to train it on packed documents, prove it computes what the
          padded model computes, and measure real tokens per second against
          the :term:`work bound`
-       * How to prefill packed prompts and decode into a KV cache with
-         per-sequence lengths, against padded generation
+       * How to prefill packed prompts into a KV cache, and why decoding
+         gains nothing from packing: one token per sequence is a rectangle
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -84,9 +85,10 @@ print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: "
 # Sizes
 # ~~~~~
 # Every size is set here, per device; :term:`quick mode` shrinks them. The
-# CPU model is small so that the page builds in minutes on two cores; the
-# CUDA one trains under ``bfloat16`` autocast. (Real runs: width 2048 and
-# up, 16 and more layers, thousands of documents per step.)
+# tokens are bytes (a vocabulary of 256), so that no tokenizer is needed.
+# The CPU model is small so that the page builds in a minute or two on two
+# cores; the CUDA one trains under ``bfloat16`` autocast. (Real runs: width
+# 2048 and up, 16 and more layers, thousands of documents per step.)
 
 import numpy as np
 from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
@@ -96,24 +98,24 @@ DTYPE = default_dtype(DEVICE)
 QUICK = quick_mode()
 SEED = 0
 if DEVICE == "cuda":
-    MODEL = dict(vocab_size=4096, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4,
-                 ffn_hidden=2816, max_seq_len=4096)
-    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 128, 300, 1e-3, 1.1
+    MODEL = dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4,
+                 ffn_hidden=2816, max_seq_len=2048)
+    DOCS_PER_BATCH, STEPS, LR = 128, 300, 1e-3
     PROMPTS, NEW_TOKENS = 64, 64
 else:
-    MODEL = dict(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=2,
-                 ffn_hidden=688, max_seq_len=1024)
-    DOCS_PER_BATCH, STEPS, LR, ZIPF_ALPHA = 32, 100, 3e-3, 1.2
-    PROMPTS, NEW_TOKENS = 16, 32
+    MODEL = dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2,
+                 ffn_hidden=688, max_seq_len=256)
+    DOCS_PER_BATCH, STEPS, LR = 16, 80, 3e-3
+    PROMPTS, NEW_TOKENS = 16, 40
 if QUICK:
-    MODEL.update(vocab_size=128, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176)
-    DOCS_PER_BATCH, STEPS, LR, PROMPTS, NEW_TOKENS = 16, 60, 1e-2, 8, 8
+    MODEL.update(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=128)
+    DOCS_PER_BATCH, STEPS, LR, PROMPTS, NEW_TOKENS = 8, 30, 1e-2, 8, 8
 WARMUP_STEPS = 3  # steps left out of the throughput figures (first calls, compiling)
 RUN_TIME = 0.2 if QUICK else 1.0 if DEVICE == "cuda" else 0.4  # s per comparison
 print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")
 print("model: " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[:4]))
 print("       " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[4:]))
-print(f"{STEPS} steps of {DOCS_PER_BATCH} documents, Zipf exponent {ZIPF_ALPHA}")
+print(f"{STEPS} steps of {DOCS_PER_BATCH} documents")
 
 # sphinx_gallery_start_ignore
 quiet_known_notes()
@@ -167,33 +169,25 @@ print(f"{n_params / 1e6:.2f} M parameters; "
 # %%
 # A corpus of packed documents
 # ----------------------------
-# The documents must be learnable, so that the two trainers are compared on
-# a loss that falls, and they must need attention within the document. Each
-# document has a topic, its first token; after that, every token is drawn
-# from four likely successors of the previous token, from the topic's own
-# table. A model that does not look back at the document's first token
-# cannot know which table applies, and one that looks into the previous
-# document reads the wrong topic, so the boundaries matter. The lengths
-# come from the site's length generator, capped at the context length.
+# Real text, with the long tail of real document lengths, on every machine
+# and without a download: the docstrings of Python's own standard library,
+# read from its source files (``docstring_corpus`` parses them with ``ast``
+# and imports nothing). Each document is its UTF-8 bytes; one longer than
+# the context is cut there. Each step draws ``DOCS_PER_BATCH`` documents;
+# the prompts for generation, at the end, come from documents no step
+# trains on.
 
-from ragged_toolkit import sentence_lengths
+from ragged_toolkit import docstring_corpus
 
-TOPICS = 4  # token ids 0 .. TOPICS - 1 are the topics
-SUCCESSOR_PROBS = np.array([0.55, 0.25, 0.12, 0.08])
+docs, source = docstring_corpus(min_chars=2)
+doc_lengths = np.array([len(d) for d in docs])
+print(f"corpus: {len(docs)} documents from {source}, lengths min {doc_lengths.min()}, "
+      f"median {int(np.median(doc_lengths))}, max {doc_lengths.max()}")
 
 
-def documents(rng, tables, lengths):
-    """Packed token ids (T,) of one document per length, generated together."""
-    B, longest = len(lengths), int(lengths.max())
-    topic = rng.integers(0, tables.shape[0], size=B)
-    ids = np.zeros((B, longest), dtype=np.int64)
-    ids[:, 0] = topic
-    token = rng.integers(tables.shape[0], tables.shape[1], size=B)
-    for p in range(1, longest):
-        ids[:, p] = token
-        token = tables[topic, token, rng.choice(4, size=B, p=SUCCESSOR_PROBS)]
-    rows = [ids[b, :n] for b, n in enumerate(lengths.tolist())]
-    return torch.from_numpy(np.concatenate(rows))
+def as_tokens(doc, limit=MODEL["max_seq_len"]):
+    """A document's bytes as token ids (n,), cut at ``limit``."""
+    return torch.frombuffer(bytearray(doc[:limit]), dtype=torch.uint8).long()
 
 
 def next_token_targets(tokens, offsets):
@@ -204,15 +198,15 @@ def next_token_targets(tokens, offsets):
 
 
 rng = np.random.default_rng(SEED)
-# for each topic and token, its four successors (never a topic id)
-tables = rng.integers(TOPICS, MODEL["vocab_size"], size=(TOPICS, MODEL["vocab_size"], 4))
+order = rng.permutation(len(docs))
+held_out, train_docs = order[:PROMPTS], order[PROMPTS:]
 batches, cut = [], 0
-for _ in range(STEPS):
-    lengths = sentence_lengths(rng, DOCS_PER_BATCH, ZIPF_ALPHA)
-    cut += int((lengths > MODEL["max_seq_len"]).sum())
-    lengths = lengths.clamp(max=MODEL["max_seq_len"])
-    offsets = offsets_from_lengths(lengths)
-    batches.append((documents(rng, tables, lengths).to(DEVICE), offsets.to(DEVICE)))
+for step in range(STEPS):
+    chosen = rng.choice(train_docs, size=DOCS_PER_BATCH, replace=False)
+    pieces = [as_tokens(docs[i]) for i in chosen]
+    cut += sum(len(docs[i]) > MODEL["max_seq_len"] for i in chosen)
+    offsets = offsets_from_lengths([len(p) for p in pieces])
+    batches.append((torch.cat(pieces).to(DEVICE), offsets.to(DEVICE)))
 real = sum(len(tokens) for tokens, _ in batches)
 slots = sum(DOCS_PER_BATCH * int(offsets.diff().max()) for _, offsets in batches)
 print(f"{real} real tokens in {STEPS} batches ({cut} documents cut at the context)")
@@ -275,38 +269,36 @@ ragged_model.zero_grad(set_to_none=True)
 padded_model.zero_grad(set_to_none=True)
 
 # %%
-# Which attention backend trains fastest here
-# -------------------------------------------
+# Which attention backend trains here
+# -----------------------------------
 # The model's attention job on the first batch, causal, grouped-query,
 # forward and backward: ``compare_backends`` checks each backend that runs
 # here against the float32 reference and times them all. Each row: median
 # and interquartile range (IQR) in ms, peak memory in MiB, and in brackets
 # the :term:`kernel label` of what ran (``CPU flash`` is SDPA's fused CPU
-# kernel). The packed model trains with the fastest.
+# kernel). ``choose`` takes the fastest only if its IQR does not overlap the
+# runner-up's; within the noise it keeps the site's default backend, the one
+# ``ragged_attention`` uses when none is named.
 
-from ragged_toolkit import Timing, compare_backends, fastest, print_timings
-
-
-
+from ragged_toolkit import Timing, choose, compare_backends, default_backend, print_timings
 
 q_job = torch.randn(len(tokens), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
 kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
                      dtype=DTYPE)
 backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True,
                             backward=True, min_run_time=RUN_TIME)
-TRAINING_BACKEND = fastest(backends)
-print(f"training backend chosen on {DEVICE}: {TRAINING_BACKEND}")
+TRAINING_BACKEND = choose(backends, default_backend(DEVICE, DTYPE), "training backend")
 
 # %%
-# Compile where it helps
-# ~~~~~~~~~~~~~~~~~~~~~~
+# Compile, or not
+# ~~~~~~~~~~~~~~~
 # Every batch has a new size, so ``torch.compile(dynamic=True)`` compiles
 # each graph once for symbolic sizes. The packed attention call is not
 # traced (``ragged_attention`` is host-side bookkeeping around the kernel
-# calls): the compiled packed model is a few graphs around it, and the table
-# counts them, which shows whether anything recompiled per batch. Each side
-# trains a few steps both ways, on copies of the models, and keeps the
-# faster; the first steps, which compile, are left out.
+# calls): the compiled packed model is a few graphs around it. Each side
+# trains a few steps eager and compiled, on copies of the models, after the
+# steps that compile; the step times, per thousand real tokens, decide by
+# the same rule, and within the noise the default is not to compile.
 
 import functools
 import time
@@ -322,41 +314,44 @@ def train_step(model, optimizer, loss):
     return loss.detach()
 
 
+def step_timing(seconds, n_tokens):
+    """A :class:`Timing` of steps, in ms per thousand real tokens."""
+    per_k = np.asarray(seconds) / np.asarray(n_tokens) * 1e6
+    q1, median, q3 = np.percentile(per_k, [25, 50, 75])
+    return Timing(median, q3 - q1, float("nan"), q1_ms=q1, q3_ms=q3)
+
+
 def probe(make_loss, model, compiled, steps):
-    """Tokens per second of ``steps`` training steps on a copy of ``model``,
-    after the first ``WARMUP_STEPS``; how long those took; how many graphs
-    were compiled on the way."""
+    """Step times of ``steps`` training steps on a copy of ``model`` after
+    the first ``WARMUP_STEPS`` (a :class:`Timing` per thousand tokens), and
+    how many graphs were compiled in those timed steps."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     runner = torch.compile(model, dynamic=True) if compiled else model
-    graphs_before, elapsed = counters["stats"]["unique_graphs"], []
-    for tokens_i, offsets_i in batches[:steps]:
+    elapsed, graphs = [], 0
+    for i, (tokens_i, offsets_i) in enumerate(batches[:steps]):
+        before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         train_step(model, optimizer, make_loss(runner, tokens_i, offsets_i))
         synchronize()
         elapsed.append(time.perf_counter() - start)
-    timed = sum(len(t) for t, _ in batches[WARMUP_STEPS:steps])
-    graphs = counters["stats"]["unique_graphs"] - graphs_before
-    return timed / sum(elapsed[WARMUP_STEPS:]), sum(elapsed[:WARMUP_STEPS]), graphs
+        graphs += (counters["stats"]["unique_graphs"] - before) * (i >= WARMUP_STEPS)
+    n = [len(t) for t, _ in batches[WARMUP_STEPS:steps]]
+    return step_timing(elapsed[WARMUP_STEPS:], n), graphs
 
 
 packed_step_loss = functools.partial(packed_loss, backend=TRAINING_BACKEND)
-PROBE_STEPS = WARMUP_STEPS + (3 if QUICK else 6)
-sizes = len({len(t) for t, _ in batches[:PROBE_STEPS]})
-print(f"  {'trainer':16s}  tokens/s  first {WARMUP_STEPS} steps  graphs compiled "
-      f"({PROBE_STEPS} batches, {sizes} sizes)")
-speeds = {}
+PROBE_STEPS = WARMUP_STEPS + (4 if QUICK else 8)
+COMPILE = {}
 for side, make_loss, model in (("packed", packed_step_loss, ragged_model),
                                ("padded", padded_loss, padded_model)):
+    timings = {}
     for compiled in (False, True):
-        name = f"{side}, {'compiled' if compiled else 'eager'}"
-        speeds[name], warm, graphs = probe(make_loss, model, compiled, PROBE_STEPS)
-        print(f"  {name:16s}  {speeds[name]:8,.0f}  {warm:11.1f} s"
-              + (f"  {graphs:15d}" if compiled else ""))
-COMPILE = {side: speeds[f"{side}, compiled"] > speeds[f"{side}, eager"]
-           for side in ("packed", "padded")}
-print("compile chosen: " + ", ".join(f"{s} {'yes' if c else 'no'}"
-                                     for s, c in COMPILE.items()))
+        timings["compiled" if compiled else "eager"], graphs = probe(
+            make_loss, model, compiled, PROBE_STEPS)
+        assert graphs == 0, f"{side}, compiled: {graphs} graphs compiled after the warm-up"
+    print_timings({f"{side} step, {name} (ms per 1k tokens)": t for name, t in timings.items()})
+    COMPILE[side] = choose(timings, "eager", f"{side} trainer") == "compiled"
 
 # %%
 # Training
@@ -366,7 +361,10 @@ print("compile chosen: " + ", ".join(f"{s} {'yes' if c else 'no'}"
 # each, so that whatever else the machine does slows both alike. A step is
 # timed from the batch on the device to the optimizer's update, synchronized;
 # throughput counts *real* tokens (the padded trainer gets no credit for
-# padding) after the first ``WARMUP_STEPS``.
+# padding) after the first ``WARMUP_STEPS``, which compile where compiling
+# was chosen. The graphs compiled in the timed steps are counted for each
+# trainer, and must be none: a compile inside the window would be timed as
+# training.
 
 import math
 
@@ -384,9 +382,10 @@ for side, model, make_loss in (("packed", ragged_model, packed_step_loss),
     runner = torch.compile(model, dynamic=True) if COMPILE[side] else model
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     trainers[side] = dict(model=model, runner=runner, optimizer=optimizer, losses=[],
-                          make_loss=make_loss, scheduler=scheduler, seconds=[])
-for tokens_i, offsets_i in batches:
+                          make_loss=make_loss, scheduler=scheduler, seconds=[], graphs=0)
+for step, (tokens_i, offsets_i) in enumerate(batches):
     for t in trainers.values():
+        before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         loss = t["make_loss"](t["runner"], tokens_i, offsets_i)
         loss = train_step(t["model"], t["optimizer"], loss)
@@ -394,15 +393,23 @@ for tokens_i, offsets_i in batches:
         synchronize()
         t["seconds"].append(time.perf_counter() - start)
         t["losses"].append(loss.item())
+        if step >= WARMUP_STEPS:
+            t["graphs"] += counters["stats"]["unique_graphs"] - before
 
+print(f"timed-window compiles: packed {trainers['packed']['graphs']}, "
+      f"padded {trainers['padded']['graphs']}")
+assert trainers["packed"]["graphs"] == trainers["padded"]["graphs"] == 0, \
+    "a graph was compiled inside the timed steps: warm up on every shape first"
 timed_tokens = np.array([len(b[0]) for b in batches[WARMUP_STEPS:]])
 for side, t in trainers.items():
     seconds = np.array(t["seconds"][WARMUP_STEPS:])
     t["tokens/s"] = timed_tokens.sum() / seconds.sum()
-    q1, q3 = np.percentile(timed_tokens / seconds, [25, 75])
+    per_step = timed_tokens / seconds
+    q1, median, q3 = np.percentile(per_step, [25, 50, 75])
     first, last = np.mean(t["losses"][:5]), np.mean(t["losses"][-10:])
-    print(f"{side}: loss {first:.3f} -> {last:.3f}, "
-          f"{t['tokens/s']:,.0f} real tokens/s (per-step IQR {q3 - q1:,.0f})")
+    print(f"{side}: loss {first:.3f} -> {last:.3f}; real tokens/s: mean {t['tokens/s']:,.0f}, "
+          f"per-step median {median:,.0f} (IQR {q3 - q1:,.0f}), slowest step "
+          f"{seconds.max() / np.median(seconds):.1f}x the median")
 
 # %%
 # The work bound of this run
@@ -500,34 +507,50 @@ plt.show()
 # %%
 # Generation
 # ----------
-# The trained model now writes, greedily, ``NEW_TOKENS`` tokens for each of
-# a batch of prompts. The keys and values of every token go into a cache
-# with room for ``capacity`` tokens per sequence; seen as packed rows,
-# sequence ``b`` owns rows ``b * capacity ...``: a packed batch whose offsets
-# are ``capacity`` apart.
+# The trained model now continues, greedily, ``NEW_TOKENS`` bytes for each
+# of a batch of prompts: the openings of documents no step trained on, of
+# different lengths. Generation has two phases, and packing does different
+# things to each:
+#
+# * **prefill** runs every prompt at once and writes each token's keys and
+#   values into a cache. Prompts of different lengths are a ragged batch:
+#   packed, the prefill computes the real tokens only; padded, every prompt
+#   is as long as the longest.
+# * **decode** then feeds one token per sequence per step. That batch is a
+#   rectangle on both sides, ``(B,)`` new tokens against a cache with room
+#   for ``capacity`` tokens per sequence; only which slots are in use
+#   differs, so packing removes no work here.
 #
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: KVCache
 #
-# Generation runs two ways:
-#
-# * **packed**: the prompts packed end to end and prefilled in one call,
-#   each token writing its keys and values into its sequence's rows; then
-#   each step feeds one token per sequence, at its own position, attending
-#   to its own keys (``kv_used``);
-# * **padded**: the prompts left-padded, as Hugging Face's ``generate`` pads
-#   them; prefill with a causal mask that also hides the padding, then each
-#   step writes one column of the cache and masks the padding keys.
+# The packed prefill writes sequence ``b``'s keys into rows
+# ``b * capacity ...`` of the cache seen as packed rows:
 #
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
-#    :pyobject: generate_packed
+#    :pyobject: prefill_packed
+#
+# The padded prefill left-pads the prompts, as Hugging Face's ``generate``
+# pads them, with a causal mask that also hides the padding:
 
-from ragged_toolkit import KVCache, generate_packed
+from ragged_toolkit import KVCache, prefill_packed
+
+prompt_docs = [docs[i] for i in held_out]
+prompt_lengths = torch.tensor([min(len(d), 8 + 3 * i) for i, d in enumerate(prompt_docs)])
+prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
+prompts = torch.cat([as_tokens(d, int(n)) for d, n in zip(prompt_docs, prompt_lengths)])
+prompts = prompts.to(DEVICE)
+longest = int(prompt_lengths.max())
+capacity = longest + NEW_TOKENS
+model = trainers["packed"]["model"].eval()
+print(f"{PROMPTS} prompts, {len(prompts)} tokens, longest {longest}; "
+      f"left padding makes {PROMPTS * longest} token slots")
 
 
 @torch.no_grad()
-def generate_padded(model, prompts, offsets, n_new):
-    """Greedy generation for the same prompts, left-padded to (B, S)."""
+def prefill_padded(model, prompts, offsets, cache):
+    """The same prompts left-padded to (B, S) into ``cache``: the logits of
+    each prompt's last token (B, vocab), and the padding per prompt (B,)."""
     B, lengths = len(offsets) - 1, offsets.diff()
     S = int(lengths.max())
     seq, pos = token_index(offsets)
@@ -540,123 +563,149 @@ def generate_padded(model, prompts, offsets, n_new):
     eye = torch.eye(S, dtype=torch.bool, device=prompts.device)
     # a padding query sees itself, so that no row of the mask is empty
     mask = (causal & valid[:, None, :]) | (eye & ~valid[:, :, None])  # (B, S, S)
-    cache = KVCache(model.cfg, B, S + n_new, prompts.device, DTYPE)
-    keys_valid = torch.cat([valid, valid.new_ones(B, n_new)], 1)  # (B, S + n_new)
-    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
-        prefill = Padded(mask[:, None], cache, 0)
-        logits = model(ids, positions, prefill)[:, -1]  # (B, vocab)
-        out = []
-        for step in range(n_new):
-            out.append(logits.argmax(-1))
-            if step < n_new - 1:
-                column = S + step
-                layout = Padded(keys_valid[:, None, None, :column + 1], cache, column)
-                logits = model(out[-1][:, None], (lengths + step)[:, None], layout)[:, -1]
-    return torch.stack(out, 1)
+    return model(ids, positions, Padded(mask[:, None], cache, 0))[:, -1], pad
+
+
+def autocast():
+    return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
 
 
 # %%
-# The decoding backend is measured like the training job: one query per
-# sequence against its cached keys (``compiled graph (inductor kernel)`` is
-# the code ``torch.compile`` generated, FlexAttention's on a CPU).
+# The prefill's attention backend is chosen by the same rule as training's,
+# on the prompts' causal forward job:
 
-prompt_lengths = sentence_lengths(rng, PROMPTS, ZIPF_ALPHA).clamp(
-    max=cfg.max_seq_len - NEW_TOKENS)
-prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
-prompts = documents(rng, tables, prompt_lengths).to(DEVICE)
-model = trainers["packed"]["model"].eval()
-print(f"{PROMPTS} prompts, {len(prompts)} tokens, longest {int(prompt_lengths.max())}; "
-      f"left padding makes {PROMPTS * int(prompt_lengths.max())} token slots")
+q_pre = torch.randn(len(prompts), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+kv_pre = torch.randn(len(prompts), cfg.n_kv_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+prefill_backends = compare_backends(q_pre, kv_pre, kv_pre.clone(), prompt_offsets,
+                                    is_causal=True, min_run_time=RUN_TIME / 2)
+PREFILL_BACKEND = choose(prefill_backends, default_backend(DEVICE, DTYPE),
+                         "prefill backend")
 
-capacity = int(prompt_lengths.max()) + NEW_TOKENS
-used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)  # a decoding step half way
-q_step = torch.randn(PROMPTS, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-kv_step = torch.randn(PROMPTS * capacity, cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
-                      dtype=DTYPE)
-one_each = torch.arange(PROMPTS + 1, device=DEVICE)  # one query per sequence
-decode_backends = compare_backends(q_step, kv_step, kv_step.clone(), one_each,
-                                   one_each * capacity, is_causal=True, kv_used=used,
-                                   min_run_time=RUN_TIME / 2)
+caches = {side: KVCache(cfg, PROMPTS, capacity, DEVICE, DTYPE) for side in ("packed", "padded")}
 
-# %%
-# That table times one step's attention with its bookkeeping done. While
-# generating, the lengths change at every step, so whatever a backend
-# prepares per batch (gather indices, a block mask) is prepared again at
-# every step; the choice is made on whole generations, for the two backends
-# with the fastest steps above:
 
-from ragged_toolkit import measure, speedup_line, where_time_goes
+def packed_prefill():
+    with autocast():
+        return prefill_packed(model, prompts, prompt_offsets, caches["packed"],
+                              PREFILL_BACKEND)
 
-ran = sorted((n for n, r in decode_backends.items() if isinstance(r, Timing)),
-             key=lambda n: decode_backends[n].median_ms)[:2]
-generation_times = measure(
-    {name: lambda name=name: generate_packed(model, prompts, prompt_offsets,
-                                             NEW_TOKENS, name) for name in ran},
-    min_run_time=RUN_TIME / 2, profile=False)
-print_timings({f"generation with {n}": t for n, t in generation_times.items()})
-DECODE_BACKEND = fastest(generation_times)
-print(f"decoding backend chosen on {DEVICE}: {DECODE_BACKEND}")
+
+def padded_prefill():
+    with autocast():
+        return prefill_padded(model, prompts, prompt_offsets, caches["padded"])
+
+
+logits_packed, (logits_padded, pad) = packed_prefill(), padded_prefill()
+torch.testing.assert_close(logits_packed.float(), logits_padded.float(), **tolerance)
+print(f"prefill: the last-token logits of all {PROMPTS} prompts agree "
+      f"(largest difference {(logits_packed - logits_padded).abs().max().item():.1e})")
 
 # %%
-# Both generations must write the same tokens (in float32 token for token;
-# in bfloat16 rounding can flip a near tie, so there 90% must agree). Then
-# both are timed. The work bound counts the tokens and pairs of the prefill,
-# then one token per sequence per step, each scoring every key in use: on
-# the padded side the padding keys too.
+# The work bound of the prefill counts, as in training, ``2 x`` the weights
+# per token and ``4 H D`` per query-key pair and layer, on the real tokens
+# against the padded ``B x S``.
+
+from ragged_toolkit import measure, speedup_line
+
+times = measure({"padded": padded_prefill, "packed": packed_prefill},
+                min_run_time=2 * RUN_TIME)
+print_timings({f"prefill, {n}": t for n, t in times.items()})
+work_packed = (per_token * float(prompt_lengths.sum())
+               + per_pair * pairs_scored(prompt_lengths, prompt_lengths, True))
+full = torch.full_like(prompt_lengths, longest)
+work_padded = per_token * PROMPTS * longest + per_pair * pairs_scored(full, full, True)
+print(speedup_line("prefill", times["padded"], times["packed"], work_padded / work_packed))
+
+# %%
+# Decoding, one step
+# ~~~~~~~~~~~~~~~~~~
+# A decoding step is cheap to run only if it has nothing to prepare: in the
+# style of gpt-fast the cache has a fixed capacity, each sequence's next
+# slot is a tensor, and the step's shapes never change, so one compiled
+# graph can serve every step, with no host sync. The layout both sides use:
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: CachedStep
+#
+# The packed cache holds sequence ``b`` from slot 0; the left-padded one
+# from slot ``pad[b]``, with the new tokens at the same slot for all. Each
+# token keeps its own position (for the rotary embedding) on both sides.
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: decode_greedy
+
+from ragged_toolkit import call_model, decode_greedy
+
+lengths_dev = prompt_lengths.to(DEVICE)
+column = torch.full_like(lengths_dev, longest)
+compiled_step = torch.compile(call_model, dynamic=False)
 
 
-def padded_generation():
-    return generate_padded(model, prompts, prompt_offsets, NEW_TOKENS)
+def packed_decode(step=None):
+    with autocast():
+        return decode_greedy(model, logits_packed, caches["packed"], lengths_dev,
+                             NEW_TOKENS, step=step)
 
 
-def packed_generation():
-    return generate_packed(model, prompts, prompt_offsets, NEW_TOKENS, DECODE_BACKEND)
+def padded_decode(step=None):
+    with autocast():
+        return decode_greedy(model, logits_padded, caches["padded"], lengths_dev,
+                             NEW_TOKENS, slots=column, start=pad, step=step)
 
 
-out_packed, out_padded = packed_generation(), padded_generation()
+graphs_before = counters["stats"]["unique_graphs"]
+out_packed, out_padded = packed_decode(), padded_decode()
+out_compiled = packed_decode(compiled_step)
+padded_decode(compiled_step)  # the padded step compiles too, before any timing
+decode_graphs = counters["stats"]["unique_graphs"] - graphs_before
 agree = (out_packed == out_padded).float().mean().item()
 assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), \
-    f"the generations agree on {agree:.1%} of the tokens"
-print(f"packed and padded generation agree on {agree:.1%} of {out_packed.numel()} tokens")
-
-times = measure({"padded": padded_generation, "packed": packed_generation},
-                min_run_time=2 * RUN_TIME)
-print_timings({f"generation, {n}": t for n, t in times.items()})
-new = PROMPTS * NEW_TOKENS
-print(", ".join(f"{side} {new / t.median_ms * 1e3:,.0f}" for side, t in times.items())
-      + " new tokens/s")
-steps = torch.arange(NEW_TOKENS - 1)
-longest = int(prompt_lengths.max())
-work_packed = (per_token * (float(prompt_lengths.sum()) + PROMPTS * (NEW_TOKENS - 1))
-               + per_pair * (pairs_scored(prompt_lengths, prompt_lengths, True)
-                             + float((prompt_lengths[:, None] + steps + 1).sum())))
-work_padded = (per_token * PROMPTS * (longest + NEW_TOKENS - 1)
-               + per_pair * PROMPTS * (longest * (longest + 1) / 2
-                                       + float((longest + steps + 1).sum())))
-generation_bound = work_padded / work_packed
-print(speedup_line("generation", times["padded"], times["packed"], generation_bound))
+    f"packed and padded decoding agree on {agree:.1%} of the tokens"
+same = (out_compiled == out_packed).float().mean().item()
+assert same >= (1.0 if DTYPE == torch.float32 else 0.9), \
+    f"the compiled step agrees with the eager one on {same:.1%} of the tokens"
+print(f"packed and padded decoding agree on {agree:.1%} of {out_packed.numel()} tokens; "
+      f"the compiled step on {same:.1%}, {decode_graphs} graphs for {NEW_TOKENS - 1} steps")
 
 # %%
-# The packed side saves most of its work in the prefill; every decoding
-# step runs one token per sequence on both sides, so the bound is smaller
-# than in training. A fraction below 1 is the cost of the packed steps'
-# bookkeeping (with the loop backend, one attention call per sequence and
-# layer); above 1, the padded side is slower per unit of work, its larger
-# cache and masks costing memory traffic that the bound does not count.
-# The operators that took most of each generation's time:
+# Compiling the step is chosen by the rule, and the choice applies to both
+# sides. The bound of decoding is 1.00: both sides feed the same tokens
+# through the same weights, and the kernel scores every slot of the cache
+# on both (masked where not in use).
 
-for side, fn in (("padded", padded_generation), ("packed", packed_generation)):
-    print(f"{side} generation:")
-    print(where_time_goes(fn))
+with_step = {"eager": packed_decode,
+             "compiled": functools.partial(packed_decode, compiled_step)}
+step_times = measure(with_step, min_run_time=RUN_TIME, profile=False)
+print_timings({f"decode, packed, {n}": t for n, t in step_times.items()})
+DECODE_STEP = compiled_step if choose(step_times, "eager", "decode step") == "compiled" else None
+times = measure({"padded": functools.partial(padded_decode, DECODE_STEP),
+                 "packed": functools.partial(packed_decode, DECODE_STEP)},
+                min_run_time=2 * RUN_TIME)
+print_timings({f"decode, {n}": t for n, t in times.items()})
+new = PROMPTS * (NEW_TOKENS - 1)
+print(", ".join(f"{side} {new / t.median_ms * 1e3:,.0f}" for side, t in times.items())
+      + " new tokens/s")
+print(speedup_line("decode", times["padded"], times["packed"], 1.0))
+
+# %%
+# What the model learned: a few prompts, and the bytes it wrote after them.
+
+for b in range(min(4, PROMPTS)):
+    prompt = bytes(prompts[prompt_offsets[b]:prompt_offsets[b + 1]].tolist())
+    written = bytes(out_packed[b].tolist())
+    show = (prompt.decode(errors="replace") + " | " + written.decode(errors="replace"))
+    print(repr(show)[:118])
 
 # %%
 # Conclusion
 # ----------
 # A packed trainer is the padded trainer minus the padding: the same
 # modules, loss, targets and optimizer, and a loss curve that ends where the
-# padded one ends, within rounding. What changes is the work: the training
-# and generation lines say how much of the work bound this device turned
-# into speed, the peak-memory lines what padding would have held.
+# padded one ends, within the tolerance the page asserts. What changes is
+# the work: the training and prefill lines say how much of the work bound
+# this device turned into speed, the peak-memory lines what padding would
+# have held. Decoding does the same work on both sides; its line says
+# whether the packed cache cost anything there.
 #
 # In a real trainer the packed batch is what ``DataCollatorWithFlattening``
 # produces (``offsets_from_position_ids`` turns its ``position_ids`` into

@@ -1202,6 +1202,38 @@ class Padded:
         return out.transpose(1, 2)
 
 
+@dataclass
+class CachedStep:
+    """One new token for each of B sequences against a :class:`KVCache` of
+    fixed capacity, in the style of gpt-fast: the slot each sequence's new
+    keys go to is a tensor (``slots``, (B,)), and so is the first slot in
+    use (``start``, (B,); left padding, or ``None`` for slot 0). Every shape
+    is fixed, so one compiled graph serves every step, with no host sync.
+    The kernel scores every slot of the cache and masks those not in use."""
+
+    cache: KVCache
+    slots: torch.Tensor  # (B,)
+    start: torch.Tensor | None = None  # (B,)
+
+    def attend(self, q, k, v, layer):  # (B, H, D), (B, H_kv, D)
+        keys, values = self.cache.k[layer], self.cache.v[layer]  # (B, C, H_kv, D)
+        batch = torch.arange(len(q), device=q.device)
+        keys[batch, self.slots] = k.to(keys.dtype)
+        values[batch, self.slots] = v.to(values.dtype)
+        slot = torch.arange(self.cache.capacity, device=q.device)
+        mask = slot <= self.slots[:, None]  # (B, C)
+        if self.start is not None:
+            mask = mask & (slot >= self.start[:, None])
+        out = F.scaled_dot_product_attention(
+            q[:, :, None].to(keys.dtype),  # (B, H, 1, D)
+            keys.transpose(1, 2),  # (B, H_kv, C, D)
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None],
+            enable_gqa=q.shape[1] != keys.shape[2],
+        )
+        return out[:, :, 0]  # (B, H, D)
+
+
 def apply_rope(x, cos, sin):
     """Rotary position embedding: x (..., H, D) rotated by the angles whose
     cosines and sines are (..., 1, D / 2), one row per token's position."""
@@ -1297,6 +1329,43 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, layout)
         return self.output(self.norm(x))
+
+
+@torch.no_grad()
+def prefill_packed(model, prompts, offsets, cache, backend=None):
+    """Every prompt at once, packed (T,) with offsets (B + 1,): writes each
+    token's keys and values into its sequence's rows of ``cache`` (a
+    :class:`KVCache`) and returns the logits of each prompt's last token,
+    (B, vocab). Call it under autocast for a lower precision."""
+    seq, pos = token_index(offsets)
+    layout = Packed(offsets, backend, cache, seq * cache.capacity + pos, offsets.diff())
+    return model(prompts, pos, layout)[offsets[1:] - 1]
+
+
+@torch.no_grad()
+def decode_greedy(model, logits, cache, positions, n_new, *, slots=None, start=None,
+                  step=None):
+    """``n_new`` greedy tokens per sequence from the prefill's last logits
+    (B, vocab): each step feeds one token per sequence at its own position
+    (``positions``, (B,), the prompt lengths) through a :class:`CachedStep`.
+    ``slots`` (B,) is where the first new token's keys go (default: its
+    position); ``start`` is the first cache slot in use (left padding).
+    ``step(model, tokens, positions, layout)`` runs the model, for example
+    ``torch.compile(call_model, dynamic=False)``. Returns (B, n_new)."""
+    step = call_model if step is None else step
+    slots = positions if slots is None else slots
+    out = []
+    for i in range(n_new):
+        out.append(logits.argmax(-1))  # (B,)
+        if i < n_new - 1:
+            layout = CachedStep(cache, slots + i, start)
+            logits = step(model, out[-1], positions + i, layout)
+    return torch.stack(out, 1)
+
+
+def call_model(model, tokens, positions, layout):
+    """``model(tokens, positions, layout)``: the decoding step to compile."""
+    return model(tokens, positions, layout)
 
 
 @torch.no_grad()

@@ -385,3 +385,48 @@ def test_gpu_check_keeps_each_figure_a_page_shows(tmp_path):
     page.write_text("raise SystemExit('boom')\n")
     ok, _, output = gpu_check.run_page(page, tmp_path / "out", 120, dict(os.environ))
     assert not ok and "boom" in output
+
+
+def _greedy_without_cache(tk, model, prompt, n_new):
+    """The reference: every step runs the whole sequence again, alone, with a
+    plain causal SDPA call and no cache."""
+    seq = prompt.clone()
+    for _ in range(n_new):
+        positions = torch.arange(len(seq))
+        logits = model(seq[None], positions[None], tk.Padded())[0, -1]
+        seq = torch.cat([seq, logits.argmax()[None]])
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_prefill_and_fixed_shape_decoding_match_recomputing_each_sequence(tk, left_padded):
+    """``prefill_packed`` + ``decode_greedy`` (a fixed-capacity cache read
+    through ``CachedStep``) write the tokens that recomputing each sequence
+    alone, without a cache, writes; with the cache left-padded too (the
+    padded generation's layout: ``slots`` and ``start``)."""
+    torch.manual_seed(0)
+    cfg = tk.GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       ffn_hidden=48, max_seq_len=64)
+    model = tk.GPT(cfg).eval()
+    lengths = torch.tensor([5, 1, 9, 3])
+    offsets = tk.offsets_from_lengths(lengths)
+    prompts = torch.randint(0, cfg.vocab_size, (int(lengths.sum()),))
+    n_new, longest = 6, int(lengths.max())
+    cache = tk.KVCache(cfg, len(lengths), longest + n_new, "cpu", torch.float32)
+    with torch.no_grad():
+        if left_padded:  # the same keys, moved right by each sequence's padding
+            logits = tk.prefill_packed(model, prompts, offsets, cache, "loop")
+            pad = longest - lengths
+            for layer in range(cfg.n_layers):
+                for b, n in enumerate(lengths.tolist()):
+                    for t in (cache.k, cache.v):
+                        t[layer, b, pad[b]:longest] = t[layer, b, :n].clone()
+                        t[layer, b, :pad[b]] = 7.0  # garbage the mask must hide
+            out = tk.decode_greedy(model, logits, cache, lengths, n_new,
+                                   slots=torch.full_like(lengths, longest), start=pad)
+        else:
+            logits = tk.prefill_packed(model, prompts, offsets, cache, "loop")
+            out = tk.decode_greedy(model, logits, cache, lengths, n_new)
+        for b in range(len(lengths)):
+            want = _greedy_without_cache(tk, model, prompts[offsets[b]:offsets[b + 1]], n_new)
+            assert out[b].tolist() == want.tolist(), f"sequence {b}"

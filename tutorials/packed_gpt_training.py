@@ -104,8 +104,8 @@ if DEVICE == "cuda":
     PROMPTS, NEW_TOKENS = 64, 64
 else:
     MODEL = dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2,
-                 ffn_hidden=688, max_seq_len=256)
-    DOCS_PER_BATCH, STEPS, LR = 16, 80, 3e-3
+                 ffn_hidden=688, max_seq_len=192)
+    DOCS_PER_BATCH, STEPS, LR = 12, 70, 6e-3
     PROMPTS, NEW_TOKENS = 16, 40
 if QUICK:
     MODEL.update(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=128)
@@ -536,9 +536,19 @@ plt.show()
 from ragged_toolkit import KVCache, prefill_packed
 
 prompt_docs = [docs[i] for i in held_out]
-prompt_lengths = torch.tensor([min(len(d), 8 + 3 * i) for i, d in enumerate(prompt_docs)])
+
+
+def opening(doc, n):
+    """The first ``n`` bytes of ``doc`` or fewer, ending at a word's end."""
+    cut = doc[:n].rfind(b" ") if len(doc) > n else -1
+    return doc[:cut + 1] if cut > 0 else doc[:n]
+
+
+# openings of 8 to 8 + 3 (B - 1) bytes: prompts of different lengths
+prompt_docs = [opening(d, 8 + 3 * i) for i, d in enumerate(prompt_docs)]
+prompt_lengths = torch.tensor([len(d) for d in prompt_docs])
 prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
-prompts = torch.cat([as_tokens(d, int(n)) for d, n in zip(prompt_docs, prompt_lengths)])
+prompts = torch.cat([as_tokens(d) for d in prompt_docs])
 prompts = prompts.to(DEVICE)
 longest = int(prompt_lengths.max())
 capacity = longest + NEW_TOKENS

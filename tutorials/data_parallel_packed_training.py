@@ -341,7 +341,8 @@ print(f"gradient check: {WORLD} ranks x 3 micro-batches of {GRAD_DOCS} documents
 
 # %%
 # The common shortcut divides each micro-batch's loss by its own targets and
-# averages those means (``loss / accumulation_steps``, then DDP's average).
+# averages those means (``loss / accumulation_steps``, then the average that
+# DDP takes over the ranks).
 # On the same data, in one process:
 
 model.zero_grad(set_to_none=True)
@@ -371,12 +372,11 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # the ranks import the same module that this page runs, also from a
 # downloaded script or notebook. Each rank reports into a file of its own;
 # this page prints the reports in rank order, so nothing interleaves. The
-# command, and its NCCL twin on a machine with one rank per GPU:
+# command, and its twin on a CUDA machine, where each rank takes a GPU and
+# the ranks talk over NCCL:
 #
-# .. code-block:: bash
-#
-#    python -m torch.distributed.run --standalone --nproc-per-node=2 worker.py FOLDER
-#    torchrun --standalone --nproc-per-node=gpu worker.py FOLDER   # NCCL, a rank per GPU
+# * ``python -m torch.distributed.run --standalone --nproc-per-node=2 worker.py FOLDER``
+# * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
 #
 # .. literalinclude:: ../tutorials/ragged_toolkit.py
 #    :pyobject: run_data_parallel
@@ -384,7 +384,7 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # The ranks run the gradient check under DDP, under FSDP2 (``fully_shard``
 # on every block, then on the model: each rank holds half of every weight,
 # and ``full_tensor()`` gathers the gradients), and once more under DDP with
-# the count left unreduced, the mistake; then timed training steps under
+# the count not reduced, the mistake; then timed training steps under
 # DDP, both ways of filling a micro-batch, with AdamW.
 
 import shlex
@@ -479,9 +479,9 @@ if DEVICE == "cuda":
     summary(nccl_reports, f"{len(nccl_reports)} rank(s) over NCCL:")
 
 # %%
-# The same training steps in this one process, on the token-budget
-# micro-batches of both ranks, with one thread (one core, as each rank has)
-# and with every core:
+# The same training steps in this one process, on rank 0's token-budget
+# micro-batches, with one thread (one core, as each rank has) and with
+# every core:
 
 import copy
 import os
@@ -496,13 +496,12 @@ def one_process(threads, steps):
     alone = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(alone.parameters(), lr=LR)
     seconds, counted = [], 0
-    for i, step in enumerate(steps):
-        batches = [mb for rank in step for mb in rank]
+    for i, batches in enumerate(steps):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         data_parallel_step(alone, batches, dtype=CPU_DTYPE)
         optimizer.step()
-        if i:  # the first step is a warmup
+        if i:  # the first step warms up
             seconds.append(time.perf_counter() - start)
             counted += sum(len(t) for t, _ in batches)
     torch.set_num_threads(before)
@@ -510,9 +509,10 @@ def one_process(threads, steps):
 
 
 cores = os.cpu_count()
-alone_steps = timed["token budget"][:3]  # a warmup and two timed steps
+alone_steps = [step[0] for step in timed["token budget"][:3]]  # one to warm up, two timed
 one = {threads: one_process(threads, alone_steps) for threads in sorted({1, cores})}
-print("one process: " + ", ".join(f"{n} thread(s) {v:,.0f} tokens/s" for n, v in one.items()))
+print("one process: " + ", ".join(f"{n} thread(s) {v:,.0f} tokens/s"
+                                  for n, v in one.items()))
 gloo = aggregate["token budget"]
 print(f"{WORLD} ranks, one thread each: {gloo:,.0f} tokens/s, {gloo / one[1]:.2f}x one "
       f"process on one thread, {gloo / max(one.values()):.2f}x the faster of the two")

@@ -1553,8 +1553,8 @@ def data_parallel_step(
     The loss of the step is the sum of the token losses of every micro-batch
     on every rank, divided by the number of targets of all of them: the
     count is summed over the ranks (``all_reduce``) before any backward.
-    ``sync(last)`` gives the context for a micro-batch's backward (DDP's
-    ``no_sync`` for all but the last). DDP and FSDP2 average the gradients
+    ``sync(last)`` gives the context for a micro-batch's backward (the
+    ``no_sync`` of DDP for all but the last). DDP and FSDP2 average the gradients
     over the ranks, so each rank's loss is multiplied by the world size.
     ``reduce_count=False`` is the usual mistake: each rank divides by its own
     count. Returns the step's loss summed over this rank's micro-batches."""

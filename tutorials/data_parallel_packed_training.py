@@ -50,13 +50,14 @@ from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_know
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)  # the timed steps; the gradient check runs in float32
+CPU_DTYPE = DTYPE if DEVICE == "cpu" else torch.float32  # what runs on the CPU
 QUICK = quick_mode()
 SEED = 0
 WORLD = 2  # ranks on the CPU, over gloo
-if DEVICE == "cuda":
-    MODEL = dict(vocab_size=256, dim=512, n_layers=4, n_heads=8, n_kv_heads=2,
-                 ffn_hidden=1408, max_seq_len=2048)
-    CONTEXT, DOCS_PER_MICRO_BATCH, MICRO_BATCHES, STEPS = 2048, 16, 2, 12
+if DEVICE == "cuda":  # the gloo ranks run on the CPU cores of the GPU machine too
+    MODEL = dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
+                 ffn_hidden=688, max_seq_len=2048)
+    CONTEXT, DOCS_PER_MICRO_BATCH, MICRO_BATCHES, STEPS = 2048, 8, 2, 8
 else:
     MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                  ffn_hidden=352, max_seq_len=1024)
@@ -293,7 +294,7 @@ def compiled_graphs(micro_batches, dynamic):
     graphs.clear()
     runner = torch.compile(model, backend=counting_backend, dynamic=dynamic)
     for tokens_i, offsets_i in micro_batches:
-        loss, count = token_loss_sum(runner, tokens_i, offsets_i, dtype=DTYPE)
+        loss, count = token_loss_sum(runner, tokens_i, offsets_i, dtype=CPU_DTYPE)
         (loss / count).backward()
     model.zero_grad(set_to_none=True)
     return len(graphs)
@@ -346,7 +347,7 @@ print(f"gradient check: {WORLD} ranks x 3 micro-batches of {GRAD_DOCS} documents
 # On the same data, in one process:
 
 model.zero_grad(set_to_none=True)
-micro = [mb for rank in grad_batches for mb in rank]
+micro = [mb for turn in zip(*grad_batches) for mb in turn]  # rank r's: micro[r::WORLD]
 means = [torch.div(*token_loss_sum(model, t, o)) for t, o in micro]
 torch.stack(means).mean().backward()
 shortcut = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -399,16 +400,19 @@ def train_backend(device, dtype):
     return "varlen" if fused is None else "loop"
 
 
-timed = {"fixed documents": steps_docs[: WARMUP_STEPS + STEPS],
-         "token budget": steps_budget[: WARMUP_STEPS + STEPS]}
 RUNS = [{"name": "DDP", "wrap": "ddp", "reduce_count": True},
         {"name": "FSDP2", "wrap": "fsdp", "reduce_count": True},
         {"name": "DDP, count not reduced", "wrap": "ddp", "reduce_count": False}]
-data = {"init": model.state_dict(), "grad_batches": grad_batches, "time_batches": timed}
 print("$", shlex.join(["python", *data_parallel_command(WORLD)[1:]]))
 
 
 def launch(backend, nproc, device, time_dtype):
+    """Both jobs on ``nproc`` ranks: the gradient check's micro-batches and
+    the timed steps dealt to that many ranks; the gradients checked."""
+    data = {"init": model.state_dict(),
+            "grad_batches": [micro[r::nproc] for r in range(nproc)],
+            "time_batches": {name: deal(mbs, world=nproc)[: WARMUP_STEPS + STEPS]
+                             for name, mbs in schemes.items()}}
     job = {"backend": backend, "config": MODEL, "dtype": str(time_dtype).split(".")[-1],
            "lr": LR, "grad_runs": RUNS, "grad_backend": "loop",
            "time_backend": train_backend(device, time_dtype)}
@@ -424,10 +428,10 @@ def launch(backend, nproc, device, time_dtype):
     return reports, grads
 
 
-CPU_DTYPE = DTYPE if DEVICE == "cpu" else torch.float32  # the gloo ranks run on the CPU
 reports, grads = launch("gloo", WORLD, "cpu", CPU_DTYPE)
-if DEVICE == "cuda":  # one rank per GPU over NCCL, however many there are
-    nccl_reports, _ = launch("nccl", torch.cuda.device_count(), "cuda", DTYPE)
+if DEVICE == "cuda":  # one rank per GPU over NCCL (each rank needs a micro-batch)
+    nccl_reports, _ = launch("nccl", min(torch.cuda.device_count(), len(micro)), "cuda",
+                             DTYPE)
 
 # %%
 # Without the ``all_reduce`` of the count, each rank divides by its own
@@ -460,7 +464,7 @@ def summary(reports, label):
     """Print each scheme's step time and speeds; return the aggregate speeds."""
     print(label)
     aggregate = {}
-    for scheme in timed:
+    for scheme in schemes:
         per_rank = [r["timing"][scheme] for r in reports]
         step_s = np.max([t["seconds"][WARMUP_STEPS:] for t in per_rank], axis=0)
         total = sum(sum(t["tokens"][WARMUP_STEPS:]) for t in per_rank)
@@ -509,7 +513,7 @@ def one_process(threads, steps):
 
 
 cores = os.cpu_count()
-alone_steps = [step[0] for step in timed["token budget"][:3]]  # one to warm up, two timed
+alone_steps = [step[0] for step in steps_budget[:3]]  # one to warm up, two timed
 one = {threads: one_process(threads, alone_steps) for threads in sorted({1, cores})}
 print("one process: " + ", ".join(f"{n} thread(s) {v:,.0f} tokens/s"
                                   for n, v in one.items()))

@@ -271,13 +271,14 @@ plt.show()
 # token count that changes every micro-batch recompiles (with static
 # shapes, which CUDA graphs need) or compiles once more with symbolic sizes
 # (the default, after the first change). Past dynamo's recompile limit, 8
-# graphs per function, it stops compiling that function and runs it
-# eagerly, with a warning; the count below lifts the limit so that it counts
-# every graph. It comes from a
+# compiled versions of one function, it stops compiling that function and
+# runs it eagerly, with a warning; the count below lifts the limit so that
+# it counts every graph. One call of this model is several graphs: dynamo
+# breaks the graph at every ``ragged_attention`` call, host-side bookkeeping
+# around the kernels, which it does not trace. The count comes from a
 # backend that counts the graphs dynamo hands it and runs them as they are,
-# so that no kernel is generated; with inductor, each graph is compiled into
-# kernels, seconds per graph. Attention itself is not traced:
-# ``ragged_attention`` is host-side bookkeeping around the kernels.
+# so that no kernel is generated; with inductor, each graph is compiled
+# into kernels, which takes seconds (:doc:`packed_gpt_training` times it).
 
 from ragged_toolkit import token_loss_sum
 
@@ -347,7 +348,7 @@ print(f"gradient check: {WORLD} ranks x 3 micro-batches of {GRAD_DOCS} documents
 # On the same data, in one process:
 
 model.zero_grad(set_to_none=True)
-micro = [mb for turn in zip(*grad_batches) for mb in turn]  # rank r's: micro[r::WORLD]
+micro = [mb for turn in zip(*grad_batches) for mb in turn]  # rank r holds micro[r::WORLD]
 means = [torch.div(*token_loss_sum(model, t, o)) for t, o in micro]
 torch.stack(means).mean().backward()
 shortcut = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -259,6 +259,7 @@ for r, marker in zip(range(WORLD), "os"):
             label=f"rank {r}, fixed documents")
 ax.plot(rank_tokens(steps_budget[:shown])[:, 0], "k--", label="every rank, token budget")
 ax.set(xlabel="step", ylabel="tokens on the rank", ylim=(0, None))
+ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
 ax.legend(loc="lower right", ncols=2, fontsize=10)
 fig.tight_layout()
 plt.show()
@@ -453,12 +454,15 @@ print(wrapped(wrong))
 #
 #    Two ranks on a machine with two CPU cores add no compute: they share
 #    the cores and the memory one process has, and add the exchange of
-#    gradients. Whatever the two ranks gain over one process below is what
-#    one process leaves unused (a model this small gives a second thread too
-#    little work per operation), not a data-parallel speedup. What this page
-#    measures on a CPU is correctness (the gradients), the imbalance and the
-#    compile counts; the step times show the imbalance in seconds. On a
-#    machine with a GPU per rank, the same script scales out.
+#    gradients. Where the two ranks below beat one process on the same
+#    cores, that is what the process left unused (a small model's operations
+#    keep a second thread only partly busy, and other work on the machine
+#    stalls threads that wait for each other), not a data-parallel
+#    speedup. What this page measures on a CPU is correctness (the
+#    gradients), the imbalance and the compile counts; the step times show
+#    the imbalance in seconds. With a GPU per rank, each rank brings its own
+#    compute, and the same script runs one rank per GPU (the NCCL lines,
+#    where the build machine has GPUs).
 
 
 def summary(reports, label):

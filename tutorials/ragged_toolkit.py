@@ -1667,6 +1667,8 @@ def _data_parallel_rank(folder, rank):
         torch.backends.cuda.matmul.allow_tf32 = False  # the check compares in float32
     dist.init_process_group(job["backend"], device_id=device if cuda else None)
     cfg, dtype = GPTConfig(**job["config"]), getattr(torch, job["dtype"])
+    # a rank on the CPU of a GPU machine leaves the GPU alone
+    wait = torch.cuda.synchronize if cuda else (lambda: None)
     report = {"rank": rank, "world_size": world, "backend": job["backend"],
               "device": str(device), "threads": torch.get_num_threads(), "timing": {}}
     try:
@@ -1686,7 +1688,7 @@ def _data_parallel_rank(folder, rank):
             seconds, tokens = [], []
             for step in steps:  # step[rank]: this rank's micro-batches
                 batches = [(t.to(device), o.to(device)) for t, o in step[rank]]
-                synchronize()
+                wait()
                 dist.barrier()
                 start = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
@@ -1694,7 +1696,7 @@ def _data_parallel_rank(folder, rank):
                     runner, batches, sync, backend=job["time_backend"], dtype=dtype
                 )
                 optimizer.step()
-                synchronize()
+                wait()
                 seconds.append(time.perf_counter() - start)
                 tokens.append(sum(len(t) for t, _ in batches))
             report["timing"][scheme] = {"seconds": seconds, "tokens": tokens}

@@ -40,6 +40,9 @@ from gallery_order import reading_order_key  # noqa: E402
 BUDGET_S = 8 * 60  # the whole check, on one H200
 FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")
 TRAINING = re.compile(r"^(?:\w+ )?training: ragged .*$", re.M)  # "hf training: ragged ..." too
+# the data-parallel page: one line per wrapper and launch (gloo on the CPU, NCCL per GPU)
+DATA_PARALLEL = re.compile(r"^data-parallel step: world size (\d+), gradient max difference "
+                           r"to one process (\S+)$", re.M)
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -86,6 +89,9 @@ def summarize(stem: str, ok: bool, seconds: float, output: str) -> str:
     training = TRAINING.search(output)
     if training:
         line += f"  | {training.group(0)}"
+    steps = DATA_PARALLEL.findall(output)
+    if steps:
+        line += "  | data-parallel gradients: " + ", ".join(f"world size {w} {d}" for w, d in steps)
     if not ok:
         last = [ln for ln in output.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
         line += f"  | {last[0][:160]}"

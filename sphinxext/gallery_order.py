@@ -17,6 +17,7 @@ READING_ORDER = [
     "transformer_layers_for_ragged_batches",
     "packed_gpt_training",
     "hf_packed_training",
+    "data_parallel_packed_training",
     "ragged_decoding_kv_cache_gqa",
     "which_attention_path",
 ]

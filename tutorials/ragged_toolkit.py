@@ -13,7 +13,10 @@ and the last one ends (the ``cu_seqlens`` of FlashAttention and
   and :func:`speedup_line`;
 * the small GPT of the training and decoding pages: :class:`GPT`,
   :class:`KVCache`, the layouts :class:`Packed` and :class:`Padded`, and
-  :func:`generate_packed`.
+  :func:`generate_packed`;
+* real documents and data-parallel training: :func:`docstring_corpus`, the
+  micro-batch splits (:func:`split_by_token_budget`), the packing checks,
+  :func:`data_parallel_step` and :func:`run_data_parallel`.
 
 It needs PyTorch 2.11 or later and numpy. Download it beside a tutorial's
 script or notebook (each download also carries its own copy) and
@@ -22,16 +25,25 @@ script or notebook (each download also carries its own copy) and
 
 from __future__ import annotations
 
+import ast
 import gc
 import inspect
+import json
 import logging
 import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -1397,3 +1409,407 @@ def generate_packed(model, prompts, offsets, n_new, backend=None, *, dtype=None)
                     out[-1], pos, Packed(one_each, backend, cache, rows + pos, pos + 1)
                 )
     return torch.stack(out, 1)  # (B, n_new)
+
+
+# --- Documents, token budgets and data-parallel steps ----------------------------
+
+_CORPUS_CACHE = {}
+# folders of the standard library whose files are tests, test data or installs
+_NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idle_test",
+                "__pycache__"}
+
+
+def _definitions_in_order(body):
+    # the modules' classes and functions, in source order, also inside if,
+    # try, with and loop statements, without visiting any expression
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            for child in getattr(node, name, ()):
+                if isinstance(child, ast.stmt):
+                    yield from _definitions_in_order([child])
+                else:  # an except handler or a match case holds statements
+                    yield from _definitions_in_order(child.body)
+
+
+def docstring_corpus(min_chars=200, limit=3000):
+    """Real text, offline: the docstrings of the modules, classes and functions
+    of Python's standard library, read with ``ast`` from the ``.py`` files of
+    ``sysconfig.get_paths()["stdlib"]`` (no module is imported), files in the
+    order of their paths and definitions in source order, tests left out and
+    duplicates dropped. Returns ``(documents, source)``: at most ``limit``
+    documents of at least ``min_chars`` characters, each as UTF-8 ``bytes``,
+    and a name for where they came from. Cached within the process."""
+    key = (min_chars, limit)
+    if key not in _CORPUS_CACHE:
+        root, files = sysconfig.get_paths()["stdlib"], []
+        for folder, subfolders, names in os.walk(root):
+            subfolders[:] = [d for d in subfolders if d not in _NOT_LIBRARY]
+            files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+        seen, documents = set(), []
+        for path in sorted(files, key=lambda f: Path(f).relative_to(root).parts):
+            # a syntax tree is many small objects: with torch loaded, the
+            # garbage collector's passes over them would triple the time
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                tree = ast.parse(Path(path).read_bytes())
+            except (SyntaxError, ValueError):  # Python 2 examples kept as data
+                continue
+            finally:
+                if collecting:
+                    gc.enable()
+            for node in [tree, *_definitions_in_order(tree.body)]:
+                text = ast.get_docstring(node)
+                if text and len(text) >= min_chars and text not in seen:
+                    seen.add(text)
+                    documents.append(text.encode("utf-8"))
+            if limit is not None and len(documents) >= limit:
+                break
+        version = ".".join(map(str, sys.version_info[:2]))
+        source = f"the Python {version} standard library's docstrings"
+        _CORPUS_CACHE[key] = (documents[:limit], source)
+    documents, source = _CORPUS_CACHE[key]
+    return list(documents), source
+
+
+def pack_documents(documents, max_len=None):
+    """Documents (``bytes``) end to end as byte tokens, 0 to 255: packed
+    tokens (T,) int64 and offsets (B + 1,); each cut to ``max_len`` tokens."""
+    lengths = [len(d) if max_len is None else min(len(d), max_len) for d in documents]
+    flat = b"".join(d[:n] for d, n in zip(documents, lengths))
+    tokens = torch.frombuffer(bytearray(flat), dtype=torch.uint8).long()
+    return tokens, offsets_from_lengths(lengths)
+
+
+def document_targets(tokens, offsets):
+    """The token each packed position must predict: the next one in its own
+    document, -100 (ignored by ``cross_entropy``) at each document's last token."""
+    targets = tokens.roll(-1).clone()
+    targets[offsets[1:][offsets[1:] > offsets[:-1]] - 1] = -100
+    return targets
+
+
+def concat_batches(batches):
+    """Packed micro-batches ``[(tokens, offsets), ...]`` as one packed batch."""
+    tokens = torch.cat([t for t, _ in batches])
+    starts = torch.tensor([0] + [len(t) for t, _ in batches]).cumsum(0)
+    starts_of = [o[:-1] + s for (_, o), s in zip(batches, starts)]
+    offsets = torch.cat([*starts_of, starts[-1:]])
+    return tokens, offsets
+
+
+def split_by_documents(tokens, offsets, n_docs):
+    """Micro-batches of ``n_docs`` whole documents each (the last may have
+    fewer): a list of ``(tokens, offsets)``. Their token counts vary."""
+    out = []
+    for i in range(0, len(offsets) - 1, n_docs):
+        o = offsets[i : i + n_docs + 1]
+        out.append((tokens[o[0] : o[-1]].clone(), o - o[0]))
+    return out
+
+
+def split_by_token_budget(tokens, offsets, budget):
+    """Micro-batches of exactly ``budget`` tokens: the packed stream cut every
+    ``budget`` tokens. A document that crosses a cut is cut there, and its rest
+    starts the next micro-batch as a sequence of its own (it loses the
+    context before the cut and the one target across it). The tail shorter
+    than ``budget`` is left out. A list of ``(tokens, offsets)``."""
+    out = []
+    for lo in range(0, len(tokens) - budget + 1, budget):
+        inner = offsets[(offsets > lo) & (offsets < lo + budget)] - lo
+        o = torch.cat([offsets.new_zeros(1), inner, offsets.new_full((1,), budget)])
+        out.append((tokens[lo : lo + budget].clone(), o))
+    return out
+
+
+def split_carrying_documents(tokens, offsets, budget):
+    """Micro-batches of whole documents, at most ``budget`` tokens each: a
+    document that does not fit is carried to the next micro-batch, and what
+    is left of the budget is padding (documents longer than ``budget`` are
+    cut to it). A list of ``(tokens, offsets)``, each shorter than ``budget``
+    by its padding."""
+    lengths, out, current = offsets.diff().clamp(max=budget).tolist(), [], []
+
+    def close():
+        if current:
+            out.append(concat_batches(current))
+            current.clear()
+
+    for start, n in zip(offsets[:-1].tolist(), lengths):
+        if sum(len(t) for t, _ in current) + n > budget:
+            close()
+        current.append((tokens[start : start + n], torch.tensor([0, n])))
+    close()
+    return out
+
+
+def check_documents_apart(model, document, pack, backend=None):
+    """Raise ``AssertionError`` unless two copies of ``document`` (``bytes``)
+    packed by ``pack`` (a function of a list of documents that returns packed
+    tokens and offsets, like :func:`pack_documents`) give the same logits:
+    the second copy must not attend to the first."""
+    tokens, offsets = pack([document, document])
+    n = len(document)
+    positions = token_index(offsets)[1]
+    with torch.no_grad():
+        logits = model(tokens, positions, Packed(offsets, backend))
+    gap = (logits[:n] - logits[n:]).abs().max().item()
+    assert gap < 1e-4, (
+        f"two identical documents in one pack give different logits (largest difference "
+        f"{gap:.2f}): the second attends to the first; offsets {offsets.tolist()}"
+    )
+    return gap
+
+
+def check_targets(tokens, targets, offsets):
+    """Raise ``AssertionError`` unless ``targets`` are each token's next token
+    within its document and -100 at each document's last token: the first
+    token of a document is never the target of the one before it."""
+    for i, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        if end == start:
+            continue
+        last = int(targets[end - 1])
+        assert last == -100, (
+            f"the last token of document {i} (token {end - 1}) has target {last}"
+            + (", the first token of the next document" if end < len(tokens) else "")
+            + ": a document is trained to predict the one after it"
+        )
+        inside = targets[start : end - 1]
+        assert torch.equal(inside, tokens[start + 1 : end]), (
+            f"document {i}: the targets inside it are not its own next tokens"
+        )
+
+
+def check_positions(positions, offsets):
+    """Raise ``AssertionError`` unless ``positions`` restart at 0 at every
+    document and count up inside it."""
+    expected = token_index(offsets)[1]
+    wrong = (positions != expected).nonzero().flatten()
+    if len(wrong):
+        t = int(wrong[0])
+        doc = int(torch.searchsorted(offsets, t, right=True)) - 1
+        raise AssertionError(
+            f"token {t} (document {doc}, which starts at token {int(offsets[doc])}) has "
+            f"position {int(positions[t])}, expected {int(expected[t])}: positions must "
+            "restart at 0 at every document"
+        )
+
+
+def token_loss_sum(model, tokens, offsets, backend=None, dtype=torch.float32):
+    """The sum of the next-token losses of a packed micro-batch and its
+    number of targets (each document's last token has none)."""
+    targets = document_targets(tokens, offsets)
+    positions = token_index(offsets)[1]
+    with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(tokens, positions, Packed(offsets, backend))  # (T, vocab)
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    return loss, (targets != -100).sum()
+
+
+def data_parallel_step(
+    model,
+    micro_batches,
+    sync=None,
+    *,
+    reduce_count=True,
+    backend=None,
+    dtype=torch.float32,
+):
+    """Forward and backward of one step with gradient accumulation, on this rank.
+
+    The loss of the step is the sum of the token losses of every micro-batch
+    on every rank, divided by the number of targets of all of them: the
+    count is summed over the ranks (``all_reduce``) before any backward.
+    ``sync(last)`` gives the context for a micro-batch's backward (the
+    ``no_sync`` of DDP for all but the last). DDP and FSDP2 average the gradients
+    over the ranks, so each rank's loss is multiplied by the world size.
+    ``reduce_count=False`` is the usual mistake: each rank divides by its own
+    count. Returns the step's loss summed over this rank's micro-batches."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = micro_batches[0][0].device
+    count = sum(int((document_targets(t, o) != -100).sum()) for t, o in micro_batches)
+    count = torch.tensor(count, device=device)
+    if reduce_count and world > 1:
+        dist.all_reduce(count)  # every rank now holds the step's count
+    scale = world / count if reduce_count else 1 / count
+    total = 0.0
+    for i, (tokens, offsets) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with sync(last) if sync is not None else nullcontext():
+            loss_sum, _ = token_loss_sum(model, tokens, offsets, backend, dtype)
+            (loss_sum * scale).backward()
+        total += loss_sum.item() * float(scale) / world
+    return total
+
+
+def one_process_gradients(model, micro_batches, backend=None):
+    """The reference for a data-parallel step: the gradients of the mean
+    next-token loss over every micro-batch of every rank, packed as one batch
+    in this process (float32). ``{name: gradient}``."""
+    tokens, offsets = concat_batches(micro_batches)
+    model.zero_grad(set_to_none=True)
+    positions = token_index(offsets)[1]
+    logits = model(tokens, positions, Packed(offsets, backend)).float()
+    targets = document_targets(tokens, offsets)
+    F.cross_entropy(logits, targets, ignore_index=-100).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_same_gradients(grads, reference, tol=1e-4):
+    """Raise ``AssertionError`` unless every gradient in ``grads`` is within
+    ``tol`` of the one in ``reference``; returns the largest difference."""
+    gaps = {n: (grads[n].float().cpu() - g.float().cpu()).abs().max().item()
+            for n, g in reference.items()}
+    name = max(gaps, key=gaps.get)
+    assert gaps[name] <= tol, (
+        f"the data-parallel gradients differ from one process on the whole batch: "
+        f"max difference {gaps[name]:.1e} (in {name}) > {tol:.0e}"
+    )
+    return gaps[name]
+
+
+#: The script each rank runs, ``worker.py``: it calls :func:`data_parallel_worker`.
+DATA_PARALLEL_SCRIPT = """\
+import sys
+
+from ragged_toolkit import data_parallel_worker
+
+data_parallel_worker(sys.argv[1])
+"""
+
+
+def _wrap(cfg, state, how, device):
+    # a fresh model from the shared weights, wrapped for data parallelism:
+    # (the model, what to call, the context of each micro-batch's backward)
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = GPT(cfg).to(device)
+    model.load_state_dict(state)
+    if how == "ddp":
+        ids = [device] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=ids)
+        return model, ddp, lambda last: nullcontext() if last else ddp.no_sync()
+    if how == "fsdp":
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+
+        def sync(last):
+            model.set_requires_gradient_sync(last)  # reduce-scatter at the last only
+            return nullcontext()
+
+        return model, model, sync
+    raise ValueError(f"unknown wrapper {how!r}: ddp or fsdp")
+
+
+def data_parallel_worker(folder):
+    """One rank of :func:`run_data_parallel`, started by ``torch.distributed.run``
+    (which sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``). Reads
+    ``job.json`` and ``data.pt`` from ``folder``; for each gradient run, one
+    :func:`data_parallel_step` (rank 0 saves the whole gradients); for each
+    timed scheme, training steps with AdamW, each timed between barriers.
+    Writes ``rank<R>.json``, what this rank measured, or ``rank<R>.error``,
+    the traceback it stopped with."""
+    folder, rank = Path(folder), int(os.environ["RANK"])
+    try:
+        report = _data_parallel_rank(folder, rank)
+    except BaseException:
+        import traceback
+
+        (folder / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    (folder / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def _data_parallel_rank(folder, rank):
+    job = json.loads((folder / "job.json").read_text())
+    data = torch.load(folder / "data.pt", weights_only=True)
+    world = int(os.environ["WORLD_SIZE"])
+    cuda = job["backend"] == "nccl"
+    local = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # the check compares in float32
+    dist.init_process_group(job["backend"], device_id=device if cuda else None)
+    cfg, dtype = GPTConfig(**job["config"]), getattr(torch, job["dtype"])
+    # a rank on the CPU of a GPU machine leaves the GPU alone
+    wait = torch.cuda.synchronize if cuda else (lambda: None)
+    report = {"rank": rank, "world_size": world, "backend": job["backend"],
+              "device": str(device), "threads": torch.get_num_threads(), "timing": {}}
+    try:
+        mine = [(t.to(device), o.to(device)) for t, o in data["grad_batches"][rank]]
+        for run in job["grad_runs"]:
+            model, runner, sync = _wrap(cfg, data["init"], run["wrap"], device)
+            data_parallel_step(runner, mine, sync, reduce_count=run["reduce_count"],
+                               backend=job["grad_backend"])
+            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                     for n, p in model.named_parameters()}  # FSDP2 holds shards: gather
+            if rank == 0:
+                grads = {n: g.cpu() for n, g in grads.items()}
+                torch.save(grads, folder / f"grads-{run['name']}.pt")
+        for scheme, steps in data["time_batches"].items():
+            model, runner, sync = _wrap(cfg, data["init"], "ddp", device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
+            seconds, tokens = [], []
+            for step in steps:  # step[rank]: this rank's micro-batches
+                batches = [(t.to(device), o.to(device)) for t, o in step[rank]]
+                wait()
+                dist.barrier()
+                start = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                data_parallel_step(
+                    runner, batches, sync, backend=job["time_backend"], dtype=dtype
+                )
+                optimizer.step()
+                wait()
+                seconds.append(time.perf_counter() - start)
+                tokens.append(sum(len(t) for t, _ in batches))
+            report["timing"][scheme] = {"seconds": seconds, "tokens": tokens}
+    finally:
+        dist.destroy_process_group()
+    return report
+
+
+def data_parallel_command(nproc, script="worker.py", folder="FOLDER"):
+    """The command that starts ``nproc`` ranks of the worker script on this
+    machine (``torchrun --standalone --nproc-per-node=N`` is the same)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", script, folder]
+
+
+def run_data_parallel(job, data, nproc, *, timeout=600):
+    """Launch :func:`data_parallel_worker` on ``nproc`` ranks with
+    :func:`data_parallel_command`, in a temporary folder that holds the job,
+    the worker script and this module's own source, which the ranks import
+    (so a downloaded page, whose toolkit is no file, launches it too). Each
+    rank's output is kept out of the caller's; on failure, its last lines are
+    raised. Returns the ranks' reports in rank order and the gradients of
+    each gradient run, ``{name: {parameter: gradient}}``."""
+    with tempfile.TemporaryDirectory(prefix="data-parallel-") as name:
+        folder = Path(name)
+        (folder / f"{__name__}.py").write_text(inspect.getsource(sys.modules[__name__]))
+        (folder / "worker.py").write_text(DATA_PARALLEL_SCRIPT)
+        (folder / "job.json").write_text(json.dumps(job))
+        torch.save(data, folder / "data.pt")
+        threads = max(1, (os.cpu_count() or 1) // nproc)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        command = data_parallel_command(nproc, folder=str(folder))
+        proc = subprocess.run(command, cwd=folder, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        if proc.returncode != 0:
+            errors = sorted(folder.glob("rank*.error"))  # the ranks' own tracebacks
+            text = errors[0].read_text() if errors else proc.stdout + proc.stderr
+            tail = "\n".join(text.strip().splitlines()[-30:])
+            where = f", {errors[0].stem}" if errors else ""
+            raise RuntimeError(f"{nproc} ranks on {job['backend']} failed "
+                               f"(exit {proc.returncode}{where}):\n{tail}")
+        reports = [json.loads((folder / f"rank{r}.json").read_text())
+                   for r in range(nproc)]
+        grads = {run["name"]: torch.load(folder / f"grads-{run['name']}.pt",
+                                         weights_only=True)
+                 for run in job["grad_runs"]}
+    return reports, grads

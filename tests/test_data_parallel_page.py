@@ -1,0 +1,167 @@
+"""The data-parallel page (tutorials/data_parallel_packed_training.py) through
+the toolkit functions it runs: the docstring corpus, the two ways of filling
+a micro-batch, the three packing checks failing on the wrong variants, and
+the two-rank step (DDP, FSDP2; torch.distributed.run over gloo, tiny sizes)
+matching one process, and failing to when the count is not reduced."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import pytest
+import torch
+
+from sitebuild import REPO
+
+sys.path.insert(0, str(REPO / "tutorials"))
+import ragged_toolkit as tk  # noqa: E402
+
+PAGE = REPO / "tutorials" / "data_parallel_packed_training.py"
+CORPUS_LINE = re.compile(r"corpus: (\d+) documents from (.+), lengths min (\d+), median (\d+), max (\d+)")
+TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=512)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    tk._CORPUS_CACHE.clear()
+    start = time.perf_counter()
+    documents, source = tk.docstring_corpus(min_chars=200, limit=3000)
+    return documents, source, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tk.GPT(tk.GPTConfig(**TINY))
+
+
+def test_the_corpus_is_real_deterministic_quick_and_its_line_has_the_page_form(corpus):
+    documents, source, seconds = corpus
+    assert len(documents) >= 1000 and all(isinstance(d, bytes) and len(d) >= 200 for d in documents)
+    assert len(set(documents)) == len(documents), "a docstring is kept once"
+    assert seconds < 5, f"reading the corpus took {seconds:.1f} s"
+    tk._CORPUS_CACHE.clear()
+    assert tk.docstring_corpus(min_chars=200, limit=3000) == (documents, source), "not deterministic"
+    assert "/" not in source, f"the source names a machine path: {source}"
+    lengths = sorted(len(d) for d in documents)
+    line = (f"corpus: {len(documents)} documents from {source}, lengths min {lengths[0]}, "
+            f"median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
+    match = CORPUS_LINE.fullmatch(line)
+    assert match and int(match[1]) >= 1000, line
+    # the page prints this very line
+    assert 'print(f"corpus: {len(documents)} documents from {source}, lengths min' in PAGE.read_text()
+
+
+def test_a_token_budget_cuts_the_stream_and_keeps_every_boundary(corpus):
+    tokens, offsets = tk.pack_documents(corpus[0][:60], max_len=300)
+    budget = 256
+    batches = tk.split_by_token_budget(tokens, offsets, budget)
+    assert batches and all(len(t) == budget and o[0] == 0 and o[-1] == budget for t, o in batches)
+    joined, joined_offsets = tk.concat_batches(batches)
+    assert torch.equal(joined, tokens[: len(joined)])
+    inside = offsets[offsets < len(joined)]
+    assert set(inside.tolist()) <= set(joined_offsets.tolist()), "a document boundary was lost"
+    by_docs = tk.split_by_documents(tokens, offsets, 4)
+    assert torch.equal(tk.concat_batches(by_docs)[0], tokens)
+    assert len({len(t) for t, _ in by_docs}) > 1, "whole documents give uneven micro-batches"
+    carried = tk.split_carrying_documents(tokens, offsets, budget)
+    assert all(len(t) <= budget and (o.diff() > 0).all() for t, o in carried)
+    assert sum(len(o) - 1 for _, o in carried) == len(offsets) - 1, "every document, whole, once"
+
+
+def _message(check, *args):
+    with pytest.raises(AssertionError) as failure:
+        check(*args)
+    return str(failure.value)
+
+
+def test_documents_apart_passes_and_fails_when_the_pack_is_one_sequence(model, corpus):
+    doc = corpus[0][0][:48]
+    assert tk.check_documents_apart(model, doc, tk.pack_documents) < 1e-5
+
+    def as_one(docs):
+        t, _ = tk.pack_documents(docs)
+        return t, torch.tensor([0, len(t)])
+
+    assert "two identical documents in one pack give different logits" in _message(
+        tk.check_documents_apart, model, doc, as_one)
+
+
+def test_targets_check_fails_when_the_whole_pack_is_shifted(corpus):
+    tokens, offsets = tk.pack_documents(corpus[0][:3], max_len=20)
+    tk.check_targets(tokens, tk.document_targets(tokens, offsets), offsets)
+    message = _message(tk.check_targets, tokens, tokens.roll(-1), offsets)
+    assert "the last token of document 0 (token 19)" in message and "the next document" in message
+
+
+def test_positions_check_fails_when_positions_do_not_restart(corpus):
+    tokens, offsets = tk.pack_documents(corpus[0][:3], max_len=20)
+    tk.check_positions(tk.token_index(offsets)[1], offsets)
+    message = _message(tk.check_positions, torch.arange(len(tokens)), offsets)
+    assert message.startswith("token 20 (document 1, which starts at token 20) has position 20")
+
+
+def _grad_setup(corpus, model):
+    by_length = sorted(corpus[0][:40], key=len)  # rank 0 the shortest, rank 1 longer ones
+    tokens, offsets = tk.pack_documents(by_length[:6] + by_length[-6:], max_len=400)
+    micro = tk.split_by_documents(tokens, offsets, 2)  # 6 micro-batches, uneven targets
+    per_rank = [micro[:3], micro[3:]]
+    counts = [sum(int((tk.document_targets(t, o) != -100).sum()) for t, o in r) for r in per_rank]
+    assert max(counts) > 1.1 * min(counts), f"the ranks' target counts are too even: {counts}"
+    return per_rank, tk.one_process_gradients(model, micro)
+
+
+def test_the_mean_of_micro_batch_means_is_not_the_step_loss(corpus, model):
+    per_rank, reference = _grad_setup(corpus, model)
+    micro = [mb for rank in per_rank for mb in rank]
+    model.zero_grad(set_to_none=True)
+    tk.data_parallel_step(model, micro)  # one process: the right loss
+    gap = tk.check_same_gradients({n: p.grad for n, p in model.named_parameters()}, reference)
+    assert gap < 1e-5
+    model.zero_grad(set_to_none=True)
+    torch.stack([torch.div(*tk.token_loss_sum(model, t, o)) for t, o in micro]).mean().backward()
+    with pytest.raises(AssertionError, match="differ from one process on the whole batch"):
+        tk.check_same_gradients({n: p.grad for n, p in model.named_parameters()}, reference)
+    model.zero_grad(set_to_none=True)
+
+
+def test_two_ranks_match_one_process_and_fail_when_the_count_is_not_reduced(corpus, model):
+    """torch.distributed.run, 2 ranks over gloo: DDP and FSDP2 within 1e-4 of
+    one process; DDP whose ranks each divide by their own count, not."""
+    per_rank, reference = _grad_setup(corpus, model)
+    runs = [{"name": "ddp", "wrap": "ddp", "reduce_count": True},
+            {"name": "fsdp", "wrap": "fsdp", "reduce_count": True},
+            {"name": "unreduced", "wrap": "ddp", "reduce_count": False}]
+    job = {"backend": "gloo", "config": TINY, "dtype": "float32", "lr": 1e-3, "grad_runs": runs,
+           "grad_backend": "loop", "time_backend": "loop"}
+    data = {"init": model.state_dict(), "grad_batches": per_rank,
+            "time_batches": {"token budget": [per_rank]}}
+    reports, grads = tk.run_data_parallel(job, data, 2, timeout=120)
+    assert [r["rank"] for r in reports] == [0, 1] and {r["world_size"] for r in reports} == {2}
+    assert all(len(r["timing"]["token budget"]["seconds"]) == 1 for r in reports)
+    assert tk.check_same_gradients(grads["ddp"], reference) < 1e-4
+    assert tk.check_same_gradients(grads["fsdp"], reference) < 1e-4
+    with pytest.raises(AssertionError, match=r"differ from one process on the whole batch: max difference"):
+        tk.check_same_gradients(grads["unreduced"], reference)
+
+
+def test_a_failing_rank_is_reported_with_its_last_lines(model):
+    job = {"backend": "gloo", "config": {**TINY, "dim": 30}, "dtype": "float32", "lr": 1e-3,
+           "grad_runs": [], "grad_backend": "loop", "time_backend": "loop"}
+    with pytest.raises(RuntimeError, match=r"(?s)2 ranks on gloo failed \(exit 1, rank\d\).*size mismatch"):
+        tk.run_data_parallel(job, {"init": model.state_dict(), "grad_batches": [[], []],
+                                   "time_batches": {"x": [[[], []]]}}, 2, timeout=120)
+
+
+def test_gpu_check_summarizes_every_data_parallel_line():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+
+    output = ("DDP:\ndata-parallel step: world size 2, gradient max difference to one process 2.2e-08\n"
+              "FSDP2:\ndata-parallel step: world size 2, gradient max difference to one process 3.1e-08\n"
+              "data-parallel step: world size 1, gradient max difference to one process 4.0e-07\n")
+    line = gpu_check.summarize("data_parallel_packed_training", True, 61.0, output)
+    assert line.endswith("| data-parallel gradients: world size 2 2.2e-08, world size 2 3.1e-08, "
+                         "world size 1 4.0e-07"), line

@@ -1,0 +1,549 @@
+"""
+Packed training across data-parallel ranks
+==========================================
+
+Packed documents on several ranks: DDP and FSDP2 (``fully_shard``) started
+with ``torch.distributed.run``, micro-batches filled to a fixed token budget
+instead of a fixed number of documents, and a loss divided by the number of
+targets of the whole step on every rank, proved against one process on
+the whole batch. Real text, offline: the docstrings of Python's standard
+library, one byte per token.
+
+**Author:** the ragged-transformers tutorial contributors
+
+.. grid:: 2
+
+    .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
+       :class-card: card-prerequisites
+
+       * What a fixed number of documents per micro-batch does to the ranks
+         of a data-parallel step, and what a token budget does instead
+       * Why a fixed budget compiles once
+       * How to normalize the loss with gradient accumulation on several
+         ranks, and how to prove it: the gradients of one process on the
+         whole batch
+       * Three packing mistakes, each caught by a check that fails loudly
+
+    .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
+       :class-card: card-prerequisites
+
+       * :doc:`packed_gpt_training` (the model, packed targets and
+         positions); the functions used here are on
+         :doc:`the toolkit's reference page </toolkit>`
+       * PyTorch 2.11 or later; a CPU is enough (two ranks over ``gloo``),
+         and each GPU of a CUDA machine runs a rank over NCCL
+"""
+
+# sphinx_gallery_tags = ["training", "packing", "distributed", "FSDP2", "DDP"]
+
+# %%
+# Sizes
+# -----
+# Every size is set here, per device; :term:`quick mode` shrinks them. Two
+# ranks run on the CPU over ``gloo`` on every machine; a CUDA machine also
+# runs one rank per GPU over NCCL. The model is the GPT of the training page
+# with a byte vocabulary (256 tokens). (Real runs: thousands of GPUs, a
+# budget of 4096 to 16384 tokens per micro-batch and rank.)
+
+import torch
+from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
+
+DEVICE = default_device()
+DTYPE = default_dtype(DEVICE)  # the timed steps; the gradient check runs in float32
+CPU_DTYPE = DTYPE if DEVICE == "cpu" else torch.float32  # what runs on the CPU
+QUICK = quick_mode()
+SEED = 0
+WORLD = 2  # ranks on the CPU, over gloo
+if DEVICE == "cuda":  # the gloo ranks run on the CPU cores of the GPU machine too
+    MODEL = dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
+                 ffn_hidden=688, max_seq_len=2048)
+    CONTEXT, DOCS_PER_MICRO_BATCH, MICRO_BATCHES, STEPS = 2048, 8, 2, 8
+else:
+    MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                 ffn_hidden=352, max_seq_len=1024)
+    CONTEXT, DOCS_PER_MICRO_BATCH, MICRO_BATCHES, STEPS = 1024, 4, 2, 6
+CORPUS_DOCS, MIN_CHARS = 3000, 200
+if QUICK:
+    MODEL.update(dim=64, ffn_hidden=176)
+    CONTEXT, DOCS_PER_MICRO_BATCH, STEPS, CORPUS_DOCS = 512, 2, 4, 1200
+WARMUP_STEPS = 2  # timed steps left out of the figures (first calls)
+GRAD_DOCS = 2  # documents per micro-batch in the gradient check (tiny, float32)
+GRAD_TOL = 1e-4  # float32: the largest gradient difference allowed
+LR = 3e-3
+print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")
+print("model: " + ", ".join(f"{k} {v}" for k, v in MODEL.items()))
+print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {DOCS_PER_MICRO_BATCH} "
+      f"documents or one token budget each, documents cut at {CONTEXT} tokens")
+
+# sphinx_gallery_start_ignore
+quiet_known_notes()
+# sphinx_gallery_end_ignore
+
+# %%
+# Real text, offline
+# ------------------
+# The documents are the docstrings of the standard library of the Python
+# that runs the page: ``docstring_corpus`` reads every ``.py`` file of
+# ``sysconfig.get_paths()["stdlib"]`` with ``ast`` (no module is imported),
+# in the order of their paths, and keeps the docstrings of modules, classes
+# and functions of at least ``MIN_CHARS`` characters, each once. Each byte
+# is a token. Docstrings are as ragged as web documents: a line for a small
+# function, pages for a module.
+
+import time
+
+import numpy as np
+from ragged_toolkit import docstring_corpus, pack_documents
+
+start = time.perf_counter()
+documents, source = docstring_corpus(min_chars=MIN_CHARS, limit=CORPUS_DOCS)
+read_s = time.perf_counter() - start
+lengths = np.array([len(d) for d in documents])
+print(f"corpus: {len(documents)} documents from {source}, lengths min {lengths.min()}, "
+      f"median {int(np.median(lengths))}, max {lengths.max()}")
+print(f"read in {read_s:.1f} s; the first one: {documents[0][:70].decode()!r}")
+assert len(documents) >= 1000, f"only {len(documents)} documents of {MIN_CHARS}+ chars"
+tokens, offsets = pack_documents(documents, max_len=CONTEXT)  # (T,), (B + 1,)
+print(f"{len(tokens):,} tokens; {(lengths > CONTEXT).sum()} documents cut at {CONTEXT}")
+
+# %%
+# Three packing mistakes, each checked
+# ------------------------------------
+# A pack is right when each document in it trains as if it were alone.
+# Three things make that so, and each has a check in the toolkit that
+# fails, naming the problem, when it is broken:
+#
+# 1. **Attention stays inside each document.** Two copies of one document
+#    in one pack must give the same logits; if the offsets describe the pack
+#    as one sequence, the second copy attends to the first.
+# 2. **The first token of a document is never a target of the one before.**
+#    Shifting the whole pack by one token makes every document's last token
+#    predict the next document's first: ``document_targets`` puts -100
+#    (ignored) there.
+# 3. **Positions restart at every document.** ``token_index`` gives them. With
+#    rotary embeddings the scores depend only on the distance between two
+#    tokens, so a constant shift barely shows in this model's logits (the
+#    page measures it); but a model with learned absolute positions sees other
+#    inputs, the position table runs out at ``max_seq_len``, and Hugging Face's
+#    padding-free path reads the document boundaries from positions that
+#    restart (``offsets_from_position_ids``).
+#
+# Each check runs on the right code, then on the wrong variant; the page
+# shows the message the wrong one fails with.
+
+from ragged_toolkit import (GPT, GPTConfig, Packed, check_documents_apart,
+                            check_positions, check_targets, document_targets,
+                            offsets_from_position_ids, token_index)
+
+torch.manual_seed(SEED)
+cfg = GPTConfig(**MODEL)
+model = GPT(cfg)  # float32, on the CPU: the reference for everything below
+doc = documents[1][:96]
+
+
+def pack_as_one(docs):
+    """The mistake: documents end to end, offsets of one sequence."""
+    tokens, _ = pack_documents(docs)
+    return tokens, torch.tensor([0, len(tokens)])
+
+
+def shows_failure(check, *args):
+    """Run a check that must fail; return its message."""
+    try:
+        check(*args)
+    except AssertionError as failure:
+        return str(failure)
+    raise AssertionError(f"{check.__name__} accepted the wrong variant")
+
+
+def wrapped(message, width=110):
+    import textwrap
+
+    return "\n".join(textwrap.wrap(message, width, initial_indent="  ",
+                                   subsequent_indent="    "))
+
+
+gap = check_documents_apart(model, doc, pack_documents)
+print(f"1. two copies of a {len(doc)}-token document: largest logit difference {gap:.1e}")
+print(wrapped(shows_failure(check_documents_apart, model, doc, pack_as_one)))
+
+pair, pair_offsets = pack_documents(documents[2:5], max_len=40)
+check_targets(pair, document_targets(pair, pair_offsets), pair_offsets)
+print("2. targets of three packed documents: -100 at each document's last token")
+print(wrapped(shows_failure(check_targets, pair, pair.roll(-1), pair_offsets)))
+
+right, wrong = token_index(pair_offsets)[1], torch.arange(len(pair))
+check_positions(right, pair_offsets)
+print(f"3. positions restart: {right.tolist()[36:45]} around the first boundary")
+print(wrapped(shows_failure(check_positions, wrong, pair_offsets)))
+with torch.no_grad():
+    layout = Packed(pair_offsets)
+    shifted = (model(pair, right, layout) - model(pair, wrong, layout)).abs().max()
+read = len(offsets_from_position_ids(wrong)) - 1
+print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e}; "
+      f"position_ids read {read} document(s), not 3")
+
+# %%
+# Two ways to fill a micro-batch
+# ------------------------------
+# Each rank of a data-parallel step runs ``MICRO_BATCHES`` micro-batches and
+# then waits for the others (the gradients are summed over the ranks at the
+# end of the last backward), so the step takes as long as its slowest rank.
+#
+# * **A fixed number of documents** per micro-batch: the token count of a
+#   micro-batch is the sum of a few document lengths, so it varies, and so
+#   does each rank's work.
+# * **A token budget**: the packed stream cut every ``BUDGET`` tokens, the
+#   budget chosen here to hold the same tokens on average. A document that
+#   crosses a cut is **cut** there; its rest opens the next micro-batch as a
+#   sequence of its own. That costs the rest its context before the cut and
+#   one target, and nothing else: no padding, one shape. The alternative is to
+#   **carry** a document that does not fit whole to the next micro-batch and
+#   pad what is left; that keeps every document whole but costs padding, and
+#   documents longer than the budget must be cut anyway.
+#
+# Micro-batches are dealt to the ranks in turn, as ``DistributedSampler``
+# deals samples. The imbalance is the token count of the slowest rank over
+# the mean of the ranks, summed over every step of the corpus: the factor by
+# which the step is longer than it would be with perfectly balanced work.
+
+from ragged_toolkit import (split_by_documents, split_by_token_budget,
+                            split_carrying_documents)
+
+by_documents = split_by_documents(tokens, offsets, DOCS_PER_MICRO_BATCH)
+BUDGET = int(round(np.mean([len(t) for t, _ in by_documents]) / 64)) * 64
+by_budget = split_by_token_budget(tokens, offsets, BUDGET)
+carried = split_carrying_documents(tokens, offsets, BUDGET)
+
+
+def deal(micro_batches, world=WORLD, per_rank=MICRO_BATCHES):
+    """Steps of ``world`` ranks with ``per_rank`` micro-batches each, dealt
+    in turn: ``steps[s][r]`` is the list of rank ``r``'s micro-batches."""
+    per_step = world * per_rank
+    return [[micro_batches[s + r : s + per_step : world] for r in range(world)]
+            for s in range(0, len(micro_batches) - per_step + 1, per_step)]
+
+
+def rank_tokens(steps):
+    return np.array([[sum(len(t) for t, _ in rank) for rank in step] for step in steps])
+
+
+def imbalance(steps):
+    per_rank = rank_tokens(steps)  # (steps, ranks)
+    return per_rank.max(1).sum() / per_rank.mean(1).sum()
+
+
+steps_docs, steps_budget = deal(by_documents), deal(by_budget)
+cuts = torch.arange(BUDGET, len(by_budget) * BUDGET, BUDGET)
+cut = int((~torch.isin(cuts, offsets)).sum())  # cuts that fall inside a document
+padding = 1 - sum(len(t) for t, _ in carried) / (BUDGET * len(carried))
+print(f"token budget {BUDGET} (the mean of {DOCS_PER_MICRO_BATCH} documents); "
+      f"{len(steps_docs)} and {len(steps_budget)} steps of the corpus")
+print(f"token imbalance (max/mean tokens per rank): fixed documents "
+      f"{imbalance(steps_docs):.2f}, token budget {imbalance(steps_budget):.2f}")
+print(f"the budget cuts {cut} documents (one target each); carrying them instead "
+      f"would pad {padding:.1%} of the slots")
+assert imbalance(steps_budget) == 1.0, "a token budget gives every rank the same tokens"
+
+# %%
+# The tokens each rank holds in the first steps, both ways:
+
+import matplotlib.pyplot as plt
+from ragged_toolkit import FIGURE_STYLE
+
+plt.rcParams.update(FIGURE_STYLE)
+fig, ax = plt.subplots(figsize=(8, 3.6))
+shown = min(20, len(steps_docs))
+for r, marker in zip(range(WORLD), "os"):
+    ax.plot(rank_tokens(steps_docs[:shown])[:, r], marker=marker,
+            label=f"rank {r}, fixed documents")
+ax.plot(rank_tokens(steps_budget[:shown])[:, 0], "k--", label="every rank, token budget")
+ax.set(xlabel="step", ylabel="tokens on the rank", ylim=(0, None))
+ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+ax.legend(loc="lower right", ncols=2, fontsize=10)
+fig.tight_layout()
+plt.show()
+
+# %%
+# One shape, one compiled graph
+# -----------------------------
+# A fixed budget also gives every micro-batch the same shape, ``(BUDGET,)``
+# tokens. ``torch.compile`` specializes a graph on its input shapes, so a
+# token count that changes every micro-batch recompiles (with static
+# shapes, which CUDA graphs need) or compiles once more with symbolic sizes
+# (the default, after the first change). Past dynamo's recompile limit, 8
+# compiled versions of one function, it stops compiling that function and
+# runs it eagerly, with a warning; the count below lifts the limit so that
+# it counts every graph. One call of this model is several graphs: dynamo
+# breaks the graph at every ``ragged_attention`` call, host-side bookkeeping
+# around the kernels, which it does not trace. The count comes from a
+# backend that counts the graphs dynamo hands it and runs them as they are,
+# so that no kernel is generated; with inductor, each graph is compiled
+# into kernels, which takes seconds (:doc:`packed_gpt_training` times it).
+
+from ragged_toolkit import token_loss_sum
+
+graphs = []
+
+
+def counting_backend(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+
+
+def compiled_graphs(micro_batches, dynamic):
+    torch._dynamo.reset()
+    graphs.clear()
+    runner = torch.compile(model, backend=counting_backend, dynamic=dynamic)
+    for tokens_i, offsets_i in micro_batches:
+        loss, count = token_loss_sum(runner, tokens_i, offsets_i, dtype=CPU_DTYPE)
+        (loss / count).backward()
+    model.zero_grad(set_to_none=True)
+    return len(graphs)
+
+
+COMPILE_BATCHES = 3
+schemes = {"fixed documents": by_documents, "token budget": by_budget}
+for dynamic, label in ((False, "static shapes"), (None, "default, dynamic on change")):
+    with torch._dynamo.config.patch(recompile_limit=64):  # count, do not stop at 8
+        counts = {name: compiled_graphs(mbs[:COMPILE_BATCHES], dynamic)
+                  for name, mbs in schemes.items()}
+    print(f"graphs compiled for {COMPILE_BATCHES} micro-batches, {label}: "
+          + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    assert counts["token budget"] < counts["fixed documents"], counts
+torch._dynamo.reset()
+
+# %%
+# A loss that is right on every rank
+# ----------------------------------
+# The loss of a step is the mean over its targets: the sum of every token's
+# loss, over every micro-batch of every rank, divided by the number of
+# targets of all of them. No rank knows that number alone, so each sums its
+# own count and ``all_reduce`` sums the counts before the first backward.
+# DDP and FSDP2 then average the gradients over the ranks; multiplying each
+# rank's loss by the world size undoes that average.
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: data_parallel_step
+#
+# The reference is independent of all of it: one process, the whole batch of
+# the step packed as one, ``cross_entropy`` averaged over its targets, float32.
+# The gradient check uses tiny micro-batches of ``GRAD_DOCS`` whole documents:
+# the most uneven of the first 50 steps, since uneven target counts are where
+# a wrong normalization shows.
+
+from ragged_toolkit import one_process_gradients
+
+grad_steps = deal(split_by_documents(tokens, offsets, GRAD_DOCS), per_rank=3)[:50]
+grad_batches = max(grad_steps, key=lambda step: imbalance([step]))  # the most uneven
+reference = one_process_gradients(model, [mb for rank in grad_batches for mb in rank])
+targets_per_rank = [sum(int((document_targets(t, o) != -100).sum()) for t, o in rank)
+                    for rank in grad_batches]
+print(f"gradient check: {WORLD} ranks x 3 micro-batches of {GRAD_DOCS} documents, "
+      f"targets per rank {targets_per_rank}")
+
+# %%
+# The common shortcut divides each micro-batch's loss by its own targets and
+# averages those means (``loss / accumulation_steps``, then the average that
+# DDP takes over the ranks).
+# On the same data, in one process:
+
+model.zero_grad(set_to_none=True)
+micro = [mb for turn in zip(*grad_batches) for mb in turn]  # rank r holds micro[r::WORLD]
+means = [torch.div(*token_loss_sum(model, t, o)) for t, o in micro]
+torch.stack(means).mean().backward()
+shortcut = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+model.zero_grad(set_to_none=True)
+mean_gap = max((shortcut[n] - g).abs().max().item() for n, g in reference.items())
+with torch.no_grad():
+    right_loss = sum(token_loss_sum(model, t, o)[0] for t, o in micro)
+    right_loss /= sum(targets_per_rank)
+print(f"mean of per-micro-batch means: loss {torch.stack(means).mean():.4f}, "
+      f"over every target {right_loss:.4f}; gradient max difference {mean_gap:.1e}")
+counts_differ = len({int((document_targets(t, o) != -100).sum()) for t, o in micro}) > 1
+assert counts_differ and mean_gap > 10 * GRAD_TOL, (
+    f"the mean of means should be off when lengths are uneven; difference {mean_gap:.1e}")
+
+# %%
+# Two ranks, launched as a reader launches them
+# ---------------------------------------------
+# Each rank runs the same script, ``worker.py``, which calls the toolkit's
+# ``data_parallel_worker``; ``torch.distributed.run`` (``torchrun``) starts
+# the ranks and sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. The job
+# (sizes, the initial weights, each rank's micro-batches) is written into a
+# temporary folder with the worker script and the toolkit's own source, so
+# the ranks import the same module that this page runs, also from a
+# downloaded script or notebook. Each rank reports into a file of its own;
+# this page prints the reports in rank order, so nothing interleaves. The
+# command, and its twin on a CUDA machine, where each rank takes a GPU and
+# the ranks talk over NCCL:
+#
+# * ``python -m torch.distributed.run --standalone --nproc-per-node=2 worker.py FOLDER``
+# * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
+#
+# .. literalinclude:: ../tutorials/ragged_toolkit.py
+#    :pyobject: run_data_parallel
+#
+# The ranks run the gradient check under DDP, under FSDP2 (``fully_shard``
+# on every block, then on the model: each rank holds half of every weight,
+# and ``full_tensor()`` gathers the gradients), and once more under DDP with
+# the count not reduced, the mistake; then timed training steps under
+# DDP, both ways of filling a micro-batch, with AdamW.
+
+import shlex
+
+from ragged_toolkit import (backend_support, check_same_gradients, data_parallel_command,
+                            run_data_parallel)
+
+
+def train_backend(device, dtype):
+    fused = backend_support("varlen", device, dtype, is_causal=True, needs_grad=True,
+                            gqa=True)
+    return "varlen" if fused is None else "loop"
+
+
+RUNS = [{"name": "DDP", "wrap": "ddp", "reduce_count": True},
+        {"name": "FSDP2", "wrap": "fsdp", "reduce_count": True},
+        {"name": "DDP, count not reduced", "wrap": "ddp", "reduce_count": False}]
+print("$", shlex.join(["python", *data_parallel_command(WORLD)[1:]]))
+
+
+def launch(backend, nproc, device, time_dtype):
+    """Both jobs on ``nproc`` ranks: the gradient check's micro-batches and
+    the timed steps dealt to that many ranks; the gradients checked."""
+    data = {"init": model.state_dict(),
+            "grad_batches": [micro[r::nproc] for r in range(nproc)],
+            "time_batches": {name: deal(mbs, world=nproc)[: WARMUP_STEPS + STEPS]
+                             for name, mbs in schemes.items()}}
+    job = {"backend": backend, "config": MODEL, "dtype": str(time_dtype).split(".")[-1],
+           "lr": LR, "grad_runs": RUNS, "grad_backend": "loop",
+           "time_backend": train_backend(device, time_dtype)}
+    start = time.perf_counter()
+    reports, grads = run_data_parallel(job, data, nproc)
+    print(f"{nproc} rank(s) over {backend} on {reports[0]['device'].split(':')[0]}: "
+          f"ran in {time.perf_counter() - start:.0f} s")
+    for run in RUNS[:2]:
+        gap = check_same_gradients(grads[run["name"]], reference, GRAD_TOL)
+        print(f"{run['name']}:")
+        print(f"data-parallel step: world size {nproc}, gradient max difference "
+              f"to one process {gap:.1e}")
+    return reports, grads
+
+
+reports, grads = launch("gloo", WORLD, "cpu", CPU_DTYPE)
+if DEVICE == "cuda":  # one rank per GPU over NCCL (each rank needs a micro-batch)
+    nccl_reports, _ = launch("nccl", min(torch.cuda.device_count(), len(micro)), "cuda",
+                             DTYPE)
+
+# %%
+# Without the ``all_reduce`` of the count, each rank divides by its own
+# number of targets, and the same check fails:
+
+wrong = shows_failure(check_same_gradients, grads["DDP, count not reduced"], reference,
+                      GRAD_TOL)
+print(wrapped(wrong))
+
+# %%
+# What the ranks measured
+# -----------------------
+# Every rank timed each step between two barriers; a step ends for all
+# ranks when the slowest has sent its gradients. Tokens per second count a
+# rank's own tokens; the aggregate counts every rank's.
+#
+# .. note::
+#
+#    Two ranks on a machine with two CPU cores add no compute: they share
+#    the cores and the memory one process has, and add the exchange of
+#    gradients. Where the two ranks below beat one process on the same
+#    cores, that is what the process left unused (a small model's operations
+#    keep a second thread only partly busy, and other work on the machine
+#    stalls threads that wait for each other), not a data-parallel
+#    speedup. What this page measures on a CPU is correctness (the
+#    gradients), the imbalance and the compile counts; the step times show
+#    the imbalance in seconds. With a GPU per rank, each rank brings its own
+#    compute, and the same script runs one rank per GPU (the NCCL lines,
+#    where the build machine has GPUs).
+
+
+def summary(reports, label):
+    """Print each scheme's step time and speeds; return the aggregate speeds."""
+    print(label)
+    aggregate = {}
+    for scheme in schemes:
+        per_rank = [r["timing"][scheme] for r in reports]
+        step_s = np.max([t["seconds"][WARMUP_STEPS:] for t in per_rank], axis=0)
+        total = sum(sum(t["tokens"][WARMUP_STEPS:]) for t in per_rank)
+        speeds = [sum(t["tokens"][WARMUP_STEPS:]) / sum(t["seconds"][WARMUP_STEPS:])
+                  for t in per_rank]
+        ranks = ", ".join(f"rank {r} {v:,.0f}" for r, v in enumerate(speeds))
+        aggregate[scheme] = total / step_s.sum()
+        print(f"  {scheme:15s}: step time median {1e3 * np.median(step_s):6.1f} ms; "
+              f"tokens/s {ranks}; aggregate {aggregate[scheme]:,.0f}")
+    return aggregate
+
+
+label = f"{WORLD} ranks over gloo, {STEPS} timed steps after {WARMUP_STEPS}:"
+aggregate = summary(reports, label)
+if DEVICE == "cuda":
+    summary(nccl_reports, f"{len(nccl_reports)} rank(s) over NCCL:")
+
+# %%
+# The same training steps in this one process, on rank 0's token-budget
+# micro-batches, with one thread (one core, as each rank has) and with
+# every core:
+
+import copy
+import os
+
+from ragged_toolkit import data_parallel_step
+
+
+def one_process(threads, steps):
+    """Tokens per second of ``steps`` in this process, the first left out."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    alone = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(alone.parameters(), lr=LR)
+    seconds, counted = [], 0
+    for i, batches in enumerate(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        data_parallel_step(alone, batches, dtype=CPU_DTYPE)
+        optimizer.step()
+        if i:  # the first step warms up
+            seconds.append(time.perf_counter() - start)
+            counted += sum(len(t) for t, _ in batches)
+    torch.set_num_threads(before)
+    return counted / sum(seconds)
+
+
+cores = os.cpu_count()
+alone_steps = [step[0] for step in steps_budget[:3]]  # one to warm up, two timed
+one = {threads: one_process(threads, alone_steps) for threads in sorted({1, cores})}
+print("one process: " + ", ".join(f"{n} thread(s) {v:,.0f} tokens/s"
+                                  for n, v in one.items()))
+gloo = aggregate["token budget"]
+print(f"{WORLD} ranks, one thread each: {gloo:,.0f} tokens/s, {gloo / one[1]:.2f}x one "
+      f"process on one thread, {gloo / max(one.values()):.2f}x the faster of the two")
+
+# %%
+# Conclusion
+# ----------
+# Filling micro-batches to a token budget balances the ranks by
+# construction and gives one shape to compile; cutting documents at the
+# budget costs a target and some context per cut, carrying them costs
+# padding. Whatever fills the micro-batches, the loss is a sum over every
+# token divided by a count summed over every rank, and a gradient check
+# against one process on the whole batch is cheap enough to run in a test.
+#
+# Further reading
+# ---------------
+# * `Getting started with DDP
+#   <https://docs.pytorch.org/tutorials/intermediate/ddp_tutorial.html>`_ and
+#   `FSDP2 <https://docs.pytorch.org/tutorials/intermediate/FSDP_tutorial.html>`_
+# * `torchrun <https://docs.pytorch.org/docs/stable/elastic/run.html>`_
+# * `torchtitan <https://github.com/pytorch/torchtitan>`_ (FSDP2, packed
+#   documents)
+# * `Fixing gradient accumulation
+#   <https://huggingface.co/blog/gradient_accumulation>`_ (the loss over
+#   micro-batches of different sizes)

@@ -177,7 +177,7 @@ print(f"{n_params / 1e6:.2f} M parameters; "
 # the prompts for generation, at the end, come from documents no step
 # trains on.
 
-from ragged_toolkit import docstring_corpus
+from ragged_toolkit import docstring_corpus, document_targets
 
 docs, source = docstring_corpus(min_chars=2)
 doc_lengths = np.array([len(d) for d in docs])
@@ -188,13 +188,6 @@ print(f"corpus: {len(docs)} documents from {source}, lengths min {doc_lengths.mi
 def as_tokens(doc, limit=MODEL["max_seq_len"]):
     """A document's bytes as token ids (n,), cut at ``limit``."""
     return torch.frombuffer(bytearray(doc[:limit]), dtype=torch.uint8).long()
-
-
-def next_token_targets(tokens, offsets):
-    """The token each position must predict; -100 (ignored) at each document's end."""
-    targets = tokens.roll(-1).clone()
-    targets[offsets[1:] - 1] = -100
-    return targets
 
 
 rng = np.random.default_rng(SEED)
@@ -230,12 +223,12 @@ def packed_loss(model, tokens, offsets, backend):
     positions = token_index(offsets)[1]
     with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
         logits = model(tokens, positions, Packed(offsets, backend))  # (T, vocab)
-    return F.cross_entropy(logits.float(), next_token_targets(tokens, offsets))
+    return F.cross_entropy(logits.float(), document_targets(tokens, offsets))
 
 
 def padded_loss(model, tokens, offsets):
     ids, valid = to_padded(tokens, offsets)  # (B, S), right padding with id 0
-    targets = to_padded(next_token_targets(tokens, offsets), offsets, -100)[0]
+    targets = to_padded(document_targets(tokens, offsets), offsets, -100)[0]
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
         logits = model(ids, positions, Padded())  # (B, S, vocab)

@@ -532,7 +532,8 @@ FLEX_BLOCK = 128
 def flex_rows(n):
     """The number of rows ``_flex`` pads ``n`` packed tokens to: a multiple of
     ``FLEX_BLOCK``, rounded to four sizes per doubling above 8 blocks (at most
-    a quarter more rows), so that ``n`` from 1 to 8,192 gives 20 sizes."""
+    a quarter more rows, plus one block), so that ``n`` from 1 to 8,192 gives 20
+    sizes."""
     blocks = max(1, -(-n // FLEX_BLOCK))
     step = 1 << max(0, blocks.bit_length() - 3)  # 1 up to 7 blocks, 2 up to 15, ...
     return -(-blocks // step) * step * FLEX_BLOCK

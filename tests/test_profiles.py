@@ -173,7 +173,7 @@ def _t(q1, median, q3):
 def test_choose_picks_a_winner_only_outside_the_noise(capsys):
     apart = {"a": _t(1.0, 1.1, 1.2), "b": _t(1.3, 1.4, 1.5), "c": "not here"}
     assert tk.choose(apart, "b", "job") == "a"
-    assert "outside the noise" in capsys.readouterr().out
+    assert "chosen a, outside the noise" in capsys.readouterr().out
     overlapping = {"a": _t(1.0, 1.1, 1.35), "b": _t(1.3, 1.4, 1.5)}
     assert tk.choose(overlapping, "b", "job") == "b"
     assert "within noise, chosen b (the default)" in capsys.readouterr().out

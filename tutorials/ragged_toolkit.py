@@ -583,7 +583,7 @@ def _flex(q, k, v, info, is_causal, scale, kv_used):
         info.plans[key] = _flex_plan(info, q.device, is_causal)
     mask, t_q, t_kv = info.plans[key]
     for counter in _COMPILE_COUNTERS:
-        counter.saw(("flex", t_q, t_kv))
+        counter.saw((t_q, t_kv, q.shape[1], k.shape[1]))
     if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     n_q, n_kv = mask.seq_lengths
@@ -1102,11 +1102,13 @@ def compile_counter():
         _COMPILE_COUNTERS.remove(count)
         log.removeHandler(handler)
         count.graphs = counters["stats"]["unique_graphs"] - before
-    for w in caught:  # the others go on as if not caught
+    shown = set()
+    for w in caught:  # the others go on, once each, as if not caught
         text = str(w.message)
         if any(n in text for n in _FALLBACK_NOTES):
             count.fallbacks.append(text.splitlines()[0][:200])
-        else:
+        elif (text, w.category) not in shown:
+            shown.add((text, w.category))
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
@@ -1222,7 +1224,7 @@ def choose(results, default, what="choice"):
 
     def q(n):
         t = timed[n]
-        return f"{n} {t.median_ms:.2f} ms [IQR {t.q1_ms:.2f}-{t.q3_ms:.2f}]"
+        return f"{n} {t.median_ms:.2f} ms (IQR {t.q1_ms:.2f}-{t.q3_ms:.2f})"
 
     best = ranked[0]
     if len(ranked) == 1:
@@ -1231,15 +1233,15 @@ def choose(results, default, what="choice"):
     runner = ranked[1]
     gap = timed[runner].q1_ms - timed[best].q3_ms
     if gap > 0:
-        print(f"{what}: chosen {q(best)}, outside the noise of {q(runner)}: "
-              f"{gap:.2f} ms between the IQRs")
+        print(f"{what}: chosen {best}, outside the noise")
+        print(f"  {q(best)} against {q(runner)}: {gap:.2f} ms between the IQRs")
         return best
     tied = [n for n in ranked if not outside_noise(timed[best], timed[n])]
     defaults = (default,) if isinstance(default, str) else tuple(default)
     pick = next((d for d in defaults if d in tied), best)
     why = "the default" if pick in defaults else "no default among them: the lowest median"
-    print(f"{what}: within noise, chosen {pick} ({why}); IQRs overlap: "
-          + ", ".join(q(n) for n in tied[:3]))
+    print(f"{what}: within noise, chosen {pick} ({why})")
+    print("  IQRs overlap: " + ", ".join(q(n) for n in tied[:3]))
     return pick
 
 

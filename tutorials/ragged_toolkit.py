@@ -491,7 +491,9 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
         "rectangle",
         is_causal,
     ) not in info.plans:  # one mask per batch, shared by every layer
-        used = torch.tensor(info.kv_lengths, device=q.device)[:, None, None, None]
+        used = (  # the counts as given, with no copy from the host where there is one
+            kv_used if kv_used is not None else torch.tensor(info.kv_lengths, device=q.device)
+        ).to(q.device)[:, None, None, None]
         key, query = (
             torch.arange(n, device=q.device),
             torch.arange(lq, device=q.device)[:, None],

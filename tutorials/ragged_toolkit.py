@@ -842,7 +842,7 @@ def _kernel_label(events):
     return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
 
 
-#: The intra-op threads ``measure`` times with on a CPU and every profile runs
+#: The CPU threads per operator that ``measure`` times with and every profile runs
 #: with: one, ``torch.utils.benchmark``'s default, so that a profile describes
 #: the call that was timed (with two threads on a busy 2-core machine, each
 #: parallel region can wait a scheduler slice for a thread that is not
@@ -898,14 +898,14 @@ def profile_call(fn, threads=TIMING_THREADS):
 @dataclass
 class Timing:
     """Median and IQR of the timed runs in ms, the first call in s, peak
-    memory in MiB, the attention kernels that ran, and the quartiles."""
+    memory in MiB, the attention kernels that ran, and the percentiles 25 and 75."""
 
     median_ms: float
     iqr_ms: float
     first_call_s: float
     peak_mib: float = float("nan")
     kernels: str = ""
-    q1_ms: float = float("nan")  # first and third quartiles of the timed runs
+    q1_ms: float = float("nan")  # percentiles 25 and 75 of the timed runs
     q3_ms: float = float("nan")
 
     def __str__(self):
@@ -989,7 +989,7 @@ class Profile:
     def __str__(self):
         lines = [
             f"  per call, {self.calls} calls after warm-up: {self.wall_ms:.2f} ms under the "
-            f"profiler, of which about {self.overhead_ms:.2f} ms is its own overhead",
+            f"profiler, of which up to about {self.overhead_ms:.2f} ms is its overhead",
             f"  ({self.events:.0f} operators); the timed median is {self.median_ms:.2f} ms. "
             f"Operators' own time: {self.self_ms:.2f} ms per call",
         ]
@@ -1211,7 +1211,7 @@ def choose(results, default, what="choice"):
 
     The rule: the options are timed in interleaved rounds (``measure``); the
     one with the lowest median wins only if its interquartile range does not
-    overlap the runner-up's. Otherwise the difference is within noise and
+    overlap that of the second fastest. Otherwise the difference is within noise and
     the documented default is returned: ``default``, a name or a tuple of
     names in order of preference, the first of them that ran and is within
     the noise of the fastest. The default of an attention backend is

@@ -287,7 +287,7 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 # lengths and the number of cores, so the page measures, and every layer
 # below uses those two choices. A backend is chosen for being faster only
 # outside the noise: ``choose`` takes the lowest median only if its
-# interquartile range (IQR) does not overlap the runner-up's (the backends
+# interquartile range (IQR) does not overlap that of the second fastest (the backends
 # take turns in interleaved rounds); otherwise it prints "within noise" and
 # takes the default, ``default_backend`` (the per-sequence loop on a CPU,
 # ``varlen`` where it runs), the same default on every page.

@@ -356,7 +356,7 @@ print("eval mode: matches nn.Transformer; training mode: dropout active")
 # page) measures for training; each line ends with the :term:`kernel label`
 # of what ran, such as ``[CPU flash x16]``. As on every page, ``choose``
 # takes the lowest median only where its interquartile range does not
-# overlap the runner-up's, and otherwise the default, ``default_backend``.
+# overlap that of the second fastest, and otherwise the default, ``default_backend``.
 
 from ragged_toolkit import choose, compare_backends, compile_counter, default_backend
 from ragged_toolkit import measure
@@ -383,7 +383,8 @@ with compile_counter() as flex_compiled:  # the flex backend, where it trains
         chosen[job] = choose(compare_backends(q, kv, kv, q_off, kv_off, is_causal=causal,
                                               backward=True, min_run_time=RUN_TIME / 2),
                              default_backend(DEVICE, DTYPE), job)
-print(f"torch.compile, the flex backend: {flex_compiled}")
+if flex_compiled.shapes:
+    print(f"torch.compile, the flex backend: {flex_compiled}")
 
 # %%
 # Both sides get the same weights (checked in the page's dtype against
@@ -636,7 +637,7 @@ print(f"training: speedup {speedup:.2f}x, work bound {bound:.2f}x, "
       f"fraction of bound {speedup / bound:.2f}")
 
 # Each step's time per 1,000 real tokens; the two models took turns, step by
-# step, so their quartiles can be compared as ``choose`` compares timings.
+# step, so their percentiles can be compared as ``choose`` compares timings.
 per_k = {}
 for side, run in (("padded", padded_run), ("ragged", ragged_run)):
     ms = np.array([1e6 * s / (len(b[0]) + len(b[2])) for s, b in

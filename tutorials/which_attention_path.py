@@ -421,7 +421,7 @@ plt.show()
 # cannot take it, and which paths cannot take the job here at all. A path is
 # chosen for being faster only when the difference is outside the noise:
 # ``choose`` takes the path with the lowest median only if its interquartile
-# range (IQR) does not overlap the runner-up's; otherwise it says "within
+# range (IQR) does not overlap that of the second fastest; otherwise it says "within
 # noise" and takes the default, ``default_backend`` (the per-sequence loop on
 # a CPU), the same default for every job on every page.
 

@@ -519,7 +519,7 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
 
 # Static shapes on CPU (there dynamic shapes fail to compile the document mask
 # on 2.13: a C++ compile error), automatic dynamic shapes on CUDA. A static
-# graph is compiled per shape, and after ``recompile_limit`` (8) shapes dynamo
+# graph is compiled per shape, and after ``recompile_limit`` (8) shapes it
 # gives up and FlexAttention runs unfused; so ``_flex`` pads every batch to
 # one of a few sizes (:func:`flex_rows`), and a run compiles a bounded number
 # of graphs however many batch shapes it sees.
@@ -975,7 +975,7 @@ class Profile:
     """A profile of ``calls`` steady-state calls (after warm-up), per call:
     the wall time under the profiler, the operators' own time summed, the
     operators recorded and the profiler's estimated overhead for them, the
-    median of the unprofiled timing it describes, and the top operators as
+    median of the timing without the profiler it describes, and the top operators as
     (name, ms per call, share of the operators' time, calls per call)."""
 
     calls: int
@@ -1051,15 +1051,15 @@ def where_time_goes(fn, top=6, *, timing=None, warmup=2, threads=TIMING_THREADS)
 @dataclass
 class CompileCount:
     """What ``torch.compile`` did while a :func:`compile_counter` was open:
-    the graphs dynamo compiled, the batch shapes seen (``saw``), and the
-    warnings that say a compiled function ran uncompiled instead."""
+    the graphs it compiled, the batch shapes seen (``saw``), and the
+    warnings that say a compiled function ran without compiling instead."""
 
     graphs: int = 0
     shapes: set = field(default_factory=set)
     fallbacks: list = field(default_factory=list)
 
     def saw(self, shape):
-        """Note one batch shape (any hashable description of it)."""
+        """Note one batch shape (a tuple of sizes, or any value usable as a set member)."""
         self.shapes.add(shape)
 
     def __str__(self):

@@ -181,5 +181,10 @@ def test_choose_picks_a_winner_only_outside_the_noise(capsys):
     tied = {"a": _t(1.0, 1.1, 1.35), "b": _t(1.3, 1.4, 1.5), "c": _t(3.0, 3.1, 3.2)}
     assert tk.choose(tied, ("c", "b"), "job") == "b"
     assert tk.choose({"a": _t(1.0, 1.1, 1.2)}, "b", "job") == "a"
+    # apart, but from too few timed runs to tell: the default
+    few = {"a": tk.Timing(1.1, 0.2, 0.0, q1_ms=1.0, q3_ms=1.2, runs=3),
+           "b": tk.Timing(1.4, 0.2, 0.0, q1_ms=1.3, q3_ms=1.5, runs=3)}
+    assert tk.choose(few, "b", "job") == "b"
+    assert "too few timed runs" in capsys.readouterr().out
     assert tk.outside_noise(apart["a"], apart["b"])
     assert not tk.outside_noise(overlapping["a"], overlapping["b"])

@@ -458,7 +458,7 @@ ran += [DEFAULT] if DEFAULT not in ran else []
 with compile_counter() as generation_compiled:
     generation_times = measure(
         {name: lambda name=name: generate(gqa_model, NEW_TOKENS, True, name)
-         for name in ran}, min_run_time=RUN_TIME / 2, profile=False)
+         for name in ran}, min_run_time=RUN_TIME / 2, rounds=6, profile=False)
 print(f"whole generations of {NEW_TOKENS} tokens:")
 print_timings(generation_times)
 DECODE_BACKEND = choose(generation_times, DEFAULT, f"decoding backend on {DEVICE}")
@@ -545,14 +545,15 @@ print(f"time per step, mask rebuilt / mask refreshed: "
 # The promise of GQA is a smaller cache, which is what bounds batch size and
 # context length in serving, and less memory to read at every step. Both
 # models generate with the decoding backend chosen above; the kernels that
-# ran are printed beside each time.
+# ran are printed beside each time. The two take turns, round by round, so
+# that their spreads can be compared.
 
-gqa_times = {}
-for name, model in (("MHA", mha_model), ("GQA", gqa_model)):
-    gqa_times.update(measure(
-        {name: lambda: generate(model, NEW_TOKENS, True, DECODE_BACKEND)},
-        min_run_time=RUN_TIME / 2))
-    throughput[name] = PROMPTS * NEW_TOKENS / gqa_times[name].median_ms * 1e3
+gqa_times = measure(
+    {name: lambda model=model: generate(model, NEW_TOKENS, True, DECODE_BACKEND)
+     for name, model in (("MHA", mha_model), ("GQA", gqa_model))},
+    min_run_time=RUN_TIME, rounds=6)
+for name, t in gqa_times.items():
+    throughput[name] = PROMPTS * NEW_TOKENS / t.median_ms * 1e3
 print_timings(gqa_times)
 print(f"new tokens/s: MHA {throughput['MHA']:,.0f}, GQA {throughput['GQA']:,.0f}")
 print(f"GQA / MHA decoding throughput: {throughput['GQA'] / throughput['MHA']:.2f}x; "

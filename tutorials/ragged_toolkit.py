@@ -907,6 +907,7 @@ class Timing:
     kernels: str = ""
     q1_ms: float = float("nan")  # percentiles 25 and 75 of the timed runs
     q3_ms: float = float("nan")
+    runs: int = 0  # how many timed runs (blocks) the percentiles come from; 0: unknown
 
     def __str__(self):
         memory = (
@@ -941,7 +942,8 @@ def measure(fns, *, min_run_time=1.0, rounds=3, profile=True, threads=TIMING_THR
     for name, fn in fns.items():
         q1, median, q3 = np.percentile(times[name], [25, 50, 75]) * 1e3
         peak, kernels = profile_call(fn, threads) if profile else (float("nan"), "")
-        out[name] = Timing(median, q3 - q1, first[name], peak, kernels, q1, q3)
+        out[name] = Timing(median, q3 - q1, first[name], peak, kernels, q1, q3,
+                           len(times[name]))
     return out
 
 
@@ -1000,7 +1002,7 @@ class Profile:
         return "\n".join(lines)
 
 
-def where_time_goes(fn, top=6, *, timing=None, warmup=2, threads=TIMING_THREADS):
+def where_time_goes(fn, top=6, *, timing=None, warmup=1, threads=TIMING_THREADS):
     """Profile ``fn`` at its steady state, as it was timed: ``warmup`` calls
     first, then enough calls for about 0.2 s, with ``threads``; every figure
     is per call. ``timing``: the :class:`Timing` of ``fn`` from ``measure``
@@ -1206,13 +1208,18 @@ def outside_noise(a, b):
     return a.q3_ms < b.q1_ms or b.q3_ms < a.q1_ms
 
 
+#: The fewest timed runs per option from which :func:`choose` names a winner.
+MIN_RUNS = 5
+
+
 def choose(results, default, what="choice"):
     """Choose among measured options only where the measurement can tell.
 
     The rule: the options are timed in interleaved rounds (``measure``); the
     one with the lowest median wins only if its interquartile range does not
     overlap that of the second fastest. Otherwise the difference is within noise and
-    the documented default is returned: ``default``, a name or a tuple of
+    the documented default is returned (so it is, too, when either has fewer
+    than ``MIN_RUNS`` timed runs): ``default``, a name or a tuple of
     names in order of preference, the first of them that ran and is within
     the noise of the fastest. The default of an attention backend is
     :func:`default_backend` (the same for a job on every page), of
@@ -1234,16 +1241,23 @@ def choose(results, default, what="choice"):
         return best
     runner = ranked[1]
     gap = timed[runner].q1_ms - timed[best].q3_ms
+    few = [n for n in (best, runner) if 0 < timed[n].runs < MIN_RUNS]
+    defaults = (default,) if isinstance(default, str) else tuple(default)
+    if gap > 0 and few:
+        pick = next((d for d in defaults if d in timed), best)
+        print(f"{what}: too few timed runs to tell ({', '.join(few)}: under "
+              f"{MIN_RUNS}), chosen {pick}")
+        return pick
     if gap > 0:
         print(f"{what}: chosen {best}, outside the noise")
         print(f"  {q(best)} against {q(runner)}: {gap:.2f} ms between the IQRs")
         return best
     tied = [n for n in ranked if not outside_noise(timed[best], timed[n])]
-    defaults = (default,) if isinstance(default, str) else tuple(default)
     pick = next((d for d in defaults if d in tied), best)
     why = "the default" if pick in defaults else "no default among them: the lowest median"
     print(f"{what}: within noise, chosen {pick} ({why})")
-    print("  IQRs overlap: " + ", ".join(q(n) for n in tied[:3]))
+    more = f", and {len(tied) - 2} more" if len(tied) > 2 else ""
+    print("  IQRs overlap: " + ", ".join(q(n) for n in tied[:2]) + more)
     return pick
 
 

@@ -92,9 +92,14 @@ print(f"row offsets {row_offsets.tolist()}, kv_used {lengths.tolist()}: "
 
 import numpy as np
 from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit import TIMING_THREADS
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
+# One CPU thread for the whole page, as every timing and profile uses
+# (TIMING_THREADS): torch.compile guards on the thread count, so compiled
+# code is then compiled once, for the threads it is timed with.
+torch.set_num_threads(TIMING_THREADS)
 QUICK = quick_mode()
 SEED = 0
 if DEVICE == "cuda":
@@ -226,7 +231,8 @@ print(f"{NEW_TOKENS} steps x {PROMPTS} sequences: every cached step matches the 
 # the arithmetic) and the query-key pairs its attention scores; here it is
 # the work of the recomputation over the work of the cached generation.
 
-from ragged_toolkit import generate_packed, measure, pairs_scored, speedup_line
+from ragged_toolkit import generate_packed, measure, outside_noise, pairs_scored
+from ragged_toolkit import speedup_line
 
 
 @torch.no_grad()
@@ -309,11 +315,50 @@ plt.show()
 # sphinx_gallery_thumbnail_number = 1
 
 # %%
-# The operators that took most of the cached generation's time:
+# Where a cached step's time goes
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Where the fraction is well below 1, the reason is in one decoding step: a
+# handful of tokens through every layer. The profile below is of one step in
+# the middle of generation (one token per sequence, each at its own
+# position, written into the cache), timed first and then profiled at its
+# steady state, every figure per step. It splits the step's wall time into
+# the operators' own time (the kernels and their dispatch) and the rest:
+# Python, building the step's layout, and the bookkeeping between operators.
 
 from ragged_toolkit import where_time_goes
 
-print(where_time_goes(lambda: generate(gqa_model, NEW_TOKENS, True)))
+step_cache = KVCache(gqa_cfg, PROMPTS, int(prompt_lengths.max()) + NEW_TOKENS, DEVICE,
+                     DTYPE)
+mid = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)  # each sequence's position
+step_token = prompts[prompt_offsets[1:] - 1]  # any token per sequence will do
+
+
+def decode_step(backend="loop"):
+    with torch.no_grad():
+        layout = Packed(one_each, backend, step_cache, step_cache.row_offsets[:-1] + mid,
+                        mid + 1)  # the step's rows, and the keys each sequence uses
+        return gqa_model(step_token, mid, layout)
+
+
+step_time = measure({"decode step": decode_step}, min_run_time=RUN_TIME, profile=False)
+step = where_time_goes(decode_step, timing=step_time["decode step"])
+print(step)
+rest = step.median_ms - step.self_ms  # the profiler inflates self_ms: rest is a floor
+print(f"per step: {step.median_ms:.2f} ms timed, {step.events:.0f} operators; their own "
+      f"time under the profiler {step.self_ms:.2f} ms\n  ({1e3 * step.self_ms / step.events:.1f}"
+      f" us each); Python and bookkeeping outside them: at least {max(rest, 0):.2f} ms")
+print(f"the step's useful arithmetic: {PROMPTS * per_token / 1e6:.1f} MFLOP of projections "
+      f"for {PROMPTS} tokens")
+
+# %%
+# How to read it: a step whose operators each take microseconds, whatever
+# their size, for little arithmetic each, is bound by how many operators it
+# runs and by the Python between them, not by its work; the recomputation
+# runs about as many operators per step on many more tokens, so its fixed
+# costs weigh less. The work bound counts FLOPs only, so the cached side
+# reaches less of it the more its steps are bound by operator count; a
+# wider model, or a GPU running the same operators, gives each operator
+# more work for the same fixed cost.
 
 # %%
 # Cache memory: allocated and used
@@ -378,10 +423,8 @@ plt.show()
 
 import textwrap
 
-from ragged_toolkit import Timing, compare_backends, fastest, print_timings
-
-
-
+from ragged_toolkit import Timing, choose, compare_backends, compile_counter
+from ragged_toolkit import default_backend, print_timings
 
 capacity = int(prompt_lengths.max()) + NEW_TOKENS
 used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)
@@ -392,25 +435,35 @@ k_cache = torch.randn(PROMPTS * capacity, gqa_cfg.n_kv_heads, gqa_cfg.head_dim,
                       generator=gen, device=DEVICE).to(DTYPE)
 v_cache = torch.randn_like(k_cache)
 print(f"GQA, {PROMPTS} queries against {int(used.sum())} cached keys in use:")
-decode_results = compare_backends(q_step, k_cache, v_cache, one_each, row_offsets,
-                                  is_causal=True, kv_used=used, min_run_time=RUN_TIME)
+with compile_counter() as flex_compiled:  # what the flex backend compiles
+    decode_results = compare_backends(q_step, k_cache, v_cache, one_each, row_offsets,
+                                      is_causal=True, kv_used=used, min_run_time=RUN_TIME)
+print(f"torch.compile, the flex backend: {flex_compiled}")
 
 # %%
 # That table times one step's attention with its per-batch bookkeeping
 # already done. While generating, the lengths change at every step, so
 # whatever a backend prepares per batch (gather indices, a block mask) is
 # prepared again at every step, once for all layers; the choice is made on
-# whole generations, for the two backends with the fastest steps above:
+# whole generations, for the two backends with the fastest steps above and
+# the default. As on every page, ``choose`` takes the lowest median only if
+# its interquartile range does not overlap that of the second fastest; otherwise it
+# says "within noise" and takes the default, ``default_backend`` (the
+# per-sequence loop on a CPU), the decoding default on every page.
 
+DEFAULT = default_backend(DEVICE, DTYPE)
 ran = sorted((n for n, r in decode_results.items() if isinstance(r, Timing)),
              key=lambda n: decode_results[n].median_ms)[:2]
-generation_times = measure(
-    {f"generation with {name}": lambda name=name: generate(gqa_model, NEW_TOKENS, True,
-                                                          name) for name in ran},
-    min_run_time=RUN_TIME / 2, profile=False)
+ran += [DEFAULT] if DEFAULT not in ran else []
+with compile_counter() as generation_compiled:
+    generation_times = measure(
+        {name: lambda name=name: generate(gqa_model, NEW_TOKENS, True, name)
+         for name in ran}, min_run_time=RUN_TIME / 2, rounds=6, profile=False)
+print(f"whole generations of {NEW_TOKENS} tokens:")
 print_timings(generation_times)
-DECODE_BACKEND = fastest(generation_times).removeprefix("generation with ")
-print(f"decoding backend chosen on {DEVICE}: {DECODE_BACKEND}")
+DECODE_BACKEND = choose(generation_times, DEFAULT, f"decoding backend on {DEVICE}")
+if "flex" in ran:
+    print(f"torch.compile, generations with flex: {generation_compiled}")
 
 # %%
 # FlexAttention without rebuilding the mask
@@ -472,14 +525,16 @@ def flex_refreshed():
 
 reference_step = reference_attention(q_step, k_cache, v_cache, one_each, row_offsets,
                                      is_causal=True, kv_used=used)
-with torch.no_grad():
+with torch.no_grad(), compile_counter() as step_compiled:
     for fn in (flex_rebuilt, flex_refreshed):
         torch.testing.assert_close(fn()[:, :, 0].float(), reference_step,
                                    **tolerances(DTYPE))
+    step_compiled.saw(tuple(q_dense.shape))
     flex_times = measure({"mask rebuilt": flex_rebuilt, "mask refreshed": flex_refreshed},
                          min_run_time=RUN_TIME)
 print("FlexAttention, one decoding step:")
 print_timings(flex_times)
+print(f"torch.compile: {step_compiled}")
 rebuilt, refreshed = flex_times["mask rebuilt"], flex_times["mask refreshed"]
 print(f"time per step, mask rebuilt / mask refreshed: "
       f"{rebuilt.median_ms / refreshed.median_ms:.2f}x")
@@ -490,18 +545,24 @@ print(f"time per step, mask rebuilt / mask refreshed: "
 # The promise of GQA is a smaller cache, which is what bounds batch size and
 # context length in serving, and less memory to read at every step. Both
 # models generate with the decoding backend chosen above; the kernels that
-# ran are printed beside each time.
+# ran are printed beside each time. The two take turns, round by round, so
+# that their spreads can be compared.
 
-gqa_times = {}
-for name, model in (("MHA", mha_model), ("GQA", gqa_model)):
-    gqa_times.update(measure(
-        {name: lambda: generate(model, NEW_TOKENS, True, DECODE_BACKEND)},
-        min_run_time=RUN_TIME / 2))
-    throughput[name] = PROMPTS * NEW_TOKENS / gqa_times[name].median_ms * 1e3
+gqa_times = measure(
+    {name: lambda model=model: generate(model, NEW_TOKENS, True, DECODE_BACKEND)
+     for name, model in (("MHA", mha_model), ("GQA", gqa_model))},
+    min_run_time=RUN_TIME, rounds=6)
+for name, t in gqa_times.items():
+    throughput[name] = PROMPTS * NEW_TOKENS / t.median_ms * 1e3
 print_timings(gqa_times)
 print(f"new tokens/s: MHA {throughput['MHA']:,.0f}, GQA {throughput['GQA']:,.0f}")
 print(f"GQA / MHA decoding throughput: {throughput['GQA'] / throughput['MHA']:.2f}x; "
       f"cache {ratio:.1f}x smaller")
+if outside_noise(gqa_times["GQA"], gqa_times["MHA"]):
+    word = "faster" if throughput["GQA"] > throughput["MHA"] else "slower"
+    print(f"GQA decodes {word} than MHA here, outside the noise (the IQRs do not overlap)")
+else:
+    print("GQA against MHA, time per generation: within noise (the IQRs overlap)")
 
 # %%
 # Nested tensors do not take the GQA route: SDPA on nested inputs cannot

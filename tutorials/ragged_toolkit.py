@@ -37,7 +37,7 @@ import sysconfig
 import tempfile
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -502,7 +502,9 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
         "rectangle",
         is_causal,
     ) not in info.plans:  # one mask per batch, shared by every layer
-        used = torch.tensor(info.kv_lengths, device=q.device)[:, None, None, None]
+        used = (  # the counts as given, with no copy from the host where there is one
+            kv_used if kv_used is not None else torch.tensor(info.kv_lengths, device=q.device)
+        ).to(q.device)[:, None, None, None]
         key, query = (
             torch.arange(n, device=q.device),
             torch.arange(lq, device=q.device)[:, None],
@@ -526,47 +528,90 @@ def _padded(q, k, v, info, is_causal, scale, kv_used):
     return out.transpose(1, 2).reshape(q.shape)
 
 
-# Static shapes on CPU (there dynamic shapes fail to compile on 2.13): one
-# compile per token count. Automatic dynamic shapes on CUDA: a new token count
-# each batch does not compile again.
+# Static shapes on CPU (there dynamic shapes fail to compile the document mask
+# on 2.13: a C++ compile error), automatic dynamic shapes on CUDA. A static
+# graph is compiled per shape, and after ``recompile_limit`` (8) shapes it
+# gives up and FlexAttention runs unfused; so ``_flex`` pads every batch to
+# one of a few sizes (:func:`flex_rows`), and a run compiles a bounded number
+# of graphs however many batch shapes it sees.
 compiled_flex_attention = torch.compile(
     flex_attention, dynamic=None if torch.cuda.is_available() else False
 )
 
+#: Rows per FlexAttention block: the padded sizes are multiples of it.
+FLEX_BLOCK = 128
+
+
+def flex_rows(n):
+    """The number of rows ``_flex`` pads ``n`` packed tokens to: a multiple of
+    ``FLEX_BLOCK``, rounded to four sizes per doubling above 8 blocks (at most
+    a quarter more rows, plus one block), so that ``n`` from 1 to 8,192 gives 20
+    sizes."""
+    blocks = max(1, -(-n // FLEX_BLOCK))
+    step = 1 << max(0, blocks.bit_length() - 3)  # 1 up to 7 blocks, 2 up to 15, ...
+    return -(-blocks // step) * step * FLEX_BLOCK
+
+
+def _flex_plan(info, device, is_causal):
+    # Per-row tables of the padded batch; the mask reads only these, all of
+    # the padded lengths, so a new batch of the same padded size compiles
+    # nothing. Real rows: their sequence, position, and (keys) the keys
+    # their sequence uses, (queries) the causal shift L_kv - L_q. Padding
+    # query rows form document -2, which holds one key, the first padding
+    # key row; the other padding keys are document -1, seen by no query.
+    t_q, t_kv = sum(info.q_lengths), sum(info.kv_rows)
+    n_q = flex_rows(t_q)
+    n_kv = flex_rows(t_kv + (n_q > t_q))  # a padding query needs a padding key
+    q_seq, q_pos = token_index(offsets_from_lengths(info.q_lengths, device))
+    kv_seq, kv_pos = token_index(offsets_from_lengths(info.kv_rows, device))
+    kv_len = torch.tensor(info.kv_lengths, device=device)
+    shift = kv_len - torch.tensor(info.q_lengths, device=device)
+
+    def padded(x, n, fill):
+        return torch.cat([x, x.new_full((n - len(x),), fill)])
+
+    q_doc, q_pos, q_shift = padded(q_seq, n_q, -2), padded(q_pos, n_q, 0), padded(
+        shift[q_seq], n_q, 0)
+    kv_doc = padded(kv_seq, n_kv, -1)
+    if n_kv > t_kv:
+        kv_doc[t_kv] = -2
+    kv_pos, kv_use = padded(kv_pos, n_kv, 0), padded(kv_len[kv_seq], n_kv, 1)
+
+    def document_mask(b, h, q_idx, kv_idx):
+        same = (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] < kv_use[kv_idx])
+        if is_causal:
+            same = same & (kv_pos[kv_idx] <= q_pos[q_idx] + q_shift[q_idx])
+        return same
+
+    mask = create_block_mask(document_mask, None, None, n_q, n_kv, device=device,
+                             BLOCK_SIZE=FLEX_BLOCK)
+    return mask, t_q, t_kv
+
 
 def _flex(q, k, v, info, is_causal, scale, kv_used):
-    """FlexAttention over the whole packed batch, with a document mask."""
+    """FlexAttention over the whole packed batch, with a document mask, padded
+    to one of a few sizes (:func:`flex_rows`) so that it compiles a few times."""
     key = ("flex", is_causal)
     if key not in info.plans:  # one BlockMask per batch, shared by every layer
-        q_seq, q_pos = token_index(offsets_from_lengths(info.q_lengths, q.device))
-        kv_seq, kv_pos = token_index(offsets_from_lengths(info.kv_rows, q.device))
-        kv_len = torch.tensor(info.kv_lengths, device=q.device)
-        shift = kv_len - torch.tensor(info.q_lengths, device=q.device)
-
-        def document_mask(b, h, q_idx, kv_idx):
-            same = (q_seq[q_idx] == kv_seq[kv_idx]) & (
-                kv_pos[kv_idx] < kv_len[kv_seq[kv_idx]]
-            )
-            if is_causal:
-                same = same & (kv_pos[kv_idx] <= q_pos[q_idx] + shift[q_seq[q_idx]])
-            return same
-
-        info.plans[key] = create_block_mask(
-            document_mask, None, None, len(q_seq), len(kv_seq), device=q.device
-        )
+        info.plans[key] = _flex_plan(info, q.device, is_causal)
+    mask, t_q, t_kv = info.plans[key]
+    for counter in _COMPILE_COUNTERS:
+        counter.saw((t_q, t_kv, q.shape[1], k.shape[1]))
     if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    # (T, H, D) -> (1, H, T, D): the whole batch as one long sequence
-    qf, kf, vf = (t.transpose(0, 1)[None] for t in (q, k, v))
+    n_q, n_kv = mask.seq_lengths
+    # (T, H, D) -> (1, H, T_padded, D): the whole batch as one long sequence
+    qf = F.pad(q, (0, 0, 0, 0, 0, n_q - t_q)).transpose(0, 1)[None]
+    kf, vf = (F.pad(t, (0, 0, 0, 0, 0, n_kv - t_kv)).transpose(0, 1)[None] for t in (k, v))
     out = compiled_flex_attention(
         qf,
         kf,
         vf,
-        block_mask=info.plans[key],
+        block_mask=mask,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out[0].transpose(0, 1)
+    return out[0, :, :t_q].transpose(0, 1)
 
 
 def _sdpa_njt(q, k, v, info, is_causal, scale, kv_used):
@@ -808,9 +853,29 @@ def _kernel_label(events):
     return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
 
 
-def profile_call(fn):
-    """Run ``fn`` once under the profiler: the memory it needed beyond what was
-    allocated before, in MiB, and the attention kernels that ran."""
+#: The CPU threads per operator that ``measure`` times with and every profile runs
+#: with: one, ``torch.utils.benchmark``'s default, so that a profile describes
+#: the call that was timed (with two threads on a busy 2-core machine, each
+#: parallel region can wait a scheduler slice for a thread that is not
+#: running: a 2 ms call then profiles at 300 ms). ``None``: as set.
+TIMING_THREADS = 1
+
+
+@contextmanager
+def _threads(n):
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def profile_call(fn, threads=TIMING_THREADS):
+    """Run ``fn`` once under the profiler (with ``threads``, as it was timed):
+    the memory it needed beyond what was allocated before, in MiB, and the
+    attention kernels that ran."""
     os.environ.setdefault(
         "KINETO_LOG_LEVEL", "6"
     )  # keep the log lines of the profiler quiet
@@ -823,7 +888,7 @@ def profile_call(fn):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, profile_memory=not cuda) as prof:
+    with _threads(threads), profile(activities=activities, profile_memory=not cuda) as prof:
         fn()
         synchronize()
     if cuda:
@@ -844,13 +909,16 @@ def profile_call(fn):
 @dataclass
 class Timing:
     """Median and IQR of the timed runs in ms, the first call in s, peak
-    memory in MiB, and the attention kernels that ran."""
+    memory in MiB, the attention kernels that ran, and the percentiles 25 and 75."""
 
     median_ms: float
     iqr_ms: float
     first_call_s: float
     peak_mib: float = float("nan")
     kernels: str = ""
+    q1_ms: float = float("nan")  # percentiles 25 and 75 of the timed runs
+    q3_ms: float = float("nan")
+    runs: int = 0  # how many timed runs (blocks) the percentiles come from; 0: unknown
 
     def __str__(self):
         memory = (
@@ -861,53 +929,202 @@ class Timing:
         )
 
 
-def measure(fns, *, min_run_time=1.0, rounds=3, profile=True):
+def measure(fns, *, min_run_time=1.0, rounds=3, profile=True, threads=TIMING_THREADS):
     """Time callables side by side. ``fns`` maps a name to a function of no
-    arguments; returns name -> Timing."""
+    arguments; each first call is timed alone, then the functions take turns
+    for ``rounds`` rounds. Returns name -> Timing."""
     first = {}
-    for name, fn in fns.items():
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        first[name] = time.perf_counter() - start
-    times = {name: [] for name in fns}
-    for _ in range(rounds):  # take turns, so that a busy machine slows all alike
+    with _threads(threads):
         for name, fn in fns.items():
-            timer = benchmark.Timer("fn()", globals={"fn": fn})
-            times[name] += timer.blocked_autorange(
-                min_run_time=min_run_time / rounds
-            ).times
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            first[name] = time.perf_counter() - start
+        times = {name: [] for name in fns}
+        for _ in range(rounds):  # take turns, so that a busy machine slows all alike
+            for name, fn in fns.items():
+                timer = benchmark.Timer(
+                    "fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+                )
+                times[name] += timer.blocked_autorange(
+                    min_run_time=min_run_time / rounds
+                ).times
     out = {}
     for name, fn in fns.items():
         q1, median, q3 = np.percentile(times[name], [25, 50, 75]) * 1e3
-        peak, kernels = profile_call(fn) if profile else (float("nan"), "")
-        out[name] = Timing(median, q3 - q1, first[name], peak, kernels)
+        peak, kernels = profile_call(fn, threads) if profile else (float("nan"), "")
+        out[name] = Timing(median, q3 - q1, first[name], peak, kernels, q1, q3,
+                           len(times[name]))
     return out
 
 
-def where_time_goes(fn, top=6):
-    """Profile one call of ``fn``: the operators that took most of its time."""
+_OVERHEAD_US = []
+
+
+def profiler_overhead_us():
+    """What the profiler adds per operator it records, in microseconds:
+    a loop of trivial operators timed with and without it (measured once)."""
+    if not _OVERHEAD_US:
+        from torch.profiler import ProfilerActivity, profile
+
+        x, n = torch.zeros(1), 2000
+        with _threads(TIMING_THREADS):
+            best = []
+            for profiled in (False, True, False, True):
+                with profile(activities=[ProfilerActivity.CPU]) if profiled else _threads(
+                    None
+                ):
+                    start = time.perf_counter()
+                    for _ in range(n):
+                        x.add_(0)
+                    best.append(time.perf_counter() - start)
+        plain, profiled = min(best[0::2]), min(best[1::2])
+        _OVERHEAD_US.append(max(profiled - plain, 0.0) / n * 1e6)
+    return _OVERHEAD_US[0]
+
+
+@dataclass
+class Profile:
+    """A profile of ``calls`` steady-state calls (after warm-up), per call:
+    the wall time under the profiler, the operators' own time summed, the
+    operators recorded and the profiler's estimated overhead for them, the
+    median of the timing without the profiler it describes, and the top operators as
+    (name, ms per call, share of the operators' time, calls per call)."""
+
+    calls: int
+    wall_ms: float
+    self_ms: float
+    events: float
+    overhead_ms: float
+    median_ms: float
+    rows: list
+
+    def __str__(self):
+        lines = [
+            f"  per call, {self.calls} calls after warm-up: {self.wall_ms:.2f} ms under the "
+            f"profiler, of which up to about {self.overhead_ms:.2f} ms is its overhead",
+            f"  ({self.events:.0f} operators); the timed median is {self.median_ms:.2f} ms. "
+            f"Operators' own time: {self.self_ms:.2f} ms per call",
+        ]
+        lines += [
+            f"  {name[:52]:52s} {ms:8.3f} ms {share:5.1f}%  x{count:g}"
+            for name, ms, share, count in self.rows
+        ]
+        return "\n".join(lines)
+
+
+def where_time_goes(fn, top=6, *, timing=None, warmup=1, threads=TIMING_THREADS):
+    """Profile ``fn`` at its steady state, as it was timed: ``warmup`` calls
+    first, then enough calls for about 0.2 s, with ``threads``; every figure
+    is per call. ``timing``: the :class:`Timing` of ``fn`` from ``measure``
+    (else ``fn`` is timed here), whose median the profile is printed beside.
+    Returns a :class:`Profile`; printed, the operators that took most time."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile
 
+    overhead_us = profiler_overhead_us()
+    if timing is None:
+        timing = measure({"fn": fn}, min_run_time=0.2, profile=False, threads=threads)["fn"]
+    calls = int(min(50, max(1, 200 / max(timing.median_ms, 1e-3))))
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        fn()
+    with _threads(threads):
+        for _ in range(warmup):
+            fn()
         synchronize()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            synchronize()
+            wall = time.perf_counter() - start
     rows = prof.key_averages()
     own = (
         (lambda e: e.self_device_time_total)
         if cuda
         else (lambda e: e.self_cpu_time_total)
     )
+    self_us = sum(e.self_cpu_time_total for e in rows)
     total = sum(own(e) for e in rows) or 1
-    rows = sorted(rows, key=own, reverse=True)[:top]
-    return "\n".join(
-        f"  {e.key[:52]:52s} {own(e) / 1e3:8.2f} ms {100 * own(e) / total:5.1f}%  "
-        f"x{e.count}"
-        for e in rows
+    events = sum(e.count for e in rows) / calls
+    return Profile(
+        calls=calls,
+        wall_ms=wall * 1e3 / calls,
+        self_ms=self_us / 1e3 / calls,
+        events=events,
+        overhead_ms=events * overhead_us / 1e3,
+        median_ms=timing.median_ms,
+        rows=[
+            (e.key, own(e) / 1e3 / calls, 100 * own(e) / total, e.count / calls)
+            for e in sorted(rows, key=own, reverse=True)[:top]
+        ],
     )
+
+
+@dataclass
+class CompileCount:
+    """What ``torch.compile`` did while a :func:`compile_counter` was open:
+    the graphs it compiled, the batch shapes seen (``saw``), and the
+    warnings that say a compiled function ran without compiling instead."""
+
+    graphs: int = 0
+    shapes: set = field(default_factory=set)
+    fallbacks: list = field(default_factory=list)
+
+    def saw(self, shape):
+        """Note one batch shape (a tuple of sizes, or any value usable as a set member)."""
+        self.shapes.add(shape)
+
+    def __str__(self):
+        fell = f"; {len(self.fallbacks)} uncompiled fallbacks" if self.fallbacks else ""
+        return (f"{self.graphs} graph{'s' * (self.graphs != 1)} compiled for "
+                f"{len(self.shapes)} batch shape{'s' * (len(self.shapes) != 1)}{fell}")
+
+
+_COMPILE_COUNTERS = []  # the open compile_counter()s, which _flex reports its shapes to
+
+_FALLBACK_NOTES = ("called without torch.compile", "recompile_limit", "cache_size_limit")
+
+
+class _FallbackLog(logging.Handler):
+    def __init__(self, count):
+        super().__init__(logging.WARNING)
+        self.count = count
+
+    def emit(self, record):
+        if any(n in record.getMessage() for n in _FALLBACK_NOTES):
+            self.count.fallbacks.append(record.getMessage().splitlines()[0][:200])
+
+
+@contextmanager
+def compile_counter():
+    """Count what ``torch.compile`` does inside the ``with`` block: yields a
+    :class:`CompileCount`, filled when the block ends. The ``flex`` backend
+    notes each batch shape itself; other code calls ``count.saw(shape)``."""
+    from torch._dynamo.utils import counters
+
+    count = CompileCount()
+    before = counters["stats"]["unique_graphs"]
+    handler = _FallbackLog(count)
+    log = logging.getLogger("torch._dynamo")
+    log.addHandler(handler)
+    _COMPILE_COUNTERS.append(count)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield count
+    finally:
+        _COMPILE_COUNTERS.remove(count)
+        log.removeHandler(handler)
+        count.graphs = counters["stats"]["unique_graphs"] - before
+    shown = set()
+    for w in caught:  # the others go on, once each, as if not caught
+        text = str(w.message)
+        if any(n in text for n in _FALLBACK_NOTES):
+            count.fallbacks.append(text.splitlines()[0][:200])
+        elif (text, w.category) not in shown:
+            shown.add((text, w.category))
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def compare_backends(
@@ -990,9 +1207,69 @@ def print_timings(results):
 
 
 def fastest(results):
-    """The backend with the lowest median time among those that ran."""
+    """The backend with the lowest median time among those that ran (no
+    regard for noise: :func:`choose` makes the choices the pages act on)."""
     timed = {n: r for n, r in results.items() if isinstance(r, Timing)}
     return min(timed, key=lambda n: timed[n].median_ms)
+
+
+def outside_noise(a, b):
+    """Whether two :class:`Timing` s differ by more than their spread: their
+    interquartile ranges, ``[q1, q3]``, do not overlap."""
+    return a.q3_ms < b.q1_ms or b.q3_ms < a.q1_ms
+
+
+#: The fewest timed runs per option from which :func:`choose` names a winner.
+MIN_RUNS = 5
+
+
+def choose(results, default, what="choice"):
+    """Choose among measured options only where the measurement can tell.
+
+    The rule: the options are timed in interleaved rounds (``measure``); the
+    one with the lowest median wins only if its interquartile range does not
+    overlap that of the second fastest. Otherwise the difference is within noise and
+    the documented default is returned (so it is, too, when either has fewer
+    than ``MIN_RUNS`` timed runs): ``default``, a name or a tuple of
+    names in order of preference, the first of them that ran and is within
+    the noise of the fastest. The default of an attention backend is
+    :func:`default_backend` (the same for a job on every page), of
+    compiling, not compiling. ``results``: name -> :class:`Timing` (or the
+    reason it did not run). Prints one line saying what was chosen and why;
+    returns the name."""
+    timed = {n: r for n, r in results.items() if isinstance(r, Timing)}
+    ranked = sorted(timed, key=lambda n: timed[n].median_ms)
+    if not ranked:
+        raise ValueError(f"nothing to choose from for {what}: none of {list(results)} ran")
+
+    def q(n):
+        t = timed[n]
+        return f"{n} {t.median_ms:.2f} ms (IQR {t.q1_ms:.2f}-{t.q3_ms:.2f})"
+
+    best = ranked[0]
+    if len(ranked) == 1:
+        print(f"{what}: chosen {best}, the only option that ran")
+        return best
+    runner = ranked[1]
+    gap = timed[runner].q1_ms - timed[best].q3_ms
+    few = [n for n in (best, runner) if 0 < timed[n].runs < MIN_RUNS]
+    defaults = (default,) if isinstance(default, str) else tuple(default)
+    if gap > 0 and few:
+        pick = next((d for d in defaults if d in timed), best)
+        print(f"{what}: too few timed runs to tell ({', '.join(few)}: under "
+              f"{MIN_RUNS}), chosen {pick}")
+        return pick
+    if gap > 0:
+        print(f"{what}: chosen {best}, outside the noise")
+        print(f"  {q(best)} against {q(runner)}: {gap:.2f} ms between the IQRs")
+        return best
+    tied = [n for n in ranked if not outside_noise(timed[best], timed[n])]
+    pick = next((d for d in defaults if d in tied), best)
+    why = "the default" if pick in defaults else "no default among them: the lowest median"
+    print(f"{what}: within noise, chosen {pick} ({why})")
+    more = f", and {len(tied) - 2} more" if len(tied) > 2 else ""
+    print("  IQRs overlap: " + ", ".join(q(n) for n in tied[:2]) + more)
+    return pick
 
 
 # --- The work bound ------------------------------------------------------------
@@ -1036,9 +1313,10 @@ def work_bound(
 def speedup_line(label, padded, ragged, bound):
     """The speedup of ``ragged`` over ``padded``, beside the work bound."""
     s = padded.median_ms / ragged.median_ms
+    noise = "" if outside_noise(padded, ragged) else " (within noise: the IQRs overlap)"
     return (
         f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, "
-        f"fraction of bound {s / bound:.2f}"
+        f"fraction of bound {s / bound:.2f}{noise}"
     )
 
 

@@ -115,10 +115,13 @@ print("back to the packed row:", from_padded(padded, offsets).tolist())
 # and up, thousands of documents per step.)
 
 import numpy as np
-from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit import TIMING_THREADS, default_device, default_dtype, quick_mode
+from ragged_toolkit import quiet_known_notes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
+# One CPU thread, as every timing of the site uses (TIMING_THREADS).
+torch.set_num_threads(TIMING_THREADS)
 QUICK = quick_mode()
 SEED = 0
 if DEVICE == "cuda":

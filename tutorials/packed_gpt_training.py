@@ -91,10 +91,15 @@ print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: "
 # 2048 and up, 16 and more layers, thousands of documents per step.)
 
 import numpy as np
-from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit import TIMING_THREADS, default_device, default_dtype, quick_mode
+from ragged_toolkit import quiet_known_notes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
+# One CPU thread for the whole page, as every timing and profile of the site
+# uses (TIMING_THREADS): torch.compile guards on the thread count, so what is
+# compiled is compiled once, for the threads it is timed with.
+torch.set_num_threads(TIMING_THREADS)
 QUICK = quick_mode()
 SEED = 0
 if DEVICE == "cuda":
@@ -430,6 +435,22 @@ print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, "
       f"speedup {R / P:.2f}x, work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
 
 # %%
+# Where the packed step's time goes, whenever it reaches less than 0.9 of
+# the bound: one step on the last batch, profiled at its steady state, per
+# call, beside its own median.
+
+from ragged_toolkit import where_time_goes
+
+if R / P / bound < 0.9:
+    tokens_l, offsets_l = batches[-1]
+    for side, t in trainers.items():  # forward and backward, as compiled or not
+        print(f"{side} step, forward and backward:")
+        print(where_time_goes(lambda: t["make_loss"](t["runner"], tokens_l, offsets_l).backward()))
+        t["model"].zero_grad(set_to_none=True)
+else:
+    print(f"the packed trainer reached {R / P / bound:.2f} of the bound: no profile needed")
+
+# %%
 # The last number is the :term:`fraction of the bound`, the measured
 # speedup over the work bound. Near 1, the packed trainer turned all the work
 # it skips into speed. Below 1, part of it went to overheads: one attention
@@ -620,7 +641,10 @@ work_packed = (per_token * float(prompt_lengths.sum())
                + per_pair * pairs_scored(prompt_lengths, prompt_lengths, True))
 full = torch.full_like(prompt_lengths, longest)
 work_padded = per_token * PROMPTS * longest + per_pair * pairs_scored(full, full, True)
-print(speedup_line("prefill", times["padded"], times["packed"], work_padded / work_packed))
+prefill_bound = work_padded / work_packed
+print(speedup_line("prefill", times["padded"], times["packed"], prefill_bound))
+if times["padded"].median_ms / times["packed"].median_ms / prefill_bound < 0.9:
+    print(where_time_goes(packed_prefill, timing=times["packed"]))
 
 # %%
 # Decoding, one step
@@ -692,6 +716,8 @@ new = PROMPTS * (NEW_TOKENS - 1)
 print(", ".join(f"{side} {new / t.median_ms * 1e3:,.0f}" for side, t in times.items())
       + " new tokens/s")
 print(speedup_line("decode", times["padded"], times["packed"], 1.0))
+if times["padded"].median_ms / times["packed"].median_ms < 0.9:
+    print(where_time_goes(functools.partial(packed_decode, DECODE_STEP), timing=times["packed"]))
 
 # %%
 # What the model learned: a few prompts, and the bytes it wrote after them.

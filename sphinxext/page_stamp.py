@@ -43,8 +43,9 @@ def describe_environment() -> dict:
         info["memory"] = tutorial_memory.cpu_figure()
     cache = os.environ.get("TUTORIALS_COMPILE_CACHE")
     info["compile_cache"] = (
-        "an empty torch.compile cache of its own, in a process that ran nothing else"
-        if cache == "private" else
+        "this build's own torch.compile cache, empty when the build began, shared by its pages "
+        "(compiled kernels only), in a process that ran nothing else"
+        if cache == "build" else
         f"the torch.compile cache in {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'its default place')}")
     return info
 

@@ -12,8 +12,10 @@ records as before (gallery index, execution times, JUnit). It ends with
 everything it started (its process group), so no setting, thread, signal
 handler, module, compile cache or allocator of one tutorial reaches the
 next. Before the code runs it seeds torch, numpy and ``random`` with 0 and
-records the page stamp; it compiles into an empty inductor and Triton cache
-of its own unless the caller chose one (:func:`use_private_compile_cache`).
+records the page stamp. Unless the caller chose a compile cache, the pages
+compile into the build's own inductor and Triton cache, empty when the build
+began (:func:`use_private_compile_cache`): it holds compiled kernels, keyed
+by what they compute, and no state of a page.
 
 The build keeps the time limit (``TUTORIAL_TIME_LIMIT_S``, default 900 s)
 from outside: past it, the process's Python stack is written
@@ -54,18 +56,18 @@ logger = sphinx_logging.getLogger("tutorial_isolation")
 COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 START_METHOD_ENV = "TUTORIALS_START_METHOD"
 TIME_LIMIT_ENV = "TUTORIAL_TIME_LIMIT_S"
-_private_cache: list[Path] = []  # the build's root for the tutorials' caches
+_private_cache: list[Path] = []  # the build's compile cache
 
 
 def use_private_compile_cache() -> None:
-    """Unless the caller chose a cache, each tutorial's process compiles
-    into an empty folder of its own, under one made for this build."""
+    """Unless the caller chose a cache, the tutorials' processes compile into
+    a folder made for this build, empty when it began, removed at its end."""
     if any(os.environ.get(v) for v in COMPILE_CACHE_VARS):
         os.environ.setdefault("TUTORIALS_COMPILE_CACHE", "chosen")
     elif not _private_cache:
         _private_cache.append(Path(tempfile.mkdtemp(prefix="tutorials-compile-cache-")))
         atexit.register(shutil.rmtree, _private_cache[0], ignore_errors=True)
-        os.environ["TUTORIALS_COMPILE_CACHE"] = "private"
+        os.environ["TUTORIALS_COMPILE_CACHE"] = "build"
 
 
 def time_limit_s() -> float:
@@ -301,13 +303,9 @@ def run_each_tutorial_in_its_own_process() -> None:
             return original(fname, target_dir, src_dir, gallery_conf)  # runs no code
         src_file = os.path.normpath(Path(src_dir, fname))
         name = Path(os.path.relpath(src_file, gallery_conf["src_dir"])).as_posix()
-        cache = _private_cache[0] / Path(fname).stem if _private_cache else None
-        try:
-            ended = run_isolated(_run_page, (fname, target_dir, src_dir, gallery_conf, name, cache),
-                                 name=name, src_file=src_file, limit_s=time_limit_s())
-        finally:
-            if cache is not None:
-                shutil.rmtree(cache, ignore_errors=True)
+        cache = _private_cache[0] if _private_cache else None
+        ended = run_isolated(_run_page, (fname, target_dir, src_dir, gallery_conf, name, cache),
+                             name=name, src_file=src_file, limit_s=time_limit_s())
         if ended.warnings:
             logger.warning("%s: %d warning(s) while its page was generated (above)", name, ended.warnings)
         if ended.raised is not None:

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -243,8 +244,9 @@ def test_a_renamed_tutorial_leaves_no_stale_page(tmp_path):
 
 # --- the build's own compile cache -------------------------------------------
 
-def test_each_tutorial_compiles_with_a_cache_of_its_own(tmp_path):
-    # Two pages in each of two builds: four empty caches, one per process.
+def test_each_build_compiles_with_a_cache_of_its_own(tmp_path):
+    # Two pages in each of two builds: one cache per build, empty when the
+    # build began, shared by its pages; none left after the build.
     dirs = []
     for i in range(2):
         site = make_site(tmp_path / f"site{i}", tutorials=[TINY[1], FAULTS / "compile_cache.py"])
@@ -255,9 +257,11 @@ def test_each_tutorial_compiles_with_a_cache_of_its_own(tmp_path):
         for stem in ("compile_cache", "compile_cache_again"):
             html = soup(site / "_build" / "html" / "auto_tutorials" / f"{stem}.html")
             dirs.append(re.search(r"inductor cache: (\S+)", html.get_text(" ")).group(1))
-            assert "empty torch.compile cache of its own" in html.select_one(".build-stamp").get_text(" ")
-    assert len(set(dirs)) == 4, dirs
+            stamp = html.select_one(".build-stamp").get_text(" ")
+            assert "this build's own torch.compile cache, empty when the build began" in stamp
+    assert dirs[0] == dirs[1] and dirs[2] == dirs[3] and dirs[0] != dirs[2], dirs
     assert all("tutorials-compile-cache-" in d for d in dirs), dirs
+    assert not any(Path(d).exists() for d in dirs), "a build left its compile cache behind"
 
 
 # --- the GPU workflow's merge job -------------------------------------------

@@ -32,9 +32,10 @@ copyright = "2026, " + author
 
 # -- Build environment ----------------------------------------------------------
 # Every tutorial runs in a process of its own, killed past the time limit,
-# and compiles with an empty inductor/Triton cache of its own, so nothing one
-# page does or compiles reaches another (set TORCHINDUCTOR_CACHE_DIR to share
-# a cache; the page stamp says which). sphinxext/tutorial_isolation.py.
+# so nothing one page does reaches another; the pages compile into the
+# build's own inductor/Triton cache, empty when the build began (set
+# TORCHINDUCTOR_CACHE_DIR to choose one; the page stamp says which).
+# sphinxext/tutorial_isolation.py.
 tutorial_isolation.use_private_compile_cache()
 tutorial_isolation.run_each_tutorial_in_its_own_process()
 # torch.profiler's kineto prints "USDT ... profiler_start/stop" on stderr for

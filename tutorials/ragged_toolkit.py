@@ -1311,9 +1311,10 @@ def work_bound(
 
 
 def speedup_line(label, padded, ragged, bound):
-    """The speedup of ``ragged`` over ``padded``, beside the work bound."""
+    """The speedup of ``ragged`` over ``padded``, beside the work bound;
+    "(within noise)" where the two timings' IQRs overlap."""
     s = padded.median_ms / ragged.median_ms
-    noise = "" if outside_noise(padded, ragged) else " (within noise: the IQRs overlap)"
+    noise = "" if outside_noise(padded, ragged) else " (within noise)"
     return (
         f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, "
         f"fraction of bound {s / bound:.2f}{noise}"

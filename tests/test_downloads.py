@@ -49,9 +49,10 @@ MEASURED = re.compile(
     r"\b(ms|us|µs|ns|s|sec|seconds|tokens/s|tok/s|it/s|MB|MiB|GB|GiB|KB|KiB|bytes)\b"
     r"|speedup|faster|slower|median|IQR|fraction|throughput|\d+(\.\d+)?x\b|time|memory|peak"
     r"|chosen|decoding with"
-    # a kernel label on a line of its own, and the ranking of the paths that
-    # follow the measured choice ("then: ..."): both follow from timings
-    r"|^\s*\[[^\]]*\]\s*$|^\s*then:",
+    # a kernel label on a line of its own or after "kernels:", and the ranking
+    # of the paths that follow the measured choice ("then: ..."): all follow
+    # from timings
+    r"|^\s*\[[^\]]*\]\s*$|^\s*then:|^\s*kernels:",
     re.I)
 
 

@@ -624,8 +624,9 @@ def padded_prefill():
 
 logits_packed, (logits_padded, pad) = packed_prefill(), padded_prefill()
 torch.testing.assert_close(logits_packed.float(), logits_padded.float(), **tolerance)
-print(f"prefill: the last-token logits of all {PROMPTS} prompts agree "
-      f"(largest difference {(logits_packed - logits_padded).abs().max().item():.1e})")
+gap = (logits_packed - logits_padded).abs().max().item()
+print(f"prefill with the backend chosen, {PREFILL_BACKEND}: the last-token logits "
+      f"of all {PROMPTS} prompts agree (largest difference {gap:.1e})")
 
 # %%
 # The work bound of the prefill counts, as in training, ``2 x`` the weights
@@ -694,8 +695,9 @@ assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), \
 same = (out_compiled == out_packed).float().mean().item()
 assert same >= (1.0 if DTYPE == torch.float32 else 0.9), \
     f"the compiled step agrees with the eager one on {same:.1%} of the tokens"
-print(f"packed and padded decoding agree on {agree:.1%} of {out_packed.numel()} tokens; "
-      f"the compiled step on {same:.1%}, {decode_graphs} graphs for {NEW_TOKENS - 1} steps")
+print(f"with the prefill backend chosen ({PREFILL_BACKEND}), packed and padded decoding "
+      f"agree on {agree:.1%} of {out_packed.numel()} tokens;\nthe compiled step, after the "
+      f"chosen prefill: {same:.1%}, {decode_graphs} graphs for {NEW_TOKENS - 1} steps")
 
 # %%
 # Compiling the step is chosen by the rule, and the choice applies to both
@@ -729,7 +731,7 @@ if times["padded"].median_ms / times["packed"].median_ms < 0.9:
 
 for b in range(min(4, PROMPTS)):
     prompt = bytes(prompts[prompt_offsets[b]:prompt_offsets[b + 1]].tolist())
-    written = bytes(out_packed[b].tolist())
+    written = bytes(out_padded[b].tolist())  # the packed tokens too (checked above)
     show = (prompt.decode(errors="replace") + " | " + written.decode(errors="replace"))
     print(repr(show)[:118])
 

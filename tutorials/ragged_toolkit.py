@@ -1312,7 +1312,7 @@ def work_bound(
 
 def speedup_line(label, padded, ragged, bound):
     """The speedup of ``ragged`` over ``padded``, beside the work bound;
-    "(within noise)" where the two timings' IQRs overlap."""
+    "(within noise)" where the two timings' interquartile ranges overlap."""
     s = padded.median_ms / ragged.median_ms
     noise = "" if outside_noise(padded, ragged) else " (within noise)"
     return (

@@ -18,10 +18,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-TEMPLATE = '''\
-# Install what this notebook needs, but only what is missing or older than the
-# oldest release it supports: a newer PyTorch is kept as it is.
-import importlib.metadata
+# What both cells run: install each (name, minimum) of {minimums!r} that is
+# missing or older; then {report} prints what is installed.
+_INSTALL = '''import importlib.metadata
 import re
 import subprocess
 import sys
@@ -41,35 +40,21 @@ for _name, _minimum in {minimums!r}:
         _needed.append(f"{{_name}}>={{_minimum}}")
 if _needed:
     subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", *_needed])
-print("installed:" if _needed else "nothing to install:",
-      ", ".join(f"{{n}} {{importlib.metadata.version(n)}}" for n, _ in {minimums!r}))'''
+{report}'''
 
+_VERSIONS = '", ".join(f"{{n}} {{importlib.metadata.version(n)}}" for n, _ in {minimums!r})'
+
+TEMPLATE = ("# Install what this notebook needs, but only what is missing or older than the\n"
+            "# oldest release it supports: a newer PyTorch is kept as it is.\n"
+            + _INSTALL.replace("{report}", 'print("installed:" if _needed else "nothing to install:",\n'
+                                          "      " + _VERSIONS + ")"))
 
 # The first line of a page's extra install cell: how downloads.py finds one.
 PAGE_CELL_HEAD = "# This page also needs"
 
-PAGE_TEMPLATE = PAGE_CELL_HEAD + ''' {needs}: installed only where missing or older.
-import importlib.metadata
-import re
-import subprocess
-import sys
-
-
-def _version(text):
-    return tuple(int(n) for n in re.findall(r"\\d+", text.split("+")[0])[:3])
-
-
-_needed = []
-for _name, _minimum in {minimums!r}:
-    try:
-        _installed = importlib.metadata.version(_name)
-    except importlib.metadata.PackageNotFoundError:
-        _installed = None
-    if _installed is None or _version(_installed) < _version(_minimum):
-        _needed.append(f"{{_name}}>={{_minimum}}")
-if _needed:
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", *_needed])
-    print("installed:", ", ".join(f"{{n}} {{importlib.metadata.version(n)}}" for n, _ in {minimums!r}))'''
+# (prints only when it installed something)
+PAGE_TEMPLATE = (PAGE_CELL_HEAD + " {needs}: installed only where missing or older.\n"
+                 + _INSTALL.replace("{report}", '    print("installed:", ' + _VERSIONS + ")"))
 
 _PAGES = re.compile(r"#\s*pages?:\s*([\w\s,]+?)\s*$")
 

@@ -417,19 +417,13 @@ for side, t in trainers.items():
 # attention, the causal half on both sides (the padded causal kernel skips
 # the masked half too). The backward pass scales both sides alike.
 
-from ragged_toolkit import pairs_scored
+from ragged_toolkit import pairs_scored, training_work
 
 per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding
 per_pair = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim
-work = {"packed": 0.0, "padded": 0.0}
-for _, offsets_i in batches[WARMUP_STEPS:]:
-    lengths_i = offsets_i.diff().cpu()
-    longest = torch.full_like(lengths_i, int(lengths_i.max()))
-    work["packed"] += (per_token * float(lengths_i.sum())
-                       + per_pair * pairs_scored(lengths_i, lengths_i, True))
-    work["padded"] += (per_token * float(longest.sum())
-                       + per_pair * pairs_scored(longest, longest, True))
-bound = work["padded"] / work["packed"]
+packed_work, padded_work = training_work(
+    [offsets_i.diff().cpu() for _, offsets_i in batches[WARMUP_STEPS:]], per_token, per_pair)
+bound = padded_work / packed_work
 R, P = trainers["packed"]["tokens/s"], trainers["padded"]["tokens/s"]
 print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, "
       f"speedup {R / P:.2f}x, work bound {bound:.2f}x, fraction {R / P / bound:.2f}")

@@ -1310,6 +1310,22 @@ def work_bound(
     return work(full_q, full_kv, padded_causal) / work(q, kv, causal)
 
 
+def training_work(lengths, per_token, per_pair, padded_causal=True):
+    """The work of training steps, one per batch of ``lengths`` (each (B,)):
+    ``per_token`` per token and ``per_pair`` per query-key pair scored,
+    packed (causal) and padded to each batch's longest (causal where
+    ``padded_causal``, a causal kernel; every pair where not, a mask).
+    Returns ``(packed, padded)``; their ratio is the work bound."""
+    packed = padded = 0.0
+    for n in lengths:
+        longest = torch.full_like(n, int(n.max()))
+        packed += per_token * float(n.sum()) + per_pair * pairs_scored(n, n, True)
+        padded += per_token * float(longest.sum()) + per_pair * pairs_scored(
+            longest, longest, padded_causal
+        )
+    return packed, padded
+
+
 def speedup_line(label, padded, ragged, bound):
     """The speedup of ``ragged`` over ``padded``, beside the work bound;
     "(within noise)" where the two timings' interquartile ranges overlap."""

@@ -14,9 +14,8 @@ sys.path.insert(0, str(HERE / "sphinxext"))
 # The toolkit module the pages import, for its reference page (autodoc).
 sys.path.insert(0, str(HERE / "tutorials"))
 
-import notebook_cell  # noqa: E402
+import downloads  # noqa: E402
 import tutorial_isolation  # noqa: E402
-import tutorial_memory  # noqa: E402
 from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT  # noqa: E402
 
 # -- Where the site is published: the one place to change ---------------------
@@ -51,13 +50,9 @@ extensions = [
     "sphinx_design",
     "sphinx_copybutton",
     # sphinxext/
-    "stale_pages",
-    "toolkit_cache",
-    "landing_cards",
-    "page_stamp",
-    "page_links",
+    "gallery_layout",  # before Sphinx-Gallery: pages of deleted tutorials out, all pages stale when the toolkit changed
+    "page_parts",  # landing cards, the build stamp, Colab/GitHub/toolkit links; no empty code blocks
     "downloads",  # the .py, notebook and zip a reader downloads carry the toolkit
-    "page_cleanup",
 ]
 templates_path = ["_templates"]
 exclude_patterns = [
@@ -120,21 +115,22 @@ sphinx_gallery_conf = {
     "filename_pattern": os.environ.get("GALLERY_PATTERN") or r"/",
     # The toolkit module beside the tutorials is imported by them, not a page.
     "ignore_pattern": r"__init__\.py|" + re.escape(TOOLKIT),
-    # Reading order, not file names: sphinxext/gallery_order.py.
-    "within_subsection_order": "gallery_order.TutorialOrder",
+    # Reading order, not file names: sphinxext/gallery_layout.py.
+    "within_subsection_order": "gallery_layout.TutorialOrder",
     # Each tutorial runs in a fresh process (sphinxext/tutorial_isolation.py):
     # only matplotlib's defaults are set before it, as Sphinx-Gallery does.
     "reset_modules": ("matplotlib",),
     "reset_modules_order": "before",
     # The peak of the tutorial's own process: CUDA allocated with CUDA, peak
-    # RSS on CPU; every code block runs through it (sphinxext/tutorial_memory.py).
-    "show_memory": tutorial_memory.PeakMemory(),
+    # RSS on CPU; every code block runs through it (sphinxext/tutorial_isolation.py).
+    "show_memory": tutorial_isolation.PeakMemory(),
     "junit": "sphinx-gallery/junit-results.xml",
     # Each figure also at twice its resolution, for sharp text on dense
     # screens; it is shown at its drawn size (FIGURE_STYLE in the toolkit).
     "image_srcset": ["2x"],
-    # Installs only what is missing or older than requirements-minimum.txt.
-    "first_notebook_cell": notebook_cell.install_cell(HERE / "requirements-minimum.txt"),
+    # Installs only what is missing or older than requirements-minimum.txt
+    # (a downloaded notebook's first cell adds what its page alone needs).
+    "first_notebook_cell": downloads.install_cell(HERE / "requirements-minimum.txt"),
     "download_all_examples": False,
     "remove_config_comments": True,
 }

@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sphinxext"))
 from gallery_layout import tutorial_sources  # noqa: E402
-from notebook_cell import minimums, page_minimums  # noqa: E402 - the readers of requirements-minimum.txt
+from downloads import minimums  # noqa: E402 - the reader of requirements-minimum.txt
 
 # The newest PyTorch release the pages are checked with. Raise it when a new
 # release is out.
@@ -115,7 +115,7 @@ def transformers_matrix(pages: list[Path] | None = None) -> list[str]:
         return []
     found = []
     for page in pages:
-        mins = dict(page_minimums(REPO / "requirements-minimum.txt", page.stem))
+        mins = dict(minimums(REPO / "requirements-minimum.txt", page.stem))
         if "transformers" not in mins:
             raise ValueError(f"{page.name} imports transformers, but requirements-minimum.txt has no "
                              f"'transformers>=...  # page: {page.stem}' line")

@@ -34,8 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
-from gallery_layout import tutorial_sources  # noqa: E402  (standard library only)
-from gallery_order import reading_order_key  # noqa: E402
+from gallery_layout import reading_order_key, tutorial_sources  # noqa: E402  (standard library only)
 
 BUDGET_S = 8 * 60  # the whole check, on one H200
 FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")

@@ -1,28 +1,17 @@
-"""Every tutorial runs in a process of its own.
+"""Every tutorial runs in a process of its own; what its code blocks run through.
 
-``conf.py`` calls :func:`run_each_tutorial_in_its_own_process`, which wraps
-Sphinx-Gallery's ``generate_file_rst`` (it has no hook for this; the PyTorch
-tutorials do the same): each tutorial that is to run is generated, code and
-page, in a process started from the build, a fork where that is safe
-(Linux, no CUDA context in the build process), a fresh interpreter
-(``spawn``, or ``TUTORIALS_START_METHOD=spawn``) elsewhere. That process
-writes what Sphinx-Gallery writes (page, images, notebook, MD5 and cost
-records) and sends back what ``generate_file_rst`` returns, which the build
-records as before (gallery index, execution times, JUnit). It ends with
-everything it started (its process group), so no setting, thread, signal
-handler, module, compile cache or allocator of one tutorial reaches the
-next. Before the code runs it seeds torch, numpy and ``random`` with 0 and
-records the page stamp. Unless the caller chose a compile cache, the pages
-compile into the build's own inductor and Triton cache, empty when the build
-began (:func:`use_private_compile_cache`): it holds compiled kernels, keyed
-by what they compute, and no state of a page.
-
-The build keeps the time limit (``TUTORIAL_TIME_LIMIT_S``, default 900 s)
-from outside: past it, the process's Python stack is written
-(``faulthandler``) and the process is killed. One that is killed or ends
-without an answer (the limit, ``os._exit``, a segmentation fault, the
-out-of-memory killer) fails its page, named, with the line where its stack
-shows one; its page says why, and its MD5 is removed so that it runs again.
+:func:`run_each_tutorial_in_its_own_process` wraps Sphinx-Gallery's
+``generate_file_rst`` (it has no hook for this; the PyTorch tutorials do the
+same): a tutorial that is to run is generated, code and page, in a fork of
+the build (Linux, no CUDA context in the build) or a fresh interpreter
+(elsewhere, or ``TUTORIALS_START_METHOD=spawn``), seeded and stamped first.
+The process ends with everything it started (its process group), so no
+state of one tutorial reaches the next; it sends back what
+``generate_file_rst`` returns, which the build records as before. Past the
+time limit it is killed after ``faulthandler`` wrote its stack; one killed
+or ended without an answer fails its page, named, with its line, and runs
+again at the next build. :class:`PeakMemory` (``show_memory``) gives the
+process's own peak memory. A ``sys.exit`` fails its page, named, with its line.
 """
 
 from __future__ import annotations
@@ -33,7 +22,6 @@ import functools
 import logging
 import multiprocessing
 import os
-import random
 import re
 import shutil
 import signal
@@ -47,13 +35,6 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from textwrap import indent
 
-from sphinx.util import logging as sphinx_logging
-
-import tutorial_memory
-
-logger = sphinx_logging.getLogger("tutorial_isolation")
-
-COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 START_METHOD_ENV = "TUTORIALS_START_METHOD"
 TIME_LIMIT_ENV = "TUTORIAL_TIME_LIMIT_S"
 _private_cache: list[Path] = []  # the build's compile cache
@@ -62,7 +43,7 @@ _private_cache: list[Path] = []  # the build's compile cache
 def use_private_compile_cache() -> None:
     """Unless the caller chose a cache, the tutorials' processes compile into
     a folder made for this build, empty when it began, removed at its end."""
-    if any(os.environ.get(v) for v in COMPILE_CACHE_VARS):
+    if any(os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")):
         os.environ.setdefault("TUTORIALS_COMPILE_CACHE", "chosen")
     elif not _private_cache:
         _private_cache.append(Path(tempfile.mkdtemp(prefix="tutorials-compile-cache-")))
@@ -80,12 +61,10 @@ def time_limit_s() -> float:
 
 def start_method() -> str:
     """``fork`` where it is safe, else ``spawn``."""
-    chosen = os.environ.get(START_METHOD_ENV)
-    if chosen:
-        return chosen
     torch = sys.modules.get("torch")
     cuda_context = torch is not None and torch.cuda.is_initialized()
-    return "fork" if sys.platform == "linux" and not cuda_context else "spawn"
+    return os.environ.get(START_METHOD_ENV) or ("fork" if sys.platform == "linux" and not cuda_context
+                                                else "spawn")
 
 
 # --- one call in a process of its own ------------------------------------------
@@ -97,23 +76,19 @@ class Ended:
     answered: bool = False  # it returned or raised (else: killed, or ended without an answer)
     value: object = None  # what it returned
     raised: BaseException | None = None  # what it raised
-    failure: str | None = None  # why it ended without an answer, naming the tutorial
+    failure: str | None = None  # why its page failed outside its code, naming the tutorial
     stack: str = ""  # its Python stack when it was stopped or crashed, if written
     warnings: int = 0  # Sphinx warnings it logged (not its page's own failure)
     seconds: float = 0.0
 
 
-class _WarningCount(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.n = 0
-
-    def emit(self, record):
-        # Sphinx-Gallery records a failing page itself.
-        self.n += getattr(record, "subtype", None) != "example_error"
+def _line_in(tb, src_file: str) -> str:
+    """" at line N": the innermost frame of ``src_file`` in a traceback."""
+    lines = [f.lineno for f in traceback.extract_tb(tb) if os.path.normpath(f.filename) == src_file]
+    return f" at line {lines[-1]}" if lines else ""
 
 
-def _child(sender, target, args, stack_path):
+def _child(sender, target, args, stack_path, name, src_file):
     if hasattr(os, "setpgrp"):
         os.setpgrp()  # what the call starts ends with it (killpg below)
     if sys.platform == "linux":  # and it ends if the build is killed (PR_SET_PDEATHSIG)
@@ -129,28 +104,28 @@ def _child(sender, target, args, stack_path):
     sphinx_logger = logging.getLogger("sphinx")
     if not sphinx_logger.handlers:  # spawn: no Sphinx logging set up here
         sphinx_logger.addHandler(logging.StreamHandler(sys.stderr))
-    count = _WarningCount()
-    sphinx_logger.addHandler(count)
+    warnings = []  # Sphinx-Gallery records a failing page itself: not counted
+    counter = logging.Handler(logging.WARNING)
+    counter.emit = lambda r: warnings.append(1) if getattr(r, "subtype", None) != "example_error" else None
+    sphinx_logger.addHandler(counter)
     try:
         answer = ("returned", target(*args))
-    except BaseException as exc:  # noqa: BLE001 - all of it goes to the build
+    except Exception as exc:  # noqa: BLE001 - all of it goes to the build
         answer = ("raised", exc)
+    except SystemExit as exc:  # Sphinx-Gallery catches Exception only
+        answer = ("failed", f"{name} called sys.exit({exc.code!r}) (or raised SystemExit)"
+                            f"{_line_in(exc.__traceback__, src_file)}: a tutorial must not end the build; "
+                            "raise an exception instead")
+    except BaseException as exc:  # noqa: BLE001
+        answer = ("failed", f"{name}: raised {exc!r}{_line_in(exc.__traceback__, src_file)}")
     try:
-        sender.send((*answer, count.n))
+        sender.send((*answer, len(warnings)))
     except Exception:  # noqa: BLE001 - what it returned or raised does not pickle
         text = "".join(traceback.format_exception(answer[1])) if answer[0] == "raised" else repr(answer[1])
-        sender.send(("raised", RuntimeError(f"{answer[0]} what cannot be pickled:\n{text}"), count.n))
+        sender.send(("raised", RuntimeError(f"{answer[0]} what cannot be pickled:\n{text}"), len(warnings)))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no atexit handler of the build, no join of the call's threads
-
-
-def _kill_group(proc) -> None:
-    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-        try:
-            kill()
-        except (AttributeError, OSError):  # no process groups (Windows); already gone
-            pass
 
 
 def _stack(path: str, src_file: str) -> tuple[str, int | None]:
@@ -158,9 +133,9 @@ def _stack(path: str, src_file: str) -> tuple[str, int | None]:
     tutorial's outermost frame, and the tutorial's innermost line."""
     text = Path(path).read_text(errors="replace") if Path(path).exists() else ""
     head, _, dumped = text.partition("\n")
-    main = int(head.split("0x")[-1], 16) if head.startswith("main thread 0x") else None
+    main = int(head.split("0x")[-1], 16) if head.startswith("main thread 0x") else 0
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dumped)
-    block = next((b for b in blocks if re.match(rf"(Current thread|Thread) 0x0*{main or 0:x} ", b)), dumped)
+    block = next((b for b in blocks if re.match(rf"(Current thread|Thread) 0x0*{main:x} ", b)), dumped)
     lines = [ln for ln in block.splitlines() if re.match(r"(Current thread|Thread) 0x|  File ", ln)]
     ours = [i for i, ln in enumerate(lines)
             if (m := re.match(r'  File "(.*)", line (\d+)', ln)) and os.path.normpath(m[1]) == src_file]
@@ -180,7 +155,9 @@ def run_isolated(target, args, *, name: str, src_file: str, limit_s: float, meth
     fd, stack_path = tempfile.mkstemp(prefix="tutorial-stack-", suffix=".txt")
     os.close(fd)
     receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(sender, target, args, stack_path), name=f"tutorial {name}")
+    src_file = os.path.normpath(src_file)
+    proc = ctx.Process(target=_child, args=(sender, target, args, stack_path, name, src_file),
+                       name=f"tutorial {name}")
     ended, timed_out, start = Ended(), False, time.monotonic()
     try:
         proc.start()
@@ -189,7 +166,7 @@ def run_isolated(target, args, *, name: str, src_file: str, limit_s: float, meth
         if receiver in ready:
             try:
                 kind, value, ended.warnings = receiver.recv()
-                ended.value, ended.raised = (value, None) if kind == "returned" else (None, value)
+                setattr(ended, {"returned": "value", "raised": "raised", "failed": "failure"}[kind], value)
                 ended.answered = True
             except EOFError:  # it ended without an answer
                 pass
@@ -204,75 +181,55 @@ def run_isolated(target, args, *, name: str, src_file: str, limit_s: float, meth
             proc.kill()  # ... and it ends
         proc.join()
     finally:
-        _kill_group(proc)
+        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+            try:
+                kill()
+            except (AttributeError, OSError):  # no process groups (Windows); already gone
+                pass
         receiver.close()
         ended.seconds = time.monotonic() - start
-        ended.stack, line = _stack(stack_path, os.path.normpath(src_file))
+        ended.stack, line = _stack(stack_path, src_file)
         os.unlink(stack_path)
-    if not ended.answered:
-        at = "" if line is None else f" at line {line}"
-        code = proc.exitcode
-        if timed_out:
-            ended.failure = (f"{name} ran past the per-tutorial limit of {limit_s:g} s{at} (set "
-                             f"{TIME_LIMIT_ENV} to change it); its process was killed")
-        elif code is not None and code < 0:
-            sig = signal.Signals(-code).name
-            ended.failure = f"{name}: its process was killed by {sig}{_SIGNAL_HINTS.get(sig, '')}{at}"
-        else:
-            ended.failure = (f"{name}: its process ended with exit status {code}{at} before its page was "
-                             "written (os._exit, or a crash)")
-    elif ended.raised is not None and not isinstance(ended.raised, Exception):
-        ended.failure = f"{name}: raised {type(ended.raised).__name__}({ended.raised}) outside its code blocks"
-        ended.raised = None
+    at, code = ("" if line is None else f" at line {line}"), proc.exitcode
+    if ended.answered:
+        pass
+    elif timed_out:
+        ended.failure = (f"{name} ran past the per-tutorial limit of {limit_s:g} s{at} (set "
+                         f"{TIME_LIMIT_ENV} to change it); its process was killed")
+    elif code is not None and code < 0:
+        sig = signal.Signals(-code).name
+        ended.failure = f"{name}: its process was killed by {sig}{_SIGNAL_HINTS.get(sig, '')}{at}"
+    else:
+        ended.failure = (f"{name}: its process ended with exit status {code}{at} before its page was "
+                         "written (os._exit, or a crash)")
     return ended
 
 
 # --- Sphinx-Gallery's pages ------------------------------------------------------
 
-def _will_run(fname, target_dir, src_dir, gallery_conf) -> bool:
-    """Whether Sphinx-Gallery would execute this tutorial (matched by the
-    pattern, and changed since it last ran, as its MD5 record says)."""
-    from sphinx_gallery import gen_rst
-    from sphinx_gallery.utils import get_md5sum
-
-    src_file = os.path.normpath(Path(src_dir, fname))
-    if not gen_rst.executable_script(src_file, gallery_conf):
-        return False
-    md5 = Path(target_dir, Path(fname).name + ".md5")
-    current = md5.is_file() and md5.read_text() == get_md5sum(src_file, mode="t")
-    return gallery_conf["run_stale_examples"] or not current
-
-
-def _run_page(fname, target_dir, src_dir, gallery_conf, name, cache):
-    """In the tutorial's process: its page, as Sphinx-Gallery generates it."""
+def _run_page(fname, target_dir, src_dir, gallery_conf, cache):
+    """In the tutorial's process: its page, as Sphinx-Gallery generates it
+    (it runs the code only if the page changed and the pattern matches it)."""
     import inspect
 
-    import numpy as np
-    import torch
     from sphinx_gallery import gen_rst
-
-    import page_stamp
 
     if cache is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
         os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
-    tutorial_memory.start_tutorial(name)
-    torch.manual_seed(0)
-    np.random.seed(0)
-    random.seed(0)
-    page_stamp.record_environment(gallery_conf["src_dir"], fname)
+    _page.update(src_dir=gallery_conf["src_dir"], fname=fname)
     return inspect.unwrap(gen_rst.generate_file_rst)(fname, target_dir, src_dir, gallery_conf)
 
 
 def _failed_page(fname, target_dir, src_file, gallery_conf, name, ended):
     """Record a tutorial whose process ended without an answer as a failing
     example, with a page that says why."""
+    from sphinx.util import logging as sphinx_logging
     from sphinx_gallery import gen_rst
 
     target_dir, stem = Path(target_dir), Path(fname).stem
     Path(target_dir, Path(fname).name + ".md5").unlink(missing_ok=True)  # it runs again next time
-    parser, _ = gen_rst._get_parser(fname, gallery_conf)
-    file_conf, blocks = parser.split_code_and_text_blocks(src_file)[:2]
+    file_conf, blocks = gen_rst._get_parser(fname, gallery_conf)[0].split_code_and_text_blocks(src_file)[:2]
     intro, title = gen_rst.extract_intro_and_title(fname, blocks[0].content)
     report = (f"Its Python stack at the end:\n{ended.stack}\n\n" if ended.stack else "") + ended.failure
     label = Path(os.path.relpath(target_dir / fname, gallery_conf["src_dir"])).as_posix().replace("/", "_")
@@ -283,14 +240,16 @@ def _failed_page(fname, target_dir, src_file, gallery_conf, name, ended):
         encoding="utf-8")
     gen_rst.save_thumbnail(str(target_dir / "images" / f"sphx_glr_{stem}_{{0:03}}.png"), src_file,
                            {"formatted_exception": report}, {}, gallery_conf)
-    logger.warning("\n%s unexpectedly failed to execute correctly:\n\n%s", name, indent(report, "    "),
-                   type="sphinx_gallery", subtype="example_error")
+    sphinx_logging.getLogger(__name__).warning(
+        "\n%s unexpectedly failed to execute correctly:\n\n%s", name, indent(report, "    "),
+        type="sphinx_gallery", subtype="example_error")
     out_vars = {"formatted_exception": report, **({"tags": file_conf["tags"]} if "tags" in file_conf else {})}
     return intro, title, (ended.seconds, 0.0), out_vars
 
 
 def run_each_tutorial_in_its_own_process() -> None:
     """Wrap Sphinx-Gallery's ``generate_file_rst`` (once)."""
+    from sphinx.util import logging as sphinx_logging
     from sphinx_gallery import gen_rst
 
     original = gen_rst.generate_file_rst
@@ -299,15 +258,14 @@ def run_each_tutorial_in_its_own_process() -> None:
 
     @functools.wraps(original)
     def generate_file_rst(fname, target_dir, src_dir, gallery_conf):
-        if not _will_run(fname, target_dir, src_dir, gallery_conf):
-            return original(fname, target_dir, src_dir, gallery_conf)  # runs no code
         src_file = os.path.normpath(Path(src_dir, fname))
         name = Path(os.path.relpath(src_file, gallery_conf["src_dir"])).as_posix()
         cache = _private_cache[0] if _private_cache else None
-        ended = run_isolated(_run_page, (fname, target_dir, src_dir, gallery_conf, name, cache),
+        ended = run_isolated(_run_page, (fname, target_dir, src_dir, gallery_conf, cache),
                              name=name, src_file=src_file, limit_s=time_limit_s())
         if ended.warnings:
-            logger.warning("%s: %d warning(s) while its page was generated (above)", name, ended.warnings)
+            sphinx_logging.getLogger(__name__).warning(
+                "%s: %d warning(s) while its page was generated (above)", name, ended.warnings)
         if ended.raised is not None:
             raise ended.raised
         if ended.failure is not None:
@@ -316,3 +274,57 @@ def run_each_tutorial_in_its_own_process() -> None:
 
     generate_file_rst.in_own_process = True
     gen_rst.generate_file_rst = generate_file_rst
+
+
+# --- what every code block runs through --------------------------------------------
+
+CLEAR_REFS = "/proc/self/clear_refs"  # "5" starts the peak afresh (Linux)
+_page: dict = {}  # in a tutorial's process: its src_dir and fname, until its code begins
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: ``VmHWM`` on Linux (what
+    the reset starts afresh; ``ru_maxrss`` there also keeps the peak of the
+    build process a spawned interpreter was started from)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 2**10
+    except (OSError, StopIteration):
+        import resource  # not on Windows, which the build does not support
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB elsewhere
+
+
+class PeakMemory:
+    """Sphinx-Gallery ``show_memory`` callable: returns (MiB, func's result).
+    An instance, not a function, so that Sphinx can pickle the configuration."""
+
+    def __repr__(self):
+        return "tutorial_isolation.PeakMemory()"
+
+    def __call__(self, func):
+        import torch
+
+        if _page:  # Sphinx-Gallery's empty call before the first block: seed, stamp, start the peak afresh
+            import random
+
+            import numpy as np
+
+            import page_parts
+
+            torch.manual_seed(0)
+            np.random.seed(0)
+            random.seed(0)
+            page_parts.record_environment(_page.pop("src_dir"), _page.pop("fname"))
+            try:
+                with open(CLEAR_REFS, "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        out = func()
+        if torch.cuda.is_available():
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / 2**20, out
+        return peak_rss_mb(), out

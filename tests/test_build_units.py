@@ -19,10 +19,9 @@ from sitebuild import REPO
 sys.path.insert(0, str(REPO / "sphinxext"))
 sys.path.insert(0, str(REPO / "scripts"))
 import check_versions  # noqa: E402
-import notebook_cell  # noqa: E402
-import page_stamp  # noqa: E402
+import downloads  # noqa: E402
+import page_parts  # noqa: E402
 import tutorial_isolation  # noqa: E402
-import tutorial_memory  # noqa: E402
 
 
 # --- a process per tutorial: time limit, crashes, memory, sys.exit -------------
@@ -80,8 +79,8 @@ def test_what_the_call_returns_or_raises_comes_back(tmp_path):
     assert ended.value == (3, 1) and ended.failure is None
     ended = _isolated(tmp_path, "raise ValueError('planted')\n")
     assert isinstance(ended.raised, ValueError) and str(ended.raised) == "planted"
-    ended = _isolated(tmp_path, "raise SystemExit(4)\n")  # outside Sphinx-Gallery's blocks: a failure
-    assert ended.raised is None and ended.failure.startswith(f"{UNIT}: raised SystemExit(4)"), ended
+    ended = _isolated(tmp_path, "raise KeyboardInterrupt\n")  # not an Exception: a failure, named
+    assert ended.raised is None and ended.failure == f"{UNIT}: raised KeyboardInterrupt() at line 1", ended
 
 
 def test_nothing_the_tutorial_started_outlives_it(tmp_path):
@@ -124,27 +123,20 @@ def test_fork_only_where_it_is_safe(monkeypatch):
     assert tutorial_isolation.start_method() == "fork"
 
 
-@pytest.fixture
-def tutorial():
-    tutorial_memory.start_tutorial(UNIT)
-    yield
-    tutorial_memory.start_tutorial(None)
+def test_sys_exit_fails_the_page_naming_the_tutorial_and_its_line(tmp_path):
+    ended = _isolated(tmp_path, "x = 1\nimport sys\nsys.exit(3)\n")
+    assert ended.raised is None and ended.failure == (
+        f"{UNIT} called sys.exit(3) (or raised SystemExit) at line 3: a tutorial must not end the build; "
+        "raise an exception instead"), ended
 
 
-def test_sys_exit_in_a_block_becomes_an_error_naming_the_tutorial(tutorial):
-    with pytest.raises(tutorial_memory.TutorialFailure, match=r"tutorials/unit.py called sys.exit\(3\)"):
-        tutorial_memory.run_block(lambda: sys.exit(3))
+def _page_begins(src_dir):
+    """As in a tutorial's process before Sphinx-Gallery's first (empty) call."""
+    tutorial_isolation._page.update(src_dir=str(src_dir), fname="unit.py")
+    return tutorial_isolation.PeakMemory()(lambda: None)[0]
 
 
-def test_the_error_names_the_tutorials_line(tutorial, tmp_path):
-    # As Sphinx-Gallery runs a block: code compiled with the tutorial's path.
-    src = tmp_path / "tutorials" / "unit.py"
-    code = compile("x = 1\nimport sys\nsys.exit(3)\n", str(src), "exec")
-    with pytest.raises(tutorial_memory.TutorialFailure, match=r"called sys.exit\(3\) .* at line 3:"):
-        tutorial_memory.run_block(lambda: exec(code, {}))
-
-
-def _transient_peak():
+def _transient_peak(src_dir):
     import torch
 
     def transient():
@@ -152,17 +144,16 @@ def _transient_peak():
         del block
         return "done"
 
-    tutorial_memory._started.clear()  # a page's process: the first call is still to come
-    base, _ = tutorial_memory.PeakMemory()(lambda: None)
-    mb, out = tutorial_memory.PeakMemory()(transient)
+    base = _page_begins(src_dir)
+    mb, out = tutorial_isolation.PeakMemory()(transient)
     return base, mb, out
 
 
-def test_memory_figure_is_the_peak_of_the_tutorials_own_process():
+def test_memory_figure_is_the_peak_of_the_tutorials_own_process(tmp_path):
     # The system keeps the process's peak: a peak freed within the block
     # counts, with nothing sampled, and the build process's own earlier
     # peaks (this test process's) do not.
-    ended = tutorial_isolation.run_isolated(_transient_peak, (), name=UNIT, src_file="", limit_s=120)
+    ended = tutorial_isolation.run_isolated(_transient_peak, (tmp_path,), name=UNIT, src_file="", limit_s=120)
     base, mb, out = ended.value
     assert out == "done" and mb - base >= 30, (base, mb)
 
@@ -178,7 +169,7 @@ def test_memory_figure_works_without_proc(monkeypatch):
 
     monkeypatch.setattr(builtins, "open", no_proc)
     monkeypatch.setattr(io, "open", no_proc)
-    mb, out = tutorial_memory.PeakMemory()(lambda: "done")
+    mb, out = tutorial_isolation.PeakMemory()(lambda: "done")
     assert out == "done" and mb > 0
 
 
@@ -191,27 +182,34 @@ def test_memory_stamp_says_what_the_figure_is(can_reset, monkeypatch, tmp_path):
     if can_reset and not sys.platform.startswith("linux"):
         pytest.skip("only Linux can reset the peak")
     if not can_reset:  # as on macOS
-        monkeypatch.setattr(tutorial_memory, "CLEAR_REFS", str(tmp_path / "no_such_file"))
-    memory = page_stamp.describe_environment()["memory"]
-    assert memory.startswith(tutorial_memory.CPU_FIGURE) and "process that ran this page and nothing else" in memory
+        monkeypatch.setattr(tutorial_isolation, "CLEAR_REFS", str(tmp_path / "no_such_file"))
+    memory = page_parts.describe_environment()["memory"]
+    assert memory.startswith(page_parts.CPU_FIGURE) and "process that ran this page and nothing else" in memory
     assert ("lower bound" in memory) == (not can_reset), memory
 
 
-def test_a_fresh_peak_is_the_pages_own():
+def _startup_then_page(src_dir):
+    import torch
+
+    startup = torch.ones(64 * 2**20 // 4)  # 64 MB the start-up used and freed
+    del startup
+    base = _page_begins(src_dir)
+    mb, _ = tutorial_isolation.PeakMemory()(lambda: torch.ones(24 * 2**20 // 4).sum())
+    return mb - base, json.loads((src_dir / "auto_tutorials" / "unit.env.json").read_text()), torch.rand(1).item()
+
+
+def test_a_fresh_peak_is_the_pages_own_and_the_page_begins_seeded_and_stamped(tmp_path):
     # What a spawned interpreter's start-up used must not hide the page's
-    # figure: the reset starts the peak afresh.
-    def startup_then_page():
-        import torch
+    # figure: the reset starts the peak afresh. The same first call seeds
+    # and writes the page's stamp.
+    import torch
 
-        tutorial_memory._started.clear()  # a page's process: the first call is still to come
-        startup = torch.ones(64 * 2**20 // 4)  # 64 MB the start-up used and freed
-        del startup
-        base, _ = tutorial_memory.PeakMemory()(lambda: None)  # as Sphinx-Gallery calls it first
-        mb, _ = tutorial_memory.PeakMemory()(lambda: torch.ones(24 * 2**20 // 4).sum())
-        return mb - base
-
-    grew = tutorial_isolation.run_isolated(startup_then_page, (), name=UNIT, src_file="", limit_s=120).value
+    grew, stamp, draw = tutorial_isolation.run_isolated(_startup_then_page, (tmp_path,), name=UNIT, src_file="",
+                                                        limit_s=120).value
     assert grew >= 20, grew
+    assert stamp["torch"] == torch.__version__ and stamp["memory"].startswith(page_parts.CPU_FIGURE), stamp
+    torch.manual_seed(0)
+    assert draw == torch.rand(1).item()
 
 
 # --- the notebook's first cell ----------------------------------------------
@@ -233,13 +231,13 @@ def _run_cell(monkeypatch, installed: dict[str, str]):
 
     monkeypatch.setattr(importlib.metadata, "version", version)
     monkeypatch.setattr(subprocess, "check_call", check_call)
-    source = notebook_cell.install_cell(REPO / "requirements-minimum.txt")
+    source = downloads.install_cell(REPO / "requirements-minimum.txt")
     exec(compile(source, "first_cell", "exec"), {})
     return [c[c.index("--quiet") + 1:] for c in calls]
 
 
 def test_notebook_cell_installs_only_what_is_missing_or_too_old(monkeypatch):
-    mins = dict(notebook_cell.minimums(REPO / "requirements-minimum.txt"))
+    mins = dict(downloads.minimums(REPO / "requirements-minimum.txt"))
     assert mins["torch"] == "2.11.0"
     newer = {"torch": "2.15.0+cu128", "numpy": "2.4.6", "matplotlib": "3.11.2"}
     assert _run_cell(monkeypatch, newer) == [], "a newer torch must not be replaced"
@@ -250,7 +248,7 @@ def test_notebook_cell_installs_only_what_is_missing_or_too_old(monkeypatch):
 
 def test_minimums_agree_with_the_pins():
     pins = check_versions.pins()
-    for name, minimum in notebook_cell.minimums(REPO / "requirements-minimum.txt"):
+    for name, minimum in downloads.minimums(REPO / "requirements-minimum.txt"):
         v = lambda s: tuple(int(x) for x in s.split("+")[0].split(".")[:3])  # noqa: E731
         assert v(pins[name]) >= v(minimum), f"{name}: pinned {pins[name]} is older than {minimum}"
 
@@ -267,7 +265,7 @@ def test_check_versions_hashes_sources_as_sphinx_gallery_does(tmp_path):
 
 def test_version_matrix_is_oldest_pinned_newest_exactly():
     m = check_versions.matrix()
-    oldest = dict(notebook_cell.minimums(REPO / "requirements-minimum.txt"))["torch"]
+    oldest = dict(downloads.minimums(REPO / "requirements-minimum.txt"))["torch"]
     assert m == [oldest, check_versions.pins()["torch"], check_versions.NEWEST_TORCH]
     assert all(len(v.split(".")) == 3 for v in m)
 
@@ -374,8 +372,8 @@ def test_stamp_states_only_versions_checked_for_the_current_source(tmp_path):
         "2.15.0": {"pages": {"page": {"md5": "an older version", "result": "passed"}}},
     }}
     (tmp_path / ".github" / "checked-versions.json").write_text(json.dumps(record))
-    assert page_stamp.checked_versions(tmp_path, "page") == ["2.11.0"]
-    assert "PyTorch 2.11.0 (make check-versions)" in page_stamp.stamp_text(tmp_path, "page")[-1]
+    assert page_parts.checked_versions(tmp_path, "page") == ["2.11.0"]
+    assert "PyTorch 2.11.0 (make check-versions)" in page_parts.stamp_text(tmp_path, "page")[-1]
 
 
 # --- the browser tests on a machine without Chromium --------------------------
@@ -396,7 +394,6 @@ def test_browser_tests_can_be_deselected_without_chromium(tmp_path):
 
 # --- the downloads: rST in notebook cells, the toolkit carried -----------------
 
-import downloads  # noqa: E402
 import re  # noqa: E402
 import textwrap  # noqa: E402
 
@@ -452,40 +449,16 @@ def test_markdown_of_a_grid_of_cards():
                   "**Prerequisites**\n\n* PyTorch\n\nAfter.\n")
 
 
-def test_markdown_drops_raw_html_and_comments():
-    md = _md("""\
-        Before.
-
-        .. raw:: html
-
-            <div class="x">
-            </div>
-
-        .. a comment
-           that goes on
-
-        After.
-        """)
-    assert md == "Before.\n\nAfter.\n"
-
-
-def test_markdown_of_a_list_table():
-    md = _md("""\
-        .. list-table:: Backends
-           :header-rows: 1
-           :widths: 20 80
-
-           * - name
-             - what it runs
-           * - ``varlen``
-             - the variable-length kernel,
-               CUDA only
-           * - ``a|b``
-             - :func:`torch.cat`
-        """)
-    assert md == ("**Backends**\n\n| name | what it runs |\n| --- | --- |\n"
-                  "| ``varlen`` | the variable-length kernel, CUDA only |\n"
-                  "| ``a\\|b`` | `torch.cat()` |\n")
+def test_markdown_drops_comments_and_names_what_it_cannot_convert():
+    assert _md("Before.\n\n.. a comment\n   that goes on\n\n.. currentmodule:: math\n\nAfter.\n") == \
+        "Before.\n\nAfter.\n"
+    # No raw rST reaches a reader: anything the pages do not use fails, named.
+    with pytest.raises(ValueError, match=r"'\.\. raw::' has no Markdown form .* sphinxext/downloads\.py"):
+        _md(".. raw:: html\n\n   <b>x</b>\n")
+    with pytest.raises(ValueError, match=r"'\.\. list-table::' has no Markdown form"):
+        _md("* item\n\n  .. list-table::\n\n     * - a\n")
+    with pytest.raises(ValueError, match=r"the role :kbd: has no Markdown form"):
+        _md("Press :kbd:`Ctrl`.\n")
 
 
 def test_markdown_of_literalinclude_pyobject_with_decorators_and_methods():
@@ -503,81 +476,52 @@ def test_markdown_of_literalinclude_pyobject_with_decorators_and_methods():
         _md(".. literalinclude:: x.py\n   :pyobject: missing\n")
 
 
-def test_markdown_of_admonitions_glossary_and_math():
+def test_markdown_of_a_glossary():
     md = _md("""\
-        .. note::
-           A note with :class:`torch.Tensor`.
-
-           Second paragraph.
-
-        .. admonition:: Why offsets
-           :class: tip
-
-           Because.
-
-        .. tip:: Short tip.
-
         .. glossary::
 
            packed values
            values
-              Every token, end to end.
+              Every token, end to end, see :term:`offsets`.
 
               Still the definition.
 
            offsets
               Where sequences start.
 
-        * an item
-
-          .. math::
-
-             a^2 + b^2
+        After.
         """)
-    assert md == ("> **Note**\n>\n> A note with `torch.Tensor`.\n>\n> Second paragraph.\n\n"
-                  "> **Why offsets**\n>\n> Because.\n\n"
-                  "> **Tip**\n>\n> Short tip.\n\n"
-                  "**packed values**, **values**\n\nEvery token, end to end.\n\nStill the definition.\n\n"
-                  "**offsets**\n\nWhere sequences start.\n\n"
-                  "* an item\n\n  $$\n  a^2 + b^2\n  $$\n")
+    assert md == ("**packed values**, **values**\n\nEvery token, end to end, see *offsets*.\n\n"
+                  "Still the definition.\n\n**offsets**\n\nWhere sequences start.\n\nAfter.\n")
 
 
 def test_markdown_of_roles():
     md = _md(":term:`ragged batch`, :term:`batches <ragged batch>`, :ref:`the intro <sphx_glr_x.py>`, "
-             ":ref:`label`, :doc:`the gallery <index>`, :doc:`../toolkit`, :func:`~torch.nn.functional.pad`, "
-             ":py:func:`torch.cat`, :meth:`x.y <Box.area>`, :class:`!torch.Tensor`, :mod:`torch.nested`, "
-             ":attr:`Box.size`, :download:`the toolkit <../tutorials/ragged_toolkit.py>`, "
-             ":download:`../tutorials/ragged_toolkit.py`, :math:`x^2`, :octicon:`rocket` launch, "
+             ":ref:`label`, :doc:`the gallery <index>`, :doc:`../toolkit`, :octicon:`rocket`launch, "
              "`what Sphinx-Gallery makes of :ref: <sphx_glr_x.py>`, ``:term:`literal```.\n")
-    assert md == ("*ragged batch*, *batches*, *the intro*, *label*, *the gallery*, *toolkit*, `pad()`, "
-                  "`torch.cat()`, `x.y`, `torch.Tensor`, `torch.nested`, `Box.size`, the toolkit, "
-                  "`ragged_toolkit.py`, $x^2$, launch, *what Sphinx-Gallery makes of :ref:*, "
-                  "``:term:`literal```.\n")
-    linked = downloads.rst_to_markdown(":ref:`x <lbl>` and :doc:`page`",
-                                       refs=lambda kind, target: ("T", f"https://site/{kind}/{target}"))
-    assert linked == "[x](https://site/ref/lbl) and [T](https://site/doc/page)\n"
+    assert md == ("*ragged batch*, *batches*, *the intro*, *label*, *the gallery*, *toolkit*, launch, "
+                  "*what Sphinx-Gallery makes of :ref:*, ``:term:`literal```.\n")
+    titled = downloads.rst_to_markdown(":ref:`x <lbl>` and :doc:`page`", titles=lambda kind, target: "T")
+    assert titled == "*x* and *T*\n"
 
 
 def test_markdown_leaves_code_alone_and_is_idempotent():
     rst = textwrap.dedent("""\
-        Text with :func:`f`.
+        Text with :term:`offsets`.
 
         ```python
         # .. note:: in code
-        x = ":func:`kept`"
+        x = ":term:`kept`"
         ```
 
-        .. code-block:: python
-           :caption: Example
-
-           y = 2
+        ```
+        .. raw:: html
+        ```
         """)
     md = _md(rst)
-    assert "# .. note:: in code\nx = \":func:`kept`\"" in md
-    assert "**Example**\n\n```python\ny = 2\n```" in md
+    assert md.startswith("Text with *offsets*.\n\n```python\n# .. note:: in code\nx = \":term:`kept`\"\n```")
+    assert "```\n.. raw:: html\n```" in md
     assert _md(md) == md
-    outside = re.sub(r"```.*?```", "", md, flags=re.S)
-    assert not LEFT_RST.search(outside), outside
 
 
 def _nb(*cells):
@@ -587,7 +531,7 @@ def _nb(*cells):
 
 
 def test_notebook_for_download_writes_the_toolkit_second_and_drops_empty_cells():
-    nb = _nb(("code", "install()"), ("markdown", "\n# Title\n\n.. raw:: html\n\n   <b>x</b>\n"),
+    nb = _nb(("code", "install()"), ("markdown", "\n# Title\n\n.. a comment\n\n   <b>x</b>\n"),
              ("code", ""), ("markdown", "See :term:`offsets`.\n"), ("code", "from ragged_toolkit import f\n"))
     out = downloads.notebook_for_download(nb, MODULE_TEXT)
     kinds = [(c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"]))

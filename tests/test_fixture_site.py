@@ -18,8 +18,8 @@ from pages import printed, soup
 from sitebuild import FIXTURES, REPO, STEMS, build, error_lines, line_of, make_site, reached
 
 sys.path.insert(0, str(REPO / "sphinxext"))
-import gallery_order  # noqa: E402
-import landing_cards  # noqa: E402
+import gallery_layout  # noqa: E402
+import page_parts  # noqa: E402
 from sphinx.errors import ExtensionError  # noqa: E402
 
 TINY = sorted((FIXTURES / "tutorials").glob("*.py"))
@@ -168,7 +168,7 @@ def test_card_text_is_sphinx_gallerys_own(styles_site):
     index = (styles_site.src / "auto_tutorials" / "index.rst").read_text()
     tooltips = {html.unescape(t) for t in re.findall(r'tooltip="([^"]*)"', index)}
     for path in STYLES + TINY:
-        card = landing_cards.card_info(path)
+        card = page_parts.card_info(path)
         assert f":doc:`/auto_tutorials/{path.stem}`" in index
         assert card["description"] in tooltips, (card["description"], tooltips)
         assert f"<div class=\"sphx-glr-thumbnail-title\">{card['title']}</div>" in index
@@ -204,25 +204,25 @@ def test_bad_metadata_fails_in_seconds_before_anything_runs(tmp_path, bad):
 
 
 def test_card_info_reads_what_sphinx_gallery_reads():
-    info = landing_cards.card_info(FIXTURES / "styles" / "preamble_title.py")
+    info = page_parts.card_info(FIXTURES / "styles" / "preamble_title.py")
     assert info["title"] == "A page with a label before its title"
     assert info["description"].startswith("A reference label and a directive")
     assert info["tags"] == []
     with pytest.raises(ExtensionError, match="no_docstring.py"):
-        landing_cards.card_info(FAULTS / "no_docstring.py")
+        page_parts.card_info(FAULTS / "no_docstring.py")
 
 
 def test_landing_cards_cover_every_tutorial_in_reading_order():
-    rst = landing_cards.cards_rst(REPO)
+    rst = page_parts.cards_rst(REPO)
     stems = [line.split("auto_tutorials/")[1] for line in rst.splitlines() if ":link: " in line]
     assert set(stems) == set(STEMS)
-    listed = [s for s in gallery_order.READING_ORDER if s in stems]
+    listed = [s for s in gallery_layout.READING_ORDER if s in stems]
     assert stems[: len(listed)] == listed
 
 
 def test_reading_order_ignores_missing_and_appends_unlisted(monkeypatch):
-    monkeypatch.setattr(gallery_order, "READING_ORDER", ["second", "first", "listed_but_missing"])
-    key = gallery_order.reading_order_key
+    monkeypatch.setattr(gallery_layout, "READING_ORDER", ["second", "first", "listed_but_missing"])
+    key = gallery_layout.reading_order_key
     assert sorted(["zeta", "first", "alpha", "second"], key=key) == ["second", "first", "alpha", "zeta"]
 
 

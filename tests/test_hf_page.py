@@ -1,5 +1,5 @@
 """The transformers page (tutorials/hf_packed_training.py): its minimum and
-pin, the install cell only its notebook gets, the check-versions matrix for
+pin, the install cell of its notebook, the check-versions matrix for
 transformers, the failure where transformers' attention interface changes,
 and its equality checks failing where the registered function is replaced by
 the stock ``sdpa`` one."""
@@ -21,7 +21,6 @@ sys.path.insert(0, str(REPO / "sphinxext"))
 sys.path.insert(0, str(REPO / "scripts"))
 import check_versions  # noqa: E402
 import downloads  # noqa: E402
-import notebook_cell  # noqa: E402
 
 STEM = "hf_packed_training"
 PAGE = REPO / "tutorials" / f"{STEM}.py"
@@ -40,23 +39,21 @@ def page_constant(name: str) -> str:
 
 
 def test_the_page_minimum_is_the_one_in_requirements_minimum_and_the_pin_is_newer():
-    mins = dict(notebook_cell.page_minimums(MINIMUMS, STEM))
-    assert mins == {"transformers": page_constant("MINIMUM_TRANSFORMERS")}
-    pinned = check_versions.pins()["transformers"]
-    assert release(pinned) >= release(mins["transformers"])
-    assert "transformers" not in dict(notebook_cell.minimums(MINIMUMS)), \
+    minimum = dict(downloads.minimums(MINIMUMS, STEM))["transformers"]
+    assert minimum == page_constant("MINIMUM_TRANSFORMERS")
+    assert release(check_versions.pins()["transformers"]) >= release(minimum)
+    assert "transformers" not in dict(downloads.minimums(MINIMUMS)), \
         "transformers is a minimum of every notebook: it must be this page's only"
 
 
-def test_only_this_page_gets_the_extra_install_cell():
-    assert "transformers" not in notebook_cell.install_cell(MINIMUMS)
-    assert notebook_cell.page_install_cell(MINIMUMS, "ragged_batches_intro") is None
-    cell = notebook_cell.page_install_cell(MINIMUMS, STEM)
-    assert cell.startswith(notebook_cell.PAGE_CELL_HEAD)
+def test_only_this_pages_install_cell_installs_transformers():
+    assert "transformers" not in downloads.install_cell(MINIMUMS)
+    assert downloads.install_cell(MINIMUMS, "ragged_batches_intro") == downloads.install_cell(MINIMUMS)
+    cell = downloads.install_cell(MINIMUMS, STEM)
     assert f"transformers', '{page_constant('MINIMUM_TRANSFORMERS')}'" in cell and "==" not in cell
 
 
-def _run_page_cell(monkeypatch, installed: dict[str, str]) -> tuple[list, str]:
+def _run_install_cell(monkeypatch, installed: dict[str, str]) -> tuple[list, str]:
     import importlib.metadata
 
     calls = []
@@ -76,30 +73,33 @@ def _run_page_cell(monkeypatch, installed: dict[str, str]) -> tuple[list, str]:
     monkeypatch.setattr(subprocess, "check_call", check_call)
     printed = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
-    exec(compile(notebook_cell.page_install_cell(MINIMUMS, STEM), "page_cell", "exec"), {})
+    exec(compile(downloads.install_cell(MINIMUMS, STEM), "install_cell", "exec"), {})
     return calls, "\n".join(printed)
 
 
-def test_the_extra_cell_installs_only_what_is_missing_or_too_old_and_is_silent_otherwise(monkeypatch):
+def test_the_install_cell_adds_transformers_only_where_missing_or_too_old(monkeypatch):
     minimum = page_constant("MINIMUM_TRANSFORMERS")
-    assert _run_page_cell(monkeypatch, {"transformers": "5.24.0"}) == ([], "")
-    calls, printed = _run_page_cell(monkeypatch, {"transformers": "4.40.0"})
-    assert calls == [[f"transformers>={minimum}"]] and printed == f"installed: transformers {minimum}"
-    calls, _ = _run_page_cell(monkeypatch, {})
+    newer = {"torch": "2.15.0", "numpy": "2.4.6", "matplotlib": "3.11.2"}
+    calls, printed = _run_install_cell(monkeypatch, {**newer, "transformers": "5.24.0"})
+    assert calls == [] and printed.startswith("nothing to install:"), printed
+    calls, printed = _run_install_cell(monkeypatch, {**newer, "transformers": "4.40.0"})
+    assert calls == [[f"transformers>={minimum}"]] and printed.endswith(f"transformers {minimum}"), printed
+    calls, _ = _run_install_cell(monkeypatch, newer)
     assert calls == [[f"transformers>={minimum}"]]
 
 
-def test_the_notebook_puts_the_page_cell_third_once():
-    nb = {"cells": [{"cell_type": "code", "source": "# install", "metadata": {}, "outputs": []},
+def test_the_notebook_of_this_page_installs_it_in_its_first_cell_once():
+    everyone = downloads.install_cell(MINIMUMS)  # what Sphinx-Gallery puts first in every notebook
+    nb = {"cells": [{"cell_type": "code", "source": everyone, "metadata": {}, "outputs": []},
                     {"cell_type": "code", "source": "print(1)", "metadata": {}, "outputs": []}],
           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
-    extra = notebook_cell.page_install_cell(MINIMUMS, STEM)
-    out = downloads.notebook_for_download(nb, "TOOLKIT = 1\n", page_cell=extra)
+    cell = downloads.install_cell(MINIMUMS, STEM)
+    out = downloads.notebook_for_download(nb, "TOOLKIT = 1\n", install=cell)
     sources = [c["source"] for c in out["cells"]]
-    assert sources[0] == "# install" and sources[1].startswith(downloads.WRITEFILE)
-    assert sources[2] == extra and sources[3] == "print(1)"
-    assert downloads.notebook_for_download(out, "TOOLKIT = 1\n", page_cell=extra) == out
-    assert len(downloads.notebook_for_download(nb, "TOOLKIT = 1\n")["cells"]) == 3
+    assert sources[0] == cell and sources[1].startswith(downloads.WRITEFILE) and sources[2:] == ["print(1)"]
+    assert downloads.notebook_for_download(out, "TOOLKIT = 1\n", install=cell) == out
+    kept = [c["source"] for c in downloads.notebook_for_download(nb, "TOOLKIT = 1\n")["cells"]]
+    assert kept[0] == everyone and kept[1].startswith(downloads.WRITEFILE) and len(kept) == 3
 
 
 def test_the_transformers_matrix_is_oldest_pinned_newest():

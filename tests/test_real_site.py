@@ -17,7 +17,7 @@ from pages import download_links, external_resources, run_seconds, soup
 from sitebuild import REPO, STEMS, TOOLKIT, build
 
 sys.path.insert(0, str(REPO / "sphinxext"))
-import notebook_cell  # noqa: E402
+import downloads  # noqa: E402
 
 # rST that a notebook shows as it is, not rendered (outside fenced code,
 # which shows source: the toolkit's docstrings hold roles).
@@ -96,7 +96,7 @@ def test_downloads_exist_and_notebook_is_valid(real_site, stem):
     nbformat.validate(nb)
     first_code = next(c for c in nb.cells if c.cell_type == "code")
     # Installs only what is missing or older than requirements-minimum.txt.
-    assert first_code.source.strip() == notebook_cell.install_cell(REPO / "requirements-minimum.txt").strip()
+    assert first_code.source.strip() == downloads.install_cell(REPO / "requirements-minimum.txt", stem).strip()
     assert "==" not in first_code.source
 
 

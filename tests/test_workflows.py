@@ -24,7 +24,7 @@ import yaml
 from sitebuild import REPO
 
 sys.path.insert(0, str(REPO / "sphinxext"))
-import page_links  # noqa: E402
+import page_parts  # noqa: E402
 
 WORKFLOWS = REPO / ".github" / "workflows"
 BIN = Path(sys.executable).parent
@@ -126,7 +126,7 @@ def test_notebooks_go_to_the_branch_the_colab_links_open():
     job = load("build.yml")["jobs"]["notebooks"]
     assert "refs/heads/main" in job["if"]
     run = "\n".join(s.get("run", "") for s in job["steps"])
-    assert f"-b {page_links.NOTEBOOKS_BRANCH}" in run and run.rstrip().endswith(page_links.NOTEBOOKS_BRANCH)
+    assert f"-b {page_parts.NOTEBOOKS_BRANCH}" in run and run.rstrip().endswith(page_parts.NOTEBOOKS_BRANCH)
 
 
 def test_check_versions_workflow_runs_the_scripts_matrix():

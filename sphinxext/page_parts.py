@@ -1,0 +1,243 @@
+"""What the build adds to the pages, and what it takes out.
+
+* Landing cards (``_generated/cards.rst``, in ``index.rst``), in reading
+  order, from what Sphinx-Gallery itself reads of each tutorial, written
+  before it runs anything: a file whose metadata it would reject fails the
+  build in seconds, named.
+* "How this page was built" before a tutorial's downloads: PyTorch, Python,
+  device, memory figure and compile cache (``<stem>.env.json``, written in
+  its process by :func:`record_environment`), and the releases
+  ``make check-versions`` ran its current source under.
+* Beside the downloads, in the footer and the side bar: "Download the
+  toolkit", "Run in Google Colab" (the notebooks the deploy workflow pushes
+  to :data:`NOTEBOOKS_BRANCH`) and "View source on GitHub" (``conf.py``'s
+  ``tutorials_github_repo`` and ``tutorials_github_branch``).
+* Out: empty code blocks (a cell that held only ``# sphinx_gallery_tags``)
+  and the scripts from other hosts of the computation-times page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from pathlib import Path
+from urllib.parse import quote
+
+from docutils import nodes
+from sphinx import addnodes
+from sphinx.errors import ExtensionError
+
+from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT, reading_order_key, tutorial_sources, tutorial_stem
+
+CARDS = Path("_generated") / "cards.rst"
+CHECKED_VERSIONS = Path(".github") / "checked-versions.json"
+NOTEBOOKS_BRANCH = "notebooks"
+TOOLKIT_LABEL = "Download the toolkit"
+
+
+# --- landing cards -------------------------------------------------------------------
+
+def card_info(path: Path) -> dict:
+    """Title, description and tags of one tutorial, as Sphinx-Gallery reads
+    them; ExtensionError naming the file when it would reject it."""
+    from sphinx_gallery import py_source_parser
+    from sphinx_gallery.gen_rst import extract_intro_and_title
+
+    try:
+        file_conf, blocks = py_source_parser.split_code_and_text_blocks(str(path))
+        intro, title = extract_intro_and_title(str(path), blocks[0].content)
+    except ExtensionError as err:
+        raise ExtensionError(f"{path}: {err}") from None
+    except (SyntaxError, ValueError) as err:
+        raise ExtensionError(f"{path}: Sphinx-Gallery cannot read this file: {err}") from None
+    tags = file_conf.get("tags", [])
+    if not (isinstance(tags, list) and all(isinstance(t, str) and t.strip() for t in tags)):
+        raise ExtensionError(f"{path}: sphinx_gallery_tags must be a list of words, got {tags!r}")
+    thumb = file_conf.get("thumbnail_number", 1)
+    if isinstance(thumb, bool) or not isinstance(thumb, int):
+        raise ExtensionError(f"{path}: sphinx_gallery_thumbnail_number must be a whole number, got {thumb!r}")
+    return {"stem": path.stem, "title": title, "description": intro, "tags": tags}
+
+
+def cards_rst(src_dir: Path) -> str:
+    out = [".. grid:: 1 2 2 3", "   :gutter: 3", ""]
+    for path in sorted(tutorial_sources(src_dir), key=lambda p: reading_order_key(p.stem)):
+        card, stem = card_info(path), path.stem
+        out += [f"   .. grid-item-card:: {card['title']}",
+                f"      :link: {GALLERY_OUT}/{stem}",
+                "      :link-type: doc",
+                f"      :img-top: /{GALLERY_OUT}/images/thumb/sphx_glr_{stem}_thumb.png",
+                f"      :img-alt: Thumbnail of {card['title']}",
+                "      :class-card: tutorial-card", "",
+                f"      {card['description']}", ""]
+        if card["tags"]:
+            out += ["      " + " ".join(f":bdg-link-secondary:`{tag} <{GALLERY_OUT}/index.html?sg-tags="
+                                         f"{quote(tag)}>`" for tag in card["tags"]), ""]
+    return "\n".join(out) + "\n"
+
+
+def write_cards(app) -> None:
+    target = Path(app.srcdir) / CARDS
+    target.parent.mkdir(exist_ok=True)
+    text = cards_rst(Path(app.srcdir))
+    if not target.exists() or target.read_text() != text:
+        target.write_text(text)
+
+
+# --- the build stamp ---------------------------------------------------------------
+
+def stamp_path(src_dir: str | Path, fname: str) -> Path:
+    return Path(src_dir) / GALLERY_OUT / (Path(fname).stem + ".env.json")
+
+
+CPU_FIGURE = ("peak resident memory (RSS) of the process that ran this page and nothing else, "
+              "above what it held when the page's code began")
+CUDA_FIGURE = ("peak CUDA memory allocated (torch.cuda.max_memory_allocated) by the process that "
+               "ran this page and nothing else")
+LOWER_BOUND = ", a lower bound (the process's start-up may have used more before the page began)"
+
+
+def describe_environment() -> dict:
+    import torch
+
+    from tutorial_isolation import CLEAR_REFS
+
+    info = {"torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info.update(device=torch.cuda.get_device_name(0), memory=CUDA_FIGURE)
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        info.update(device=f"CPU, {cores} cores",
+                    memory=CPU_FIGURE + ("" if os.access(CLEAR_REFS, os.W_OK) else LOWER_BOUND))
+    info["compile_cache"] = (
+        "this build's own torch.compile cache, empty when the build began, shared by its pages "
+        "(compiled kernels only), in a process that ran nothing else"
+        if os.environ.get("TUTORIALS_COMPILE_CACHE") == "build" else
+        f"the torch.compile cache in {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'its default place')}")
+    return info
+
+
+def record_environment(src_dir: str | Path, fname: str) -> None:
+    path = stamp_path(src_dir, fname)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(describe_environment(), indent=1, sort_keys=True) + "\n")
+
+
+def checked_versions(src_dir: Path, stem: str) -> list[str]:
+    """Releases under which this page's current source passed check-versions."""
+    record, source = src_dir / CHECKED_VERSIONS, src_dir / GALLERY_SRC / f"{stem}.py"
+    if not record.exists() or not source.exists():
+        return []
+    from sphinx_gallery.utils import get_md5sum
+
+    md5 = get_md5sum(source, mode="t")
+    return [version for version, rec in json.loads(record.read_text()).get("checked", {}).items()
+            if (page := rec.get("pages", {}).get(stem, {})).get("result") == "passed" and page.get("md5") == md5]
+
+
+def stamp_text(src_dir: Path, stem: str) -> list[str]:
+    path = stamp_path(src_dir, stem + ".py")
+    if not path.exists():
+        lines = ["This page was built without running its code, so it shows no figures."]
+    else:
+        info = json.loads(path.read_text())
+        lines = [f"The figures on this page were produced while the site was built, with PyTorch "
+                 f"{info['torch']} on {info['device']} (Python {info['python']}), with "
+                 f"{info.get('compile_cache', 'the default torch.compile cache')}. The memory figure at "
+                 f"the end is the {info['memory']}."]
+    versions = checked_versions(src_dir, stem)
+    if versions:
+        listed = ", ".join(versions[:-1]) + " and " + versions[-1] if len(versions) > 1 else versions[0]
+        lines.append(f"This version of the page was also run, in quick mode, with PyTorch {listed} "
+                     "(make check-versions).")
+    else:
+        lines.append("This version of the page has not been run with other PyTorch releases yet "
+                     "(make check-versions).")
+    return lines
+
+
+# --- links ---------------------------------------------------------------------------
+
+def links(config, stem: str) -> dict[str, tuple[str, str]]:
+    """Key -> (label, URL) for one tutorial."""
+    repo, branch = config.tutorials_github_repo, config.tutorials_github_branch
+    return {"colab": ("Run in Google Colab",
+                      f"https://colab.research.google.com/github/{repo}/blob/{NOTEBOOKS_BRANCH}/{stem}.ipynb"),
+            "github": ("View source on GitHub", f"https://github.com/{repo}/blob/{branch}/{GALLERY_SRC}/{stem}.py")}
+
+
+def _box(key: str, child) -> nodes.container:
+    box, para = nodes.container(classes=["sphx-glr-download", f"sphx-glr-download-{key}"]), nodes.paragraph()
+    para += child
+    box += para
+    return box
+
+
+def decorate_page(app, doctree) -> None:
+    """``doctree-read``: no empty code block; on a tutorial's page the stamp
+    before the download footer, the toolkit after the page's own .py, Colab
+    and GitHub at the end."""
+    docname, src_dir = app.env.docname, Path(app.srcdir)
+    if docname.startswith(GALLERY_OUT + "/"):
+        for block in list(doctree.findall(nodes.literal_block)):
+            if not block.astext().strip():
+                block.parent.remove(block)
+    stem = tutorial_stem(docname)
+    if stem is None:
+        return
+    for dep in (stamp_path(src_dir, stem + ".py"), src_dir / CHECKED_VERSIONS):  # re-read when they change
+        if dep.exists():
+            app.env.note_dependency(str(dep))
+    note = nodes.admonition(classes=["build-stamp"])
+    note += nodes.title(text="How this page was built")
+    note += [nodes.paragraph(text=line) for line in stamp_text(src_dir, stem)]
+    footer = next((n for n in doctree.findall(nodes.container) if "sphx-glr-footer" in n["classes"]), None)
+    if footer is None:
+        section = next(iter(doctree.findall(nodes.section)), doctree)
+        section.append(note)
+        return
+    footer.parent.insert(footer.parent.index(footer), note)
+    target = f"/{GALLERY_SRC}/{TOOLKIT}"  # registered as Sphinx's :download: role registers a file
+    ref = addnodes.download_reference("", "", refdoc=docname, reftarget=target, refexplicit=True,
+                                      classes=["tutorial-toolkit-link"])
+    ref += nodes.literal("", f"{TOOLKIT_LABEL}: {TOOLKIT}", classes=["xref", "download"])
+    rel, _ = app.env.relfn2path(target, docname)
+    app.env.note_dependency(rel)
+    ref["filename"] = app.env.dlfiles.add_file(docname, rel).as_posix()
+    python = [i for i, c in enumerate(footer.children) if "sphx-glr-download-python" in c.get("classes", [])]
+    footer.insert(python[0] + 1 if python else len(footer.children), _box("toolkit", ref))
+    for key, (label, url) in links(app.config, stem).items():
+        footer += _box(key, nodes.reference("", label, refuri=url, classes=[f"tutorial-{key}-link"]))
+
+
+def page_context(app, pagename, templatename, context, doctree) -> None:
+    """``html-page-context``: the same links for the side-bar component."""
+    stem = tutorial_stem(pagename)
+    if stem is not None and doctree is not None:
+        context["tutorial_links"] = links(app.config, stem)
+        for ref in doctree.findall(addnodes.download_reference):
+            if "tutorial-toolkit-link" in ref["classes"] and "filename" in ref:
+                context["tutorial_toolkit"] = {"link": f"_downloads/{ref['filename']}",
+                                               "label": TOOLKIT_LABEL, "title": TOOLKIT}
+                break
+
+
+_REMOTE_RAW = re.compile(r"^(?P<i>[ ]*)\.\. raw:: html\n(?:\n|(?P=i)[ ]+.*\n)*", re.M)
+
+
+def strip_remote_assets(app, docname, source) -> None:
+    """``source-read``: the computation-times pages keep their plain table."""
+    if docname.endswith("sg_execution_times"):
+        source[0] = _REMOTE_RAW.sub(lambda m: m.group(0) if "https://" not in m.group(0) else "", source[0])
+
+
+def setup(app):
+    app.add_config_value("tutorials_github_repo", "", "html", types=[str])
+    app.add_config_value("tutorials_github_branch", "main", "html", types=[str])
+    app.connect("builder-inited", write_cards, priority=400)  # Sphinx-Gallery runs at 500
+    app.connect("doctree-read", decorate_page)
+    app.connect("html-page-context", page_context)
+    app.connect("source-read", strip_remote_assets)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

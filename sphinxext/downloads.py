@@ -1,15 +1,12 @@
 """What a reader downloads runs on its own, in an empty folder.
 
-Every page imports the toolkit, ``tutorials/ragged_toolkit.py``, which
-Sphinx-Gallery's downloads of a page (``.py``, notebook, zip) lack. At
-``build-finished`` the copies in ``_build/html/_downloads/`` are rewritten
-from Sphinx-Gallery's files (left as they are: it compares them with the
-sources) and the current toolkit: the ``.py`` defines the module from its
-source after its docstring (:func:`carry_toolkit`); the notebook installs
-what is missing or older than ``requirements-minimum.txt`` (its first cell,
-and a cell of the page's own for a line tagged ``# page: stem``), writes
-``ragged_toolkit.py`` with ``%%writefile``, has no empty code cell and no
-rST (:func:`rst_to_markdown`); the zip holds the two and the module.
+At ``build-finished`` the copies of a page's downloads in
+``_build/html/_downloads/`` are rewritten from Sphinx-Gallery's files (left
+as they are: it compares them with the sources) and the current toolkit:
+the ``.py`` defines ``ragged_toolkit`` from its source (:func:`carry_toolkit`);
+the notebook installs what is missing or older than
+``requirements-minimum.txt``, writes ``ragged_toolkit.py`` and has no rST
+left (:func:`notebook_for_download`); the zip holds both and the module.
 Standard library only: the GPU build's merge job runs it without nbformat.
 """
 
@@ -31,16 +28,16 @@ from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT, tutorial_sources
 MODULE = TOOLKIT.removesuffix(".py")  # "ragged_toolkit"
 
 # --- the rST the pages write -> Markdown ------------------------------------------
-#
 # Sphinx-Gallery converts headings, links, notes, math and code blocks at the
 # start of a line. The rest that the pages use is converted here; anything
 # else fails the build, naming the page and the word. ``include(path)`` reads
-# what a literalinclude names; ``titles(role, target)`` the title it links to, or None.
+# what a literalinclude names; ``titles(target)`` the title of a :doc: target, or None.
 
 Include = Callable[[str], str]
-Titles = Callable[[str, str], "str | None"]
+Titles = Callable[[str], "str | None"]
 
-_DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*)\.\.(?:[ \t]+(?P<name>[\w-]+)::[ \t]*(?P<arg>.*)|(?![ \t]+_)(?:[ \t].*)?)$")
+_DIRECTIVE = re.compile(  # a directive, or a comment (no name): not a target (.. _label:)
+    r"^(?P<indent>[ \t]*)\.\.(?:[ \t]+(?P<name>[\w-]+)::[ \t]*(?P<arg>.*)|(?![ \t]+_)(?:[ \t].*)?)$")
 _OPTION = re.compile(r"^:(?P<name>[\w-]+):(?:[ \t]+(?P<value>.*))?$")
 _FENCE = re.compile(r"^[ \t]*(```|~~~)")
 _ROLE = re.compile(r"(?<![\w`\\]):(?P<role>[a-z]+(?::[a-z]+)?):`(?P<content>[^`]+)`(?!`)")
@@ -74,8 +71,6 @@ def _directive(name: str, arg: str, options: dict, body: list[str], include, tit
         title = " ".join(re.sub(r":octicon:`[^`]*`", "", arg).split())
         return [f"**{title}**", ""] + convert(body)
     if name == "literalinclude":
-        if include is None:
-            raise ValueError(f"literalinclude of {arg!r} with no way to read it")
         text = include(arg)
         text = _pyobject(text, options["pyobject"]) if "pyobject" in options else text
         return ["```python", *text.strip("\n").splitlines(), "```"]
@@ -84,7 +79,8 @@ def _directive(name: str, arg: str, options: dict, body: list[str], include, tit
         for line in body + ["(end)"]:
             if line.strip() and not line[0].isspace():  # a term
                 if definition:
-                    out += [", ".join(terms), "", *convert(textwrap.dedent("\n".join(definition)).strip().split("\n")), ""]
+                    text = textwrap.dedent("\n".join(definition)).strip()
+                    out += [", ".join(terms), "", *convert(text.split("\n")), ""]
                     terms, definition = [], []
                 terms.append(f"**{line.strip()}**")
             else:
@@ -146,7 +142,7 @@ def _role(kind: str, content: str, titles: Titles | None) -> str:
     if kind == "octicon":
         return ""
     if kind in ("ref", "doc", "term"):
-        title = titles(kind, target) if titles else None
+        title = titles(target) if titles and kind == "doc" else None
         return f"*{text or title or (posixpath.basename(target) if kind == 'doc' else target)}*"
     raise ValueError(f"the role :{kind}: has no Markdown form in the downloaded notebook: write it another "
                      "way, or teach sphinxext/downloads.py (_role) to convert it")
@@ -262,25 +258,19 @@ END = "# --- End of the toolkit module"
 
 
 def source_literal(source: str) -> str:
-    """``source`` as a raw triple-quoted literal that evaluates back to it
-    exactly; ValueError when no such literal exists."""
-    for quote in ("'''", '"""'):
-        literal = f"r{quote}{source}{quote}"
-        if "\r" not in source and quote not in source and not source.endswith((quote[0], "\\")) \
-                and ast.literal_eval(literal) == source:
-            return literal
-    raise ValueError(f"{TOOLKIT} holds both ''' and \"\"\" (or a carriage return, or ends in a quote or a "
-                     "backslash): it cannot be embedded as a raw string literal")
+    """``source`` as a raw literal in ''' that evaluates back to it exactly."""
+    if "'''" in source or "\r" in source or source.endswith(("'", "\\")):
+        raise ValueError(f"{TOOLKIT} holds ''' or a carriage return, or ends in ' or a backslash: it cannot be "
+                         "carried in a raw string literal; write it without")
+    return f"r'''{source}'''"
 
 
 def toolkit_block(toolkit_source: str) -> str:
     """The lines that define the module ``ragged_toolkit`` from its source."""
     return f'''\
 {BEGIN}
-# Every page of the site imports one module, {MODULE} ("Download the toolkit"
-# on the page gives it as a file: {TOOLKIT}). This block, written when the
-# site was built, defines that module from its source, so the imports below
-# need nothing beside this script.
+# Every page of the site imports {MODULE} ("Download the toolkit" gives the
+# file); this block, written by the site's build, defines it from its source.
 import linecache as _linecache
 import sys as _sys
 import types as _types
@@ -334,14 +324,10 @@ def zip_bytes(files: dict[str, str]) -> bytes:
 # --- Sphinx ------------------------------------------------------------------------------
 
 def _titles(app) -> Titles:
-    """The title of the page or section a ``:ref:`` or ``:doc:`` names."""
-    env, labels = app.env, app.env.get_domain("std").labels
-
-    def title(kind, target):
-        if kind == "ref" and target.lower() in labels:
-            return labels[target.lower()][2] or None
+    """The title of the page a ``:doc:`` names (Sphinx-Gallery leaves no ``:ref:`` role)."""
+    def title(target):
         doc = posixpath.normpath(target[1:] if target.startswith("/") else posixpath.join(GALLERY_OUT, target))
-        return env.titles[doc].astext() if kind == "doc" and doc in env.titles else None
+        return app.env.titles[doc].astext() if doc in app.env.titles else None
 
     return title
 

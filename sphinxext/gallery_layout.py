@@ -1,14 +1,9 @@
 """Where the tutorials are, their reading order, and which generated files
-belong to which one.
-
-The one place for the folder names, the toolkit's file name and
-:data:`READING_ORDER` (``conf.py``, the extensions and ``scripts/`` read
-them). As an extension, before Sphinx-Gallery runs, it deletes the generated
-files of tutorials that are gone (a renamed page would leave a page no
-toctree includes) and, when the toolkit changed since the last build, the
-pages' MD5 records, so that every page runs again. Standard library only:
-the GPU workflow's plan and merge jobs import it without installing anything.
-"""
+are whose: the one place for these (``conf.py``, the extensions and
+``scripts/`` read it; standard library only, for the GPU workflow's plan and
+merge jobs). Before Sphinx-Gallery runs, it deletes the files of tutorials
+that are gone and, when the toolkit changed, the pages' MD5 records, so that
+every page runs again."""
 
 from __future__ import annotations
 
@@ -58,9 +53,8 @@ def tutorial_sources(src_dir: Path) -> list[Path]:
 def tutorial_stem(docname: str) -> str | None:
     """The tutorial a Sphinx document is the page of, or None."""
     folder, _, stem = docname.partition("/")
-    if folder != GALLERY_OUT or "/" in stem or stem == "index" or stem.startswith("sg_execution"):
-        return None
-    return stem
+    other = folder != GALLERY_OUT or "/" in stem or stem == "index" or stem.startswith("sg_execution")
+    return None if other else stem
 
 
 def is_image_of(name: str, stem: str) -> bool:
@@ -79,48 +73,26 @@ def tutorial_files(gallery: Path, stem: str) -> list[Path]:
     return sorted(files)
 
 
-def stale_files(src_dir: Path) -> list[Path]:
-    """Generated files that belong to no current tutorial."""
-    gallery = Path(src_dir) / GALLERY_OUT
-    if not gallery.is_dir():
-        return []
+def clean_gallery(app) -> None:
+    """``builder-inited``, before Sphinx-Gallery: no file of a tutorial that is
+    gone (a page no toctree includes fails the strict build); every page runs
+    again when the toolkit changed since the MD5 recorded beside them (none
+    yet, as in a gallery merged from shards: record it)."""
+    src_dir, gallery = Path(app.srcdir), Path(app.srcdir) / GALLERY_OUT
+    gallery.mkdir(parents=True, exist_ok=True)
     keep = {"index", "sg_execution_times", TOOLKIT_MD5.split(".")[0]}
     generated = {p for p in gallery.iterdir() if p.is_file() and p.name.split(".")[0] not in keep}
-    if (gallery / "images").is_dir():
-        generated |= {p for p in (gallery / "images").rglob("sphx_glr_*") if p.is_file()}
-    live = {p for src in tutorial_sources(src_dir) for p in tutorial_files(gallery, src.stem)}
-    return sorted(generated - live)
-
-
-def invalidate_pages(src_dir: Path) -> list[str]:
-    """Remove the pages' MD5 records if the toolkit changed since they ran
-    (nothing recorded yet, as in a gallery merged from shards: record it);
-    returns the tutorials made to run again."""
-    src_dir, stale = Path(src_dir), []
-    toolkit = src_dir / GALLERY_SRC / TOOLKIT
-    if not toolkit.exists():
-        return stale
-    gallery = src_dir / GALLERY_OUT
-    record = gallery / TOOLKIT_MD5
-    # As Sphinx-Gallery hashes a source (get_md5sum, mode "t"): text, any line ending.
-    current = hashlib.md5(toolkit.read_text(encoding="utf-8").encode("utf-8")).hexdigest()
-    if record.exists() and record.read_text().strip() != current:
-        for src in tutorial_sources(src_dir):
-            md5 = gallery / f"{src.name}.md5"
-            if md5.exists():
-                md5.unlink()
-                stale.append(src.name)
-    gallery.mkdir(parents=True, exist_ok=True)
-    record.write_text(current)
-    return stale
-
-
-def clean_gallery(app) -> None:
-    """``builder-inited``, before Sphinx-Gallery."""
-    for path in stale_files(Path(app.srcdir)):
+    generated |= {p for p in gallery.glob("images/**/sphx_glr_*") if p.is_file()}
+    for path in generated - {p for src in tutorial_sources(src_dir) for p in tutorial_files(gallery, src.stem)}:
         path.unlink()
-    for name in invalidate_pages(Path(app.srcdir)):
-        print(f"gallery_layout: {TOOLKIT} changed, {name} runs again")
+    toolkit, record = src_dir / GALLERY_SRC / TOOLKIT, gallery / TOOLKIT_MD5
+    if toolkit.exists():  # hashed as Sphinx-Gallery hashes a source: text, any line ending
+        current = hashlib.md5(toolkit.read_text(encoding="utf-8").encode("utf-8")).hexdigest()
+        if record.exists() and record.read_text().strip() != current:
+            for md5 in gallery.glob("*.py.md5"):
+                md5.unlink()
+                print(f"gallery_layout: {TOOLKIT} changed, {md5.name.removesuffix('.md5')} runs again")
+        record.write_text(current)
 
 
 def setup(app):

@@ -1,20 +1,10 @@
-"""What the build adds to the pages, and what it takes out.
-
-* Landing cards (``_generated/cards.rst``, in ``index.rst``), in reading
-  order, from what Sphinx-Gallery itself reads of each tutorial, written
-  before it runs anything: a file whose metadata it would reject fails the
-  build in seconds, named.
-* "How this page was built" before a tutorial's downloads: PyTorch, Python,
-  device, memory figure and compile cache (``<stem>.env.json``, written in
-  its process by :func:`record_environment`), and the releases
-  ``make check-versions`` ran its current source under.
-* Beside the downloads, in the footer and the side bar: "Download the
-  toolkit", "Run in Google Colab" (the notebooks the deploy workflow pushes
-  to :data:`NOTEBOOKS_BRANCH`) and "View source on GitHub" (``conf.py``'s
-  ``tutorials_github_repo`` and ``tutorials_github_branch``).
-* Out: empty code blocks (a cell that held only ``# sphinx_gallery_tags``)
-  and the scripts from other hosts of the computation-times page.
-"""
+"""What the build adds to the pages, and what it takes out: the landing
+cards (from what Sphinx-Gallery itself reads of each tutorial, written before
+it runs anything, so bad metadata fails in seconds, named); "How this page
+was built" (:func:`record_environment`, in the tutorial's process); "Download
+the toolkit", "Run in Google Colab" and "View source on GitHub" beside the
+downloads and in the side bar; no empty code block, and no script from other
+hosts on the computation-times page."""
 
 from __future__ import annotations
 
@@ -48,9 +38,7 @@ def card_info(path: Path) -> dict:
     try:
         file_conf, blocks = py_source_parser.split_code_and_text_blocks(str(path))
         intro, title = extract_intro_and_title(str(path), blocks[0].content)
-    except ExtensionError as err:
-        raise ExtensionError(f"{path}: {err}") from None
-    except (SyntaxError, ValueError) as err:
+    except (ExtensionError, SyntaxError, ValueError) as err:
         raise ExtensionError(f"{path}: Sphinx-Gallery cannot read this file: {err}") from None
     tags = file_conf.get("tags", [])
     if not (isinstance(tags, list) and all(isinstance(t, str) and t.strip() for t in tags)):
@@ -195,8 +183,7 @@ def decorate_page(app, doctree) -> None:
     note += [nodes.paragraph(text=line) for line in stamp_text(src_dir, stem)]
     footer = next((n for n in doctree.findall(nodes.container) if "sphx-glr-footer" in n["classes"]), None)
     if footer is None:
-        section = next(iter(doctree.findall(nodes.section)), doctree)
-        section.append(note)
+        next(iter(doctree.findall(nodes.section)), doctree).append(note)
         return
     footer.parent.insert(footer.parent.index(footer), note)
     target = f"/{GALLERY_SRC}/{TOOLKIT}"  # registered as Sphinx's :download: role registers a file
@@ -217,11 +204,9 @@ def page_context(app, pagename, templatename, context, doctree) -> None:
     stem = tutorial_stem(pagename)
     if stem is not None and doctree is not None:
         context["tutorial_links"] = links(app.config, stem)
-        for ref in doctree.findall(addnodes.download_reference):
-            if "tutorial-toolkit-link" in ref["classes"] and "filename" in ref:
-                context["tutorial_toolkit"] = {"link": f"_downloads/{ref['filename']}",
-                                               "label": TOOLKIT_LABEL, "title": TOOLKIT}
-                break
+        if f"{GALLERY_SRC}/{TOOLKIT}" in app.env.dlfiles:  # as decorate_page registered it
+            context["tutorial_toolkit"] = {"link": f"_downloads/{app.env.dlfiles[f'{GALLERY_SRC}/{TOOLKIT}'][1]}",
+                                           "label": TOOLKIT_LABEL, "title": TOOLKIT}
 
 
 _REMOTE_RAW = re.compile(r"^(?P<i>[ ]*)\.\. raw:: html\n(?:\n|(?P=i)[ ]+.*\n)*", re.M)

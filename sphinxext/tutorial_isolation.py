@@ -22,12 +22,12 @@ import functools
 import logging
 import multiprocessing
 import os
+import random
 import re
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -35,9 +35,10 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from textwrap import indent
 
+import page_parts
+
 START_METHOD_ENV = "TUTORIALS_START_METHOD"
 TIME_LIMIT_ENV = "TUTORIAL_TIME_LIMIT_S"
-_private_cache: list[Path] = []  # the build's compile cache
 
 
 def use_private_compile_cache() -> None:
@@ -45,10 +46,11 @@ def use_private_compile_cache() -> None:
     a folder made for this build, empty when it began, removed at its end."""
     if any(os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")):
         os.environ.setdefault("TUTORIALS_COMPILE_CACHE", "chosen")
-    elif not _private_cache:
-        _private_cache.append(Path(tempfile.mkdtemp(prefix="tutorials-compile-cache-")))
-        atexit.register(shutil.rmtree, _private_cache[0], ignore_errors=True)
-        os.environ["TUTORIALS_COMPILE_CACHE"] = "build"
+    else:
+        cache = Path(tempfile.mkdtemp(prefix="tutorials-compile-cache-"))
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
+                          TUTORIALS_COMPILE_CACHE="build")
 
 
 def time_limit_s() -> float:
@@ -82,25 +84,15 @@ class Ended:
     seconds: float = 0.0
 
 
-def _line_in(tb, src_file: str) -> str:
-    """" at line N": the innermost frame of ``src_file`` in a traceback."""
-    lines = [f.lineno for f in traceback.extract_tb(tb) if os.path.normpath(f.filename) == src_file]
-    return f" at line {lines[-1]}" if lines else ""
-
-
 def _child(sender, target, args, stack_path, name, src_file):
-    if hasattr(os, "setpgrp"):
-        os.setpgrp()  # what the call starts ends with it (killpg below)
+    os.setpgrp()  # what the call starts ends with it (killpg below)
     if sys.platform == "linux":  # and it ends if the build is killed (PR_SET_PDEATHSIG)
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     stack_file = open(stack_path, "w")  # noqa: SIM115 - open until os._exit
-    stack_file.write(f"main thread 0x{threading.get_ident():x}\n")
-    stack_file.flush()
     faulthandler.enable(file=stack_file, all_threads=True)
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     sphinx_logger = logging.getLogger("sphinx")
     if not sphinx_logger.handlers:  # spawn: no Sphinx logging set up here
         sphinx_logger.addHandler(logging.StreamHandler(sys.stderr))
@@ -112,35 +104,30 @@ def _child(sender, target, args, stack_path, name, src_file):
         answer = ("returned", target(*args))
     except Exception as exc:  # noqa: BLE001 - all of it goes to the build
         answer = ("raised", exc)
-    except SystemExit as exc:  # Sphinx-Gallery catches Exception only
-        answer = ("failed", f"{name} called sys.exit({exc.code!r}) (or raised SystemExit)"
-                            f"{_line_in(exc.__traceback__, src_file)}: a tutorial must not end the build; "
-                            "raise an exception instead")
-    except BaseException as exc:  # noqa: BLE001
-        answer = ("failed", f"{name}: raised {exc!r}{_line_in(exc.__traceback__, src_file)}")
-    try:
-        sender.send((*answer, len(warnings)))
-    except Exception:  # noqa: BLE001 - what it returned or raised does not pickle
-        text = "".join(traceback.format_exception(answer[1])) if answer[0] == "raised" else repr(answer[1])
-        sender.send(("raised", RuntimeError(f"{answer[0]} what cannot be pickled:\n{text}"), len(warnings)))
+    except BaseException as exc:  # noqa: BLE001 - sys.exit and the like: Sphinx-Gallery catches Exception only
+        at = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if os.path.normpath(f.filename) == src_file]
+        at = f" at line {at[-1]}" if at else ""  # the tutorial's innermost line
+        answer = ("failed", f"{name} called sys.exit({exc.code!r}) (or raised SystemExit){at}: a tutorial must "
+                            "not end the build; raise an exception instead" if isinstance(exc, SystemExit)
+                  else f"{name}: raised {exc!r}{at}")
+    sender.send((*answer, len(warnings)))  # what does not pickle ends it with a traceback, as a crash
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no atexit handler of the build, no join of the call's threads
 
 
 def _stack(path: str, src_file: str) -> tuple[str, int | None]:
-    """From what faulthandler wrote: the main thread's stack, down to the
-    tutorial's outermost frame, and the tutorial's innermost line."""
+    """From what faulthandler wrote: the first thread's stack in the tutorial's
+    code (the one stopped or crashed is listed first), down to the tutorial's
+    outermost frame, and the tutorial's innermost line."""
     text = Path(path).read_text(errors="replace") if Path(path).exists() else ""
-    head, _, dumped = text.partition("\n")
-    main = int(head.split("0x")[-1], 16) if head.startswith("main thread 0x") else 0
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dumped)
-    block = next((b for b in blocks if re.match(rf"(Current thread|Thread) 0x0*{main:x} ", b)), dumped)
-    lines = [ln for ln in block.splitlines() if re.match(r"(Current thread|Thread) 0x|  File ", ln)]
-    ours = [i for i, ln in enumerate(lines)
-            if (m := re.match(r'  File "(.*)", line (\d+)', ln)) and os.path.normpath(m[1]) == src_file]
-    line = int(re.search(r"line (\d+)", lines[ours[0]])[1]) if ours else None
-    return "\n".join(lines[: ours[-1] + 1] if ours else lines), line
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text):
+        lines = [ln for ln in block.splitlines() if re.match(r"(Current thread|Thread) 0x|  File ", ln)]
+        ours = [i for i, ln in enumerate(lines)
+                if (m := re.match(r'  File "(.*)", line (\d+)', ln)) and os.path.normpath(m[1]) == src_file]
+        if ours:
+            return "\n".join(lines[: ours[-1] + 1]), int(re.search(r"line (\d+)", lines[ours[0]])[1])
+    return text.strip(), None
 
 
 _SIGNAL_HINTS = {"SIGSEGV": " (a segmentation fault)", "SIGABRT": " (aborted)",
@@ -170,21 +157,17 @@ def run_isolated(target, args, *, name: str, src_file: str, limit_s: float, meth
                 ended.answered = True
             except EOFError:  # it ended without an answer
                 pass
-            except Exception as exc:  # noqa: BLE001 - an answer that does not unpickle here
-                ended.raised = RuntimeError(f"{name}: the answer of its process could not be read: {exc!r}")
-                ended.answered = True
         elif not ready:
             timed_out = True
-            if hasattr(signal, "SIGUSR1"):
-                os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes its stack ...
-                proc.join(1.0)
+            os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes its stack ...
+            proc.join(1.0)
             proc.kill()  # ... and it ends
         proc.join()
     finally:
         for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
             try:
                 kill()
-            except (AttributeError, OSError):  # no process groups (Windows); already gone
+            except OSError:  # already gone
                 pass
         receiver.close()
         ended.seconds = time.monotonic() - start
@@ -207,16 +190,13 @@ def run_isolated(target, args, *, name: str, src_file: str, limit_s: float, meth
 
 # --- Sphinx-Gallery's pages ------------------------------------------------------
 
-def _run_page(fname, target_dir, src_dir, gallery_conf, cache):
+def _run_page(fname, target_dir, src_dir, gallery_conf):
     """In the tutorial's process: its page, as Sphinx-Gallery generates it
     (it runs the code only if the page changed and the pattern matches it)."""
     import inspect
 
     from sphinx_gallery import gen_rst
 
-    if cache is not None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
-        os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
     _page.update(src_dir=gallery_conf["src_dir"], fname=fname)
     return inspect.unwrap(gen_rst.generate_file_rst)(fname, target_dir, src_dir, gallery_conf)
 
@@ -260,8 +240,7 @@ def run_each_tutorial_in_its_own_process() -> None:
     def generate_file_rst(fname, target_dir, src_dir, gallery_conf):
         src_file = os.path.normpath(Path(src_dir, fname))
         name = Path(os.path.relpath(src_file, gallery_conf["src_dir"])).as_posix()
-        cache = _private_cache[0] if _private_cache else None
-        ended = run_isolated(_run_page, (fname, target_dir, src_dir, gallery_conf, cache),
+        ended = run_isolated(_run_page, (fname, target_dir, src_dir, gallery_conf),
                              name=name, src_file=src_file, limit_s=time_limit_s())
         if ended.warnings:
             sphinx_logging.getLogger(__name__).warning(
@@ -283,9 +262,8 @@ _page: dict = {}  # in a tutorial's process: its src_dir and fname, until its co
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory in MiB: ``VmHWM`` on Linux (what
-    the reset starts afresh; ``ru_maxrss`` there also keeps the peak of the
-    build process a spawned interpreter was started from)."""
+    """This process's peak resident memory in MiB: ``VmHWM`` on Linux (what the
+    reset starts afresh; ``ru_maxrss`` also keeps a spawning build's peak)."""
     try:
         with open("/proc/self/status") as f:
             return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 2**10
@@ -307,11 +285,7 @@ class PeakMemory:
         import torch
 
         if _page:  # Sphinx-Gallery's empty call before the first block: seed, stamp, start the peak afresh
-            import random
-
             import numpy as np
-
-            import page_parts
 
             torch.manual_seed(0)
             np.random.seed(0)
@@ -323,8 +297,6 @@ class PeakMemory:
             except OSError:
                 pass
         out = func()
-        if torch.cuda.is_available():
-            if torch.cuda.is_initialized():
-                torch.cuda.synchronize()
+        if torch.cuda.is_available():  # the allocator's own count: no synchronize needed
             return torch.cuda.max_memory_allocated() / 2**20, out
         return peak_rss_mb(), out

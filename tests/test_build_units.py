@@ -501,7 +501,7 @@ def test_markdown_of_roles():
              "`what Sphinx-Gallery makes of :ref: <sphx_glr_x.py>`, ``:term:`literal```.\n")
     assert md == ("*ragged batch*, *batches*, *the intro*, *label*, *the gallery*, *toolkit*, launch, "
                   "*what Sphinx-Gallery makes of :ref:*, ``:term:`literal```.\n")
-    titled = downloads.rst_to_markdown(":ref:`x <lbl>` and :doc:`page`", titles=lambda kind, target: "T")
+    titled = downloads.rst_to_markdown(":ref:`x <lbl>` and :doc:`page`", titles=lambda target: "T")
     assert titled == "*x* and *T*\n"
 
 
@@ -583,7 +583,7 @@ def test_carry_toolkit_after_docstring_and_future_import(tmp_path):
     assert lines[:5] == ['"""', "A page", "======", '"""', "from __future__ import annotations"]
     assert lines[6].startswith(downloads.BEGIN)
     assert out.index(downloads.END) < out.index("# sphinx_gallery_tags")
-    with pytest.raises(ValueError, match="cannot be embedded"):  # neither delimiter is free
+    with pytest.raises(ValueError, match="cannot be carried"):  # the delimiter is not free
         downloads.source_literal(DATACLASS_TOOLKIT + "x = '''y'''\n")
 
 
@@ -591,7 +591,9 @@ def test_carried_toolkit_runs_alone_with_dataclasses_and_shows_its_lines_in_trac
     toolkit = DATACLASS_TOOLKIT
     assert downloads.source_literal(toolkit).startswith("r'''")
     assert downloads.source_literal(toolkit.replace('"""', "'")).startswith("r'''")
-    assert downloads.source_literal("x = '''a'''\n").startswith('r"""')
+    for bad in ("x = '''a'''\n", "x = 1\r\n", "s = 'a'", "x = 1  # \\"):
+        with pytest.raises(ValueError, match="cannot be carried"):
+            downloads.source_literal(bad)
     script = tmp_path / "page.py"
     script.write_text(downloads.carry_toolkit(SCRIPT + "fails()\n", toolkit))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

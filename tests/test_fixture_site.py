@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pages import printed, soup
-from sitebuild import FIXTURES, REPO, STEMS, build, error_lines, line_of, make_site, reached
+from sitebuild import FIXTURES, REPO, STEMS, TOOLKIT, build, error_lines, line_of, make_site, reached
 
 sys.path.insert(0, str(REPO / "sphinxext"))
 import gallery_layout  # noqa: E402
@@ -224,6 +224,22 @@ def test_reading_order_ignores_missing_and_appends_unlisted(monkeypatch):
     monkeypatch.setattr(gallery_layout, "READING_ORDER", ["second", "first", "listed_but_missing"])
     key = gallery_layout.reading_order_key
     assert sorted(["zeta", "first", "alpha", "second"], key=key) == ["second", "first", "alpha", "zeta"]
+
+
+# --- what makes a page run again ---------------------------------------------
+
+def test_a_toolkit_change_runs_every_page_again_and_no_change_runs_nothing(tmp_path):
+    site = make_site(tmp_path / "site", tutorials=TINY)
+    assert build(site).returncode == 0
+    again = build(site)
+    assert again.returncode == 0 and "successfully executed 0 out of" in again.log, again.log[-3000:]
+    toolkit = site / "tutorials" / TOOLKIT
+    toolkit.write_text(toolkit.read_text() + "\n# changed\n")
+    changed = build(site)
+    assert changed.returncode == 0, changed.log[-3000:]
+    assert f"successfully executed {len(TINY)} out of {len(TINY)} files" in changed.log, changed.log[-3000:]
+    for path in TINY:
+        assert f"{TOOLKIT} changed, {path.name} runs again" in changed.log
 
 
 # --- renamed and deleted tutorials ------------------------------------------

@@ -129,7 +129,7 @@ sphinx_gallery_conf = {
     # screens; it is shown at its drawn size (FIGURE_STYLE in the toolkit).
     "image_srcset": ["2x"],
     # Installs only what is missing or older than requirements-minimum.txt
-    # (a downloaded notebook's first cell adds what its page alone needs).
+    # (a downloaded notebook's install cell also names what its page alone needs).
     "first_notebook_cell": downloads.install_cell(HERE / "requirements-minimum.txt"),
     "download_all_examples": False,
     "remove_config_comments": True,

@@ -204,8 +204,8 @@ def page_context(app, pagename, templatename, context, doctree) -> None:
     stem = tutorial_stem(pagename)
     if stem is not None and doctree is not None:
         context["tutorial_links"] = links(app.config, stem)
-        if f"{GALLERY_SRC}/{TOOLKIT}" in app.env.dlfiles:  # as decorate_page registered it
-            context["tutorial_toolkit"] = {"link": f"_downloads/{app.env.dlfiles[f'{GALLERY_SRC}/{TOOLKIT}'][1]}",
+        if (key := Path(GALLERY_SRC, TOOLKIT)) in app.env.dlfiles:  # as decorate_page registered it
+            context["tutorial_toolkit"] = {"link": f"_downloads/{app.env.dlfiles[key][1]}",
                                            "label": TOOLKIT_LABEL, "title": TOOLKIT}
 
 

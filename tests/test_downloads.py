@@ -33,6 +33,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from pages import soup
 from sitebuild import FIXTURES, STEMS, TOOLKIT, Build, build, make_site
 from test_real_site import module_source, notebook_problems
 
@@ -163,3 +164,10 @@ def test_fixture_downloads_run_alone_and_the_notebook_reads_as_the_page(toolkit_
                  "**ragged batch**\n\nSequences of different lengths"):  # glossary
         assert made in text, f"not in the notebook: {made!r}"
     assert "fixture-only" not in text and "octicon" not in text and "currentmodule" not in text  # dropped
+
+    # The side bar and the footer each link the toolkit the page ran with.
+    html = toolkit_site.html / "auto_tutorials" / "uses_toolkit.html"
+    for selector in (".sphx-glr-footer", ".tutorial-toolkit"):
+        links = [a["href"] for a in soup(html).select(f"{selector} a.tutorial-toolkit-link")]
+        assert len(links) == 1 and (html.parent / links[0]).resolve().read_text() == module_source(toolkit_site), \
+            (selector, links)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -12,18 +13,58 @@ def pytest_report_header(config):
     return f"site sources: {REPO}"
 
 
-@pytest.fixture(scope="session")
-def real_site(tmp_path_factory) -> Build:
-    """The real site, built once per test session from a clean copy.
-
-    Set ``TEST_REUSE_GALLERY=1`` to start from the repository's own
-    ``auto_tutorials/`` (Sphinx-Gallery's cache) when iterating locally.
-    """
+def _build_real_site(tmp_path_factory) -> Build:
     src = make_site(tmp_path_factory.mktemp("real") / "site")
     cached = REPO / "auto_tutorials"
     if os.environ.get("TEST_REUSE_GALLERY") == "1" and cached.is_dir():
         shutil.copytree(cached, src / "auto_tutorials")
-    result = build(src)
+    return build(src)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that need the real site run last: its build starts with the
+    first test and runs beside the others (it keeps one core of two busy for
+    minutes; each of them mostly one core too)."""
+    needs = {id(item) for item in items if _needs_real_site(item)}
+    items[:] = [i for i in items if id(i) not in needs] + [i for i in items if id(i) in needs]
+
+
+def _needs_real_site(item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    return "real_site" in names or ("browser" in names and not os.environ.get("BROWSER_SITE"))  # asks for it
+
+
+_background: dict = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _real_site_in_background(request, tmp_path_factory):
+    if any(_needs_real_site(item) for item in request.session.items):
+        def run():
+            try:
+                _background["result"] = _build_real_site(tmp_path_factory)
+            except BaseException as err:  # noqa: BLE001 - raised again where the site is asked for
+                _background["error"] = err
+        _background["thread"] = threading.Thread(target=run, name="real site build", daemon=True)
+        _background["thread"].start()
+    yield
+
+
+@pytest.fixture(scope="session")
+def real_site(tmp_path_factory) -> Build:
+    """The real site, built once per test session from a clean copy (begun
+    in the background at the session's first test).
+
+    Set ``TEST_REUSE_GALLERY=1`` to start from the repository's own
+    ``auto_tutorials/`` (Sphinx-Gallery's cache) when iterating locally.
+    """
+    if "thread" in _background:
+        _background["thread"].join()
+        if "error" in _background:
+            raise _background["error"]
+        result = _background["result"]
+    else:
+        result = _build_real_site(tmp_path_factory)
     assert result.returncode == 0, f"the real site failed to build:\n{result.log[-20000:]}"
     return result
 

@@ -87,11 +87,10 @@ def run_alone(site, stem: str, tmp_path: Path, monkeypatch, env: dict[str, str])
                            env=clean, capture_output=True, text=True)
     assert probe.returncode != 0, "the toolkit is importable without any download: the test proves nothing"
 
+    # The script runs while the notebook runs (each mostly on one core).
     script = alone(downloaded(site, stem, ".py"), tmp_path / "py")
-    proc = subprocess.run([sys.executable, script.name], cwd=script.parent, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env={**clean, **env})
-    assert proc.returncode == 0, f"{stem}.py failed, alone in a folder:\n{proc.stderr[-5000:]}"
-    assert not (script.parent / TOOLKIT).exists(), f"{stem}.py wrote {TOOLKIT} instead of carrying it"
+    running = subprocess.Popen([sys.executable, script.name], cwd=script.parent, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**clean, **env})
 
     # The notebook, on a fresh kernel whose folder holds nothing else; its
     # first cell is the install cell, its second writes the toolkit.
@@ -101,8 +100,15 @@ def run_alone(site, stem: str, tmp_path: Path, monkeypatch, env: dict[str, str])
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
-                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    try:
+        NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
+                       resources={"metadata": {"path": str(notebook.parent)}}).execute()
+        stdout, stderr = running.communicate(timeout=TIMEOUT_S)
+    finally:
+        running.kill()
+    proc = subprocess.CompletedProcess(running.args, running.returncode, stdout, stderr)
+    assert proc.returncode == 0, f"{stem}.py failed, alone in a folder:\n{proc.stderr[-5000:]}"
+    assert not (script.parent / TOOLKIT).exists(), f"{stem}.py wrote {TOOLKIT} instead of carrying it"
     written = notebook.parent / TOOLKIT
     assert written.is_file(), f"{stem}.ipynb did not write {TOOLKIT} into its folder"
     assert written.read_text(encoding="utf-8") == module_source(site), f"{stem}.ipynb wrote another {TOOLKIT}"

@@ -262,8 +262,8 @@ _page: dict = {}  # in a tutorial's process: its src_dir and fname, until its co
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory in MiB: ``VmHWM`` on Linux (what the
-    reset starts afresh; ``ru_maxrss`` also keeps a spawning build's peak)."""
+    """This process's peak resident memory in MiB: ``VmHWM`` on Linux (what
+    :class:`PeakMemory` starts afresh; ``ru_maxrss`` also keeps a spawning build's peak)."""
     try:
         with open("/proc/self/status") as f:
             return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 2**10

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from concurrent.futures import Future
 
 import pytest
 
@@ -34,20 +35,22 @@ def _needs_real_site(item) -> bool:
     return "real_site" in names or ("browser" in names and not os.environ.get("BROWSER_SITE"))  # asks for it
 
 
-_background: dict = {}
+_background: list[Future] = []  # the real site's build, once begun
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _real_site_in_background(request, tmp_path_factory):
     if any(_needs_real_site(item) for item in request.session.items):
-        def run():
+        future = Future()
+
+        def run():  # a daemon thread: a session that stops early does not wait for the build
             try:
-                _background["result"] = _build_real_site(tmp_path_factory)
+                future.set_result(_build_real_site(tmp_path_factory))
             except BaseException as err:  # noqa: BLE001 - raised again where the site is asked for
-                _background["error"] = err
-        _background["thread"] = threading.Thread(target=run, name="real site build", daemon=True)
-        _background["thread"].start()
-    yield
+                future.set_exception(err)
+
+        threading.Thread(target=run, name="real site build", daemon=True).start()
+        _background.append(future)
 
 
 @pytest.fixture(scope="session")
@@ -58,13 +61,7 @@ def real_site(tmp_path_factory) -> Build:
     Set ``TEST_REUSE_GALLERY=1`` to start from the repository's own
     ``auto_tutorials/`` (Sphinx-Gallery's cache) when iterating locally.
     """
-    if "thread" in _background:
-        _background["thread"].join()
-        if "error" in _background:
-            raise _background["error"]
-        result = _background["result"]
-    else:
-        result = _build_real_site(tmp_path_factory)
+    result = _background[0].result() if _background else _build_real_site(tmp_path_factory)
     assert result.returncode == 0, f"the real site failed to build:\n{result.log[-20000:]}"
     return result
 

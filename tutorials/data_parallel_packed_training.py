@@ -11,7 +11,7 @@ library, one byte per token.
 
 **Author:** the ragged-transformers tutorial contributors
 
-.. grid:: 2
+.. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites

@@ -12,7 +12,7 @@ measures what that buys in training against the padded recipe.
 
 **Author:** the ragged-transformers tutorial contributors
 
-.. grid:: 2
+.. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites

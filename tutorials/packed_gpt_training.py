@@ -10,7 +10,7 @@ and decoding steps of fixed shape from a KV cache.
 
 **Author:** the ragged-transformers tutorial contributors
 
-.. grid:: 2
+.. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites

@@ -11,7 +11,7 @@ attention kernel serves each decoding step on the device at hand.
 transformer building blocks tutorial by
 `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
 
-.. grid:: 2
+.. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites

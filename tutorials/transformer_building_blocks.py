@@ -10,7 +10,7 @@ backends; and a multi-head attention layer built on both, checked against
 **Author:** rewritten for PyTorch 2.11 and later from the original tutorial by
 `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
 
-.. grid:: 2
+.. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites

@@ -7,7 +7,7 @@ proven equal to ``torch.nn``, measured against it, trained end to end.
 
 **Author:** the ragged-transformers tutorial contributors
 
-.. grid:: 2
+.. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites

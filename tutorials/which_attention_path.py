@@ -9,7 +9,7 @@ a decision guide printed from those measurements.
 
 **Author:** the ragged-transformers tutorial contributors
 
-.. grid:: 2
+.. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites

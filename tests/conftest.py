@@ -4,6 +4,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
@@ -14,12 +15,14 @@ def pytest_report_header(config):
     return f"site sources: {REPO}"
 
 
-def _build_real_site(tmp_path_factory) -> Build:
+def _real_site_sources(tmp_path_factory) -> Path:
+    """A clean copy of the site (in the calling thread: pytest's temporary
+    folders are not thread-safe)."""
     src = make_site(tmp_path_factory.mktemp("real") / "site")
     cached = REPO / "auto_tutorials"
     if os.environ.get("TEST_REUSE_GALLERY") == "1" and cached.is_dir():
         shutil.copytree(cached, src / "auto_tutorials")
-    return build(src)
+    return src
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -41,11 +44,11 @@ _background: list[Future] = []  # the real site's build, once begun
 @pytest.fixture(scope="session", autouse=True)
 def _real_site_in_background(request, tmp_path_factory):
     if any(_needs_real_site(item) for item in request.session.items):
-        future = Future()
+        future, src = Future(), _real_site_sources(tmp_path_factory)
 
         def run():  # a daemon thread: a session that stops early does not wait for the build
             try:
-                future.set_result(_build_real_site(tmp_path_factory))
+                future.set_result(build(src))
             except BaseException as err:  # noqa: BLE001 - raised again where the site is asked for
                 future.set_exception(err)
 
@@ -61,7 +64,7 @@ def real_site(tmp_path_factory) -> Build:
     Set ``TEST_REUSE_GALLERY=1`` to start from the repository's own
     ``auto_tutorials/`` (Sphinx-Gallery's cache) when iterating locally.
     """
-    result = _background[0].result() if _background else _build_real_site(tmp_path_factory)
+    result = _background[0].result() if _background else build(_real_site_sources(tmp_path_factory))
     assert result.returncode == 0, f"the real site failed to build:\n{result.log[-20000:]}"
     return result
 

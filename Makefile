@@ -32,7 +32,7 @@ help:
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-tutorials.txt requirements-site.txt
+$(STAMP): requirements.txt requirements-tutorials.txt requirements-site.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || \
 	  { echo "error: Python 3.11 or newer is needed as '$(PYTHON)' (make PYTHON=python3.11 ...)"; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || \

@@ -5,24 +5,27 @@ the build's own code lives in small extensions in ``sphinxext/``.
 """
 
 import os
-import re
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent.resolve()
 sys.path.insert(0, str(HERE / "sphinxext"))
-# The toolkit module the pages import, for its reference page (autodoc).
-sys.path.insert(0, str(HERE / "tutorials"))
+# The toolkit package the pages import (ragged_toolkit/, beside this file):
+# this site's own copy, first on the path, for the pages and for its
+# reference page (autodoc), also where another copy is installed.
+sys.path.insert(0, str(HERE))
 
-import downloads  # noqa: E402
 import tutorial_isolation  # noqa: E402
-from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT  # noqa: E402
+from gallery_layout import GALLERY_OUT, GALLERY_SRC  # noqa: E402
 
 # -- Where the site is published: the one place to change ---------------------
 # The GitHub repository and branch the pages link to ("View source on GitHub",
 # "Run in Google Colab"). A placeholder until the repository exists.
 tutorials_github_repo = "ragged-transformers/tutorials"
 tutorials_github_branch = "main"
+# Where GitHub Pages publishes the site: the downloaded notebooks link there,
+# and install the toolkit's wheel from there when it is not beside them.
+tutorials_site_url = "https://ragged-transformers.github.io/tutorials/"
 
 # -- Project -----------------------------------------------------------------
 project = "Ragged-batch transformers in PyTorch"
@@ -50,9 +53,9 @@ extensions = [
     "sphinx_design",
     "sphinx_copybutton",
     # sphinxext/
-    "gallery_layout",  # before Sphinx-Gallery: pages of deleted tutorials out, all pages stale when the toolkit changed
+    "gallery_layout",  # before Sphinx-Gallery: pages of deleted tutorials out, pages of changed modules stale
     "page_parts",  # landing cards, the build stamp, Colab/GitHub/toolkit links; no empty code blocks
-    "downloads",  # the .py, notebook and zip a reader downloads carry the toolkit
+    "downloads",  # the toolkit's wheel; the .py, notebook and zip a reader downloads run alone
 ]
 templates_path = ["_templates"]
 exclude_patterns = [
@@ -71,6 +74,8 @@ nitpicky = True
 # autodoc then reads the module against stand-ins for torch and numpy.
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"
+# A method without a docstring of its own (a module's forward) is not listed.
+autodoc_inherit_docstrings = False
 try:
     import torch  # noqa: F401
 except ImportError:
@@ -113,8 +118,7 @@ sphinx_gallery_conf = {
     # Execute every file in tutorials/, not only files named plot_*.
     # `make html GALLERY_PATTERN=name` narrows this to the matching files.
     "filename_pattern": os.environ.get("GALLERY_PATTERN") or r"/",
-    # The toolkit module beside the tutorials is imported by them, not a page.
-    "ignore_pattern": r"__init__\.py|" + re.escape(TOOLKIT),
+    "ignore_pattern": r"__init__\.py",
     # Reading order, not file names: sphinxext/gallery_layout.py.
     "within_subsection_order": "gallery_layout.TutorialOrder",
     # Each tutorial runs in a fresh process (sphinxext/tutorial_isolation.py):
@@ -128,9 +132,9 @@ sphinx_gallery_conf = {
     # Each figure also at twice its resolution, for sharp text on dense
     # screens; it is shown at its drawn size (FIGURE_STYLE in the toolkit).
     "image_srcset": ["2x"],
-    # Installs only what is missing or older than requirements-minimum.txt
-    # (a downloaded notebook's install cell also names what its page alone needs).
-    "first_notebook_cell": downloads.install_cell(HERE / "requirements-minimum.txt"),
+    # No cell before the title: the downloaded notebook's install cell comes
+    # right after it (sphinxext/downloads.py).
+    "first_notebook_cell": None,
     "download_all_examples": False,
     "remove_config_comments": True,
 }

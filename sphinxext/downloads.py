@@ -1,40 +1,46 @@
-"""What a reader downloads runs on its own, in an empty folder.
+"""What a reader downloads reads as the page and runs on its own.
 
-At ``build-finished`` the copies of a page's downloads in
-``_build/html/_downloads/`` are rewritten from Sphinx-Gallery's files (left
-as they are: it compares them with the sources) and the current toolkit:
-the ``.py`` defines ``ragged_toolkit`` from its source (:func:`carry_toolkit`);
-the notebook installs what is missing or older than
-``requirements-minimum.txt``, writes ``ragged_toolkit.py`` and has no rST
-left (:func:`notebook_for_download`); the zip holds both and the module.
+At ``builder-inited`` the toolkit package is made into a wheel
+(:func:`build_wheel`, from ``pyproject.toml``), which every page links as
+"Download the toolkit". At ``build-finished`` the copies of a page's
+downloads in ``_build/html/_downloads/`` are rewritten from Sphinx-Gallery's
+files (left as they are: it compares them with the sources): the notebook
+opens with the page's title, then one short cell installs what is missing
+or too old and the toolkit's wheel, and its links lead to the published
+pages (:func:`notebook_for_download`); the ``.py`` is the page's own code,
+with the toolkit modules it imports carried at its end
+(:func:`carry_toolkit`); the zip holds both and the wheel, and runs offline.
 Standard library only: the GPU build's merge job runs it without nbformat.
 """
 
 from __future__ import annotations
 
 import ast
+import base64
 import copy
+import hashlib
 import io
 import json
 import posixpath
 import re
 import textwrap
+import tomllib
 import zipfile
 from pathlib import Path
 from typing import Callable
 
-from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT, tutorial_sources
-
-MODULE = TOOLKIT.removesuffix(".py")  # "ragged_toolkit"
+from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT, page_modules, toolkit_modules, tutorial_sources
 
 # --- the rST the pages write -> Markdown ------------------------------------------
 # Sphinx-Gallery converts headings, links, notes, math and code blocks at the
 # start of a line. The rest that the pages use is converted here; anything
 # else fails the build, naming the page and the word. ``include(path)`` reads
-# what a literalinclude names; ``titles(target)`` the title of a :doc: target, or None.
+# what a literalinclude names; ``links(role, target)`` gives the title (a
+# :doc:'s, or None) and the URL of the published page a :doc:, :ref: or
+# :term: leads to (or None: the text stays as it is).
 
 Include = Callable[[str], str]
-Titles = Callable[[str], "str | None"]
+Links = Callable[[str, str], "tuple[str | None, str | None]"]
 
 _DIRECTIVE = re.compile(  # a directive, or a comment (no name): not a target (.. _label:)
     r"^(?P<indent>[ \t]*)\.\.(?:[ \t]+(?P<name>[\w-]+)::[ \t]*(?P<arg>.*)|(?![ \t]+_)(?:[ \t].*)?)$")
@@ -61,8 +67,8 @@ def _pyobject(source: str, name: str) -> str:
     return textwrap.dedent("\n".join(source.splitlines()[start - 1:node.end_lineno]))
 
 
-def _directive(name: str, arg: str, options: dict, body: list[str], include, titles) -> list[str]:
-    convert = lambda lines: _blocks(lines, include, titles)  # noqa: E731
+def _directive(name: str, arg: str, options: dict, body: list[str], include, links) -> list[str]:
+    convert = lambda lines: _blocks(lines, include, links)  # noqa: E731
     if name in NOTHING_TO_SHOW:
         return []
     if name == "grid":
@@ -90,13 +96,13 @@ def _directive(name: str, arg: str, options: dict, body: list[str], include, tit
                      "way, or teach sphinxext/downloads.py (_directive) to convert it")
 
 
-def _blocks(lines: list[str], include: Include | None, titles: Titles | None) -> list[str]:
+def _blocks(lines: list[str], include: Include | None, links: Links | None) -> list[str]:
     """``lines`` with every directive converted and every rST comment dropped,
     code fences left alone, roles converted outside them."""
     out, i, fence, text = [], 0, None, []
 
     def flush():
-        out.extend(_inline("\n".join(text), titles).split("\n") if text else [])
+        out.extend(_inline("\n".join(text), links).split("\n") if text else [])
         text.clear()
 
     def indent(line):
@@ -127,7 +133,7 @@ def _blocks(lines: list[str], include: Include | None, titles: Titles | None) ->
             block = block[1:]
         while block and not block[0].strip():
             block = block[1:]
-        rendered = _directive(m["name"], m["arg"].strip(), options, block, include, titles)
+        rendered = _directive(m["name"], m["arg"].strip(), options, block, include, links)
         if out and out[-1].strip():
             out.append("")
         out += [(m["indent"] + ln) if ln.strip() else "" for ln in rendered] + [""]
@@ -135,57 +141,34 @@ def _blocks(lines: list[str], include: Include | None, titles: Titles | None) ->
     return out
 
 
-def _role(kind: str, content: str, titles: Titles | None) -> str:
+def _role(kind: str, content: str, links: Links | None) -> str:
     kind, content = kind.split(":")[-1], " ".join(content.split())
     explicit = _EXPLICIT.match(content)
     text, target = (explicit["text"], explicit["target"]) if explicit else (None, content)
     if kind == "octicon":
         return ""
     if kind in ("ref", "doc", "term"):
-        title = titles(target) if titles and kind == "doc" else None
-        return f"*{text or title or (posixpath.basename(target) if kind == 'doc' else target)}*"
+        title, url = links(kind, target) if links else (None, None)
+        text = text or title or (posixpath.basename(target) if kind == "doc" else target)
+        return f"[{text}]({url})" if url else f"*{text}*"
     raise ValueError(f"the role :{kind}: has no Markdown form in the downloaded notebook: write it another "
                      "way, or teach sphinxext/downloads.py (_role) to convert it")
 
 
-def _inline(text: str, titles: Titles | None) -> str:
-    text = _ROLE.sub(lambda m: _role(m["role"], m["content"], titles), text)
-    return _MANGLED_REF.sub(lambda m: _role("ref", f"{m['text']} <{m['label']}>", titles), text)
+def _inline(text: str, links: Links | None) -> str:
+    text = _ROLE.sub(lambda m: _role(m["role"], m["content"], links), text)
+    return _MANGLED_REF.sub(lambda m: _role("ref", f"{m['text']} <{m['label']}>", links), text)
 
 
-def rst_to_markdown(text: str, *, include: Include | None = None, titles: Titles | None = None) -> str:
+def rst_to_markdown(text: str, *, include: Include | None = None, links: Links | None = None) -> str:
     """A markdown cell's text with the rST Sphinx-Gallery left in it converted."""
-    result = re.sub(r"\n{3,}", "\n\n", "\n".join(_blocks(text.splitlines(), include, titles)))
+    result = re.sub(r"\n{3,}", "\n\n", "\n".join(_blocks(text.splitlines(), include, links)))
     return result.strip("\n") + "\n" if result.strip() else ""
 
 
-# --- the notebook's first cell: installs only what is missing or too old -------------
+# --- what the notebook installs -------------------------------------------------------
 
-INSTALL_HEAD = "# Install what this notebook needs, but only what is missing or older than the"
-_INSTALL = INSTALL_HEAD + '''
-# oldest release it supports: a newer PyTorch is kept as it is.
-import importlib.metadata
-import re
-import subprocess
-import sys
-
-
-def _version(text):
-    return tuple(int(n) for n in re.findall(r"\\d+", text.split("+")[0])[:3])
-
-
-_needed = []
-for _name, _minimum in {minimums!r}:
-    try:
-        _installed = importlib.metadata.version(_name)
-    except importlib.metadata.PackageNotFoundError:
-        _installed = None
-    if _installed is None or _version(_installed) < _version(_minimum):
-        _needed.append(f"{{_name}}>={{_minimum}}")
-if _needed:
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", *_needed])
-print("installed:" if _needed else "nothing to install:",
-      ", ".join(f"{{n}} {{importlib.metadata.version(n)}}" for n, _ in {minimums!r}))'''
+INSTALL_HEAD = "# What this notebook needs, installed only where it is missing or older than"
 
 
 def requirements(path: Path) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -210,41 +193,105 @@ def minimums(path: Path, stem: str | None = None) -> list[tuple[str, str]]:
     return [(name, version) for name, version, pages in requirements(path) if not pages or stem in pages]
 
 
-def install_cell(path: Path, stem: str | None = None) -> str:
-    """The first cell of the notebook of ``stem`` (of every page: None)."""
-    return _INSTALL.format(minimums=minimums(path, stem))
+def install_cell(path: Path, stem: str | None, wheel: str, wheel_url: str) -> str:
+    """The notebook's install cell: the packages of ``requirements-minimum.txt``
+    (``path``) that the page ``stem`` needs, each only where it is missing or
+    older than its minimum (pip keeps a newer one), and the toolkit's
+    ``wheel``: the file beside the notebook (the page's zip), else ``wheel_url``."""
+    needs = " ".join(f'"{name}>={version}"' for name, version in minimums(path, stem))
+    return (f"{INSTALL_HEAD} the oldest\n"
+            "# release it supports, and the site's toolkit: the wheel beside this notebook\n"
+            "# (in the page's zip), else the one on the site.\n"
+            "import pathlib\n\n"
+            f'toolkit = "{wheel}"\n'
+            f'toolkit = toolkit if pathlib.Path(toolkit).exists() else "{wheel_url}"\n'
+            f"%pip install --quiet {needs} {{toolkit}}")
+
+
+# --- the toolkit as a wheel ----------------------------------------------------------
+
+WHEEL_DIR = Path("_generated") / "wheel"  # in the sources: Sphinx copies a download from there
+
+
+def toolkit_files(src_dir: Path, modules: set[str] | None = None) -> dict[str, str]:
+    """Path in the package -> source of the toolkit's modules (``modules``:
+    only those dotted names), in a stable order."""
+    found = toolkit_modules(src_dir)
+    return {path.relative_to(src_dir).as_posix(): path.read_text(encoding="utf-8")
+            for name, path in found.items() if modules is None or name in modules}
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def wheel_bytes(src_dir: Path) -> tuple[str, bytes]:
+    """The toolkit as a wheel (its file name and bytes), from ``pyproject.toml``
+    and the package's sources: version ``X.Y.Z+`` the sources' hash, so that a
+    changed toolkit is a new version pip installs; the same bytes for the same
+    sources."""
+    project = tomllib.loads((Path(src_dir) / "pyproject.toml").read_text())["project"]
+    files = {name: text.encode("utf-8") for name, text in toolkit_files(src_dir).items()}
+    digest = hashlib.sha256(b"".join(n.encode() + b"\0" + d for n, d in files.items())).hexdigest()[:10]
+    dist, version = project["name"].replace("-", "_"), f"{project['version']}+{digest}"
+    info = f"{dist}-{version}.dist-info"
+    metadata = ["Metadata-Version: 2.1", f"Name: {project['name']}", f"Version: {version}",
+                f"Summary: {project.get('description', '')}",
+                f"Requires-Python: {project.get('requires-python', '>=3')}"]
+    metadata += [f"Requires-Dist: {d}" for d in project.get("dependencies", [])]
+    for extra, deps in project.get("optional-dependencies", {}).items():
+        metadata += [f"Provides-Extra: {extra}"] + [f'Requires-Dist: {d}; extra == "{extra}"' for d in deps]
+    files[f"{info}/METADATA"] = ("\n".join(metadata) + "\n").encode()
+    files[f"{info}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: the site's build (sphinxext/downloads.py)\n"
+                              b"Root-Is-Purelib: true\nTag: py3-none-any\n")
+    record = [f"{n},{_record_hash(d)},{len(d)}" for n, d in files.items()] + [f"{info}/RECORD,,"]
+    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    return f"{dist}-{version}-py3-none-any.whl", zip_bytes(files)
+
+
+def build_wheel(app) -> None:
+    """``builder-inited``: the toolkit's wheel in ``_generated/wheel/``, the only
+    file there (Sphinx copies it to the pages' downloads)."""
+    src = Path(app.srcdir)
+    if not (src / TOOLKIT).is_dir() or not (src / "pyproject.toml").exists():
+        return
+    name, data = wheel_bytes(src)
+    folder = src / WHEEL_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.iterdir():
+        if old.name != name:
+            old.unlink()
+    if not (folder / name).exists() or (folder / name).read_bytes() != data:
+        (folder / name).write_bytes(data)
+
+
+def wheel_path(src_dir: Path) -> Path | None:
+    """The wheel :func:`build_wheel` wrote, relative to the sources (None before)."""
+    found = sorted((Path(src_dir) / WHEEL_DIR).glob("*.whl"))
+    return found[0].relative_to(src_dir) if found else None
 
 
 # --- the notebook and the .py ---------------------------------------------------------
-
-WRITEFILE = f"%%writefile {TOOLKIT}"
-
 
 def _code_cell(source: str, **metadata) -> dict:
     return {"cell_type": "code", "execution_count": None, "metadata": metadata, "outputs": [], "source": source}
 
 
-def notebook_for_download(nb: dict, toolkit_source: str, *, install: str | None = None,
-                          include: Include | None = None, titles: Titles | None = None) -> dict:
-    """Sphinx-Gallery's notebook as it is downloaded: the install cell
-    (``install``, else the one it has), the cell that writes the toolkit, then
-    the page, with no empty code cell and no rST. Applied to its own result it
-    changes nothing."""
+def notebook_for_download(nb: dict, install: str, *, include: Include | None = None,
+                          links: Links | None = None) -> dict:
+    """Sphinx-Gallery's notebook as it is downloaded: the page's title and
+    introduction, then the ``install`` cell, then the page, with no empty
+    code cell and no rST. Applied to its own result it changes nothing."""
     nb, cells = copy.deepcopy(nb), []
     for cell in nb["cells"]:
         src = "".join(cell.get("source", ""))
-        if cell["cell_type"] == "code" and (not src.strip() or src.startswith(WRITEFILE)
-                                            or (install and src.startswith(INSTALL_HEAD))):
+        if cell["cell_type"] == "code" and (not src.strip() or src.startswith(INSTALL_HEAD)):
             continue
         if cell["cell_type"] == "markdown":
-            cell["source"] = src = rst_to_markdown(src, include=include, titles=titles)
+            cell["source"] = src = rst_to_markdown(src, include=include, links=links)
         if src.strip():
             cells.append(cell)
-    if install:
-        cells.insert(0, _code_cell(install))
-    at = 1 if cells and cells[0]["cell_type"] == "code" else 0  # after the install cell
-    # Collapsed where the front end honours it: a thousand lines a reader runs, not reads.
-    cells.insert(at, _code_cell(f"{WRITEFILE}\n{toolkit_source}", collapsed=False, jupyter={"source_hidden": True}))
+    cells.insert(1 if cells and cells[0]["cell_type"] == "markdown" else 0, _code_cell(install))
     nb["cells"] = cells
     return nb
 
@@ -253,108 +300,135 @@ def dump_notebook(nb: dict) -> str:
     return json.dumps(nb, indent=2, ensure_ascii=False) + "\n"
 
 
-BEGIN = f"# --- The site's toolkit module, {MODULE}, carried so that this script runs on its own"
-END = "# --- End of the toolkit module"
+BEGIN = f"# --- {TOOLKIT}, carried: the toolkit modules this page imports ---"
+END = "# --- End of the carried toolkit ---"
+LOADER = ("# This script carries the toolkit modules it imports at its end, so that it runs\n"
+          "# alone and offline; the next line unpacks them (the site's build added it).\n"
+          f'exec(open(__file__, encoding="utf-8").read().rpartition({BEGIN + chr(10)!r})[2])\n')
 
 
 def source_literal(source: str) -> str:
     """``source`` as a raw literal in ''' that evaluates back to it exactly."""
     if "'''" in source or "\r" in source or source.endswith(("'", "\\")):
-        raise ValueError(f"{TOOLKIT} holds ''' or a carriage return, or ends in ' or a backslash: it cannot be "
-                         "carried in a raw string literal; write it without")
+        raise ValueError("a toolkit module holds ''' or a carriage return, or ends in ' or a backslash: it "
+                         "cannot be carried in a raw string literal; write it without")
     return f"r'''{source}'''"
 
 
-def toolkit_block(toolkit_source: str) -> str:
-    """The lines that define the module ``ragged_toolkit`` from its source."""
+def toolkit_block(files: dict[str, str]) -> str:
+    """The lines that unpack ``files`` (path -> source) into a temporary folder
+    first on ``sys.path``, unless the toolkit was imported already."""
+    entries = "".join(f"    {name!r}: {source_literal(text)},\n" for name, text in files.items())
     return f'''\
 {BEGIN}
-# Every page of the site imports {MODULE} ("Download the toolkit" gives the
-# file); this block, written by the site's build, defines it from its source.
-import linecache as _linecache
-import sys as _sys
-import types as _types
+# The pages import the package {TOOLKIT} ("Download the toolkit" on each page
+# gives it as a wheel to pip install). This block, written by the site's build,
+# holds the modules this page imports; run, it writes them into a temporary
+# folder, removed at exit, first on sys.path.
+def _unpack_toolkit(files):
+    import atexit
+    import shutil
+    import sys
+    import tempfile
+    from pathlib import Path
 
-_TOOLKIT_SOURCE = {source_literal(toolkit_source)}
-_toolkit = _types.ModuleType({MODULE!r})
-_toolkit.__file__ = {TOOLKIT!r}
-_sys.modules[{MODULE!r}] = _toolkit  # before it runs: dataclasses look the module up
-# Tracebacks and inspect show the toolkit's own lines (Python before 3.13
-# prints an uncaught error's lines from files, not linecache: hence the hook).
-_linecache.cache[{TOOLKIT!r}] = (len(_TOOLKIT_SOURCE), None, _TOOLKIT_SOURCE.splitlines(True), {TOOLKIT!r})
-if _sys.version_info < (3, 13) and _sys.excepthook is _sys.__excepthook__:
-    import traceback as _traceback
+    if {TOOLKIT!r} in sys.modules:  # unpacked at the first import already
+        return
+    root = Path(tempfile.mkdtemp(prefix="{TOOLKIT}-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    for name, source in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(source, encoding="utf-8")
+    sys.path.insert(0, str(root))
 
-    _sys.excepthook = _traceback.print_exception
-exec(compile(_TOOLKIT_SOURCE, {TOOLKIT!r}, "exec", dont_inherit=True), _toolkit.__dict__)
-del _linecache, _sys, _types, _TOOLKIT_SOURCE, _toolkit
-{END} {"-" * (len(BEGIN) - len(END) - 1)}
+
+_unpack_toolkit({{
+{entries}}})
+{END}
 '''
 
 
-def carry_toolkit(script: str, toolkit_source: str) -> str:
-    """``script`` with :func:`toolkit_block` after its docstring and
-    ``from __future__`` imports. Applied to its own result it replaces the
-    block instead of adding a second one."""
-    script = re.sub(rf"\n?^{re.escape(BEGIN)}.*?^{re.escape(END)}[^\n]*\n\n?", "\n", script, count=1,
-                    flags=re.M | re.S)
-    body, at = ast.parse(script).body, 0
-    for k, node in enumerate(body):
-        docstring = k == 0 and isinstance(node, ast.Expr) and isinstance(getattr(node.value, "value", None), str)
-        if not (docstring or (isinstance(node, ast.ImportFrom) and node.module == "__future__")):
-            break
-        at = node.end_lineno
+def carry_toolkit(script: str, files: dict[str, str]) -> str:
+    """``script`` as the page wrote it, :func:`toolkit_block` of ``files`` at its
+    end, and :data:`LOADER` just before its first import of the toolkit.
+    Applied to its own result it replaces both instead of adding more."""
+    script = script.replace(LOADER, "")
+    script = re.sub(rf"\n*^{re.escape(BEGIN)}$.*?^{re.escape(END)}$\n?", "\n", script, flags=re.M | re.S)
+    imports = [node.lineno for node in ast.parse(script).body if isinstance(node, (ast.Import, ast.ImportFrom))
+               and any(n == TOOLKIT or n.startswith(TOOLKIT + ".")
+                       for n in ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                                 else [a.name for a in node.names]))]
     lines = script.splitlines(keepends=True)
-    head, tail = "".join(lines[:at]).rstrip("\n"), "".join(lines[at:]).lstrip("\n")
-    block = toolkit_block(toolkit_source)
-    return f"{head}\n\n{block}\n{tail}" if head else f"{block}\n{tail}"
+    if imports:
+        lines.insert(imports[0] - 1, LOADER)
+    return "".join(lines).rstrip("\n") + "\n\n\n" + toolkit_block(files)
 
 
-def zip_bytes(files: dict[str, str]) -> bytes:
-    """A zip of ``name -> text``, the same bytes for the same files."""
+def zip_bytes(files: dict[str, str | bytes]) -> bytes:
+    """A zip of ``name -> text or bytes``, the same bytes for the same files."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, text in files.items():
+        for name, data in files.items():
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
             info.compress_type, info.external_attr = zipfile.ZIP_DEFLATED, 0o644 << 16
-            zf.writestr(info, text.encode("utf-8"))
+            zf.writestr(info, data.encode("utf-8") if isinstance(data, str) else data)
     return buf.getvalue()
 
 
 # --- Sphinx ------------------------------------------------------------------------------
 
-def _titles(app) -> Titles:
-    """The title of the page a ``:doc:`` names (Sphinx-Gallery leaves no ``:ref:`` role)."""
-    def title(target):
-        doc = posixpath.normpath(target[1:] if target.startswith("/") else posixpath.join(GALLERY_OUT, target))
-        return app.env.titles[doc].astext() if doc in app.env.titles else None
+def _links(app) -> Links:
+    """The title and published URL of what a :doc:, :ref: or :term: names."""
+    site, std, titles = app.config.tutorials_site_url, app.env.get_domain("std"), app.env.titles
+    site = site if not site or site.endswith("/") else site + "/"
+    terms = {name.lower(): entry for (kind, name), entry in std.objects.items() if kind == "term"}
 
-    return title
+    def url(doc, anchor=""):
+        return f"{site}{doc}.html" + (f"#{anchor}" if anchor else "") if site else None
+
+    def link(kind, target):
+        if kind == "doc":
+            doc = posixpath.normpath(target[1:] if target.startswith("/") else posixpath.join(GALLERY_OUT, target))
+            return (titles[doc].astext() if doc in titles else None), (url(doc) if doc in app.env.all_docs else None)
+        if kind == "term" and " ".join(target.lower().split()) in terms:
+            doc, anchor = terms[" ".join(target.lower().split())][:2]
+            return None, url(doc, anchor)
+        if kind == "ref" and target.lower() in std.labels:
+            doc, anchor, section = std.labels[target.lower()]
+            return section or None, url(doc, anchor)
+        if kind == "ref" and target.lower() in std.anonlabels:
+            return None, url(*std.anonlabels[target.lower()])
+        return None, None
+
+    return link
 
 
 def write_downloads(app, exc) -> None:
     """``build-finished``: the downloads of every tutorial, rewritten in the
     output from Sphinx-Gallery's files and the current toolkit."""
     src = Path(app.srcdir)
-    toolkit_path, gallery, minimums_txt = src / GALLERY_SRC / TOOLKIT, src / GALLERY_OUT, src / "requirements-minimum.txt"
-    if exc is not None or not getattr(app.builder, "download_support", False) or not toolkit_path.exists():
+    gallery, minimums_txt, wheel = src / GALLERY_OUT, src / "requirements-minimum.txt", wheel_path(src)
+    if exc is not None or not getattr(app.builder, "download_support", False) or wheel is None:
         return
-    toolkit, titles = toolkit_path.read_text(encoding="utf-8"), _titles(app)
-    stems = {p.stem for p in tutorial_sources(src)}
+    wheel_data = (src / wheel).read_bytes()
+    wheel_url = f"{app.config.tutorials_site_url.rstrip('/')}/_downloads/{app.env.dlfiles[wheel][1]}" \
+        if wheel in app.env.dlfiles else wheel.name
+    links, stems = _links(app), {p.stem for p in tutorial_sources(src)}
 
     def include(rel):  # as Sphinx reads a literalinclude's path: "/..." from the sources
         return (src / rel[1:] if rel.startswith("/") else gallery / rel).resolve().read_text(encoding="utf-8")
 
     def downloads(stem):
         try:
-            nb = notebook_for_download(json.loads((gallery / f"{stem}.ipynb").read_text(encoding="utf-8")), toolkit,
-                                       install=install_cell(minimums_txt, stem) if minimums_txt.exists() else None,
-                                       include=include, titles=titles)
-            py = carry_toolkit((gallery / f"{stem}.py").read_text(encoding="utf-8"), toolkit)
-        except (LookupError, ValueError, OSError) as err:
+            install = install_cell(minimums_txt, stem, wheel.name, wheel_url)
+            nb = notebook_for_download(json.loads((gallery / f"{stem}.ipynb").read_text(encoding="utf-8")),
+                                       install, include=include, links=links)
+            carried = toolkit_files(src, page_modules(src / GALLERY_SRC / f"{stem}.py", src))
+            py = carry_toolkit((gallery / f"{stem}.py").read_text(encoding="utf-8"), carried)
+        except (LookupError, ValueError, OSError, SyntaxError) as err:
             from sphinx.errors import ExtensionError
             raise ExtensionError(f"{GALLERY_SRC}/{stem}.py: its downloads: {err}") from None
-        files = {f"{stem}.py": py, f"{stem}.ipynb": dump_notebook(nb), TOOLKIT: toolkit}
+        files = {f"{stem}.py": py, f"{stem}.ipynb": dump_notebook(nb), wheel.name: wheel_data}
         return {".py": py.encode(), ".ipynb": files[f"{stem}.ipynb"].encode(), ".zip": zip_bytes(files)}
 
     made = {}
@@ -369,5 +443,8 @@ def write_downloads(app, exc) -> None:
 
 
 def setup(app):
+    # Where the site is published: the notebooks' links and their toolkit lead there.
+    app.add_config_value("tutorials_site_url", "", "html", types=[str])
+    app.connect("builder-inited", build_wheel, priority=450)
     app.connect("build-finished", write_downloads)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

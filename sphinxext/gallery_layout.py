@@ -1,20 +1,23 @@
-"""Where the tutorials are, their reading order, and which generated files
-are whose: the one place for these (``conf.py``, the extensions and
-``scripts/`` read it; standard library only, for the GPU workflow's plan and
-merge jobs). Before Sphinx-Gallery runs, it deletes the files of tutorials
-that are gone and, when the toolkit changed, the pages' MD5 records, so that
-every page runs again."""
+"""Where the tutorials are, their reading order, which generated files are
+whose, and which toolkit modules each page uses: the one place for these
+(``conf.py``, the extensions and ``scripts/`` read it; standard library only,
+for the GPU workflow's plan and merge jobs). Before Sphinx-Gallery runs, it
+deletes the files of tutorials that are gone and, for each toolkit module
+that changed, the MD5 records of the pages that import it, directly or
+through other modules, so that those pages run again and no other."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import json
 import re
 from pathlib import Path
 
 GALLERY_SRC = "tutorials"  # the sources
 GALLERY_OUT = "auto_tutorials"  # what Sphinx-Gallery generates from them
-TOOLKIT = "ragged_toolkit.py"  # the module every page imports; not a page (``ignore_pattern``)
-TOOLKIT_MD5 = TOOLKIT.removesuffix(".py") + ".md5"  # in GALLERY_OUT: the toolkit the pages ran with
+TOOLKIT = "ragged_toolkit"  # the package every page imports, beside conf.py (pyproject.toml)
+TOOLKIT_MD5 = TOOLKIT + ".md5.json"  # in GALLERY_OUT: each module's MD5 when the pages last ran
 # A page not listed comes after the listed ones, by name; a listed name with no file is ignored.
 READING_ORDER = [
     "ragged_batches_intro",
@@ -46,8 +49,62 @@ class TutorialOrder:
 
 
 def tutorial_sources(src_dir: Path) -> list[Path]:
-    """The tutorial scripts: every ``.py`` in the sources but the toolkit."""
-    return sorted(p for p in (Path(src_dir) / GALLERY_SRC).glob("*.py") if p.name != TOOLKIT)
+    """The tutorial scripts: every ``.py`` in the sources."""
+    return sorted((Path(src_dir) / GALLERY_SRC).glob("*.py"))
+
+
+# --- which toolkit modules a page uses ------------------------------------------
+
+def toolkit_modules(src_dir: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of the toolkit package in ``src_dir``
+    (a package's ``__init__.py`` is the package's own name)."""
+    root, found = Path(src_dir) / TOOLKIT, {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported_modules(path: Path, modules: dict[str, Path], name: str | None = None) -> set[str]:
+    """The toolkit modules that ``path`` imports anywhere in it (``name``: its
+    own dotted name, for relative imports), each with the packages above it,
+    whose ``__init__`` runs first."""
+    package = None if name is None else (name if path.name == "__init__.py" else name.rpartition(".")[0])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                if package is None:
+                    continue
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for target in targets:
+            if target in modules:
+                parts = target.split(".")
+                found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return found & set(modules)
+
+
+def page_modules(page: Path, src_dir: Path) -> set[str]:
+    """Every toolkit module that runs when ``page`` runs: those it imports,
+    and, in turn, those they import."""
+    modules = toolkit_modules(src_dir)
+    todo, seen = list(imported_modules(page, modules)), set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += imported_modules(modules[name], modules, name) - seen
+    return seen
+
+
+def _md5(path: Path) -> str:  # as Sphinx-Gallery hashes a source: text, any line ending
+    return hashlib.md5(path.read_text(encoding="utf-8").encode("utf-8")).hexdigest()
 
 
 def tutorial_stem(docname: str) -> str | None:
@@ -75,9 +132,10 @@ def tutorial_files(gallery: Path, stem: str) -> list[Path]:
 
 def clean_gallery(app) -> None:
     """``builder-inited``, before Sphinx-Gallery: no file of a tutorial that is
-    gone (a page no toctree includes fails the strict build); every page runs
-    again when the toolkit changed since the MD5 recorded beside them (none
-    yet, as in a gallery merged from shards: record it)."""
+    gone (a page no toctree includes fails the strict build); the pages that
+    use a toolkit module changed since the MD5s recorded beside them run
+    again, and only those (no record yet, as in a gallery merged from
+    shards: record it)."""
     src_dir, gallery = Path(app.srcdir), Path(app.srcdir) / GALLERY_OUT
     gallery.mkdir(parents=True, exist_ok=True)
     keep = {"index", "sg_execution_times", TOOLKIT_MD5.split(".")[0]}
@@ -85,14 +143,18 @@ def clean_gallery(app) -> None:
     generated |= {p for p in gallery.glob("images/**/sphx_glr_*") if p.is_file()}
     for path in generated - {p for src in tutorial_sources(src_dir) for p in tutorial_files(gallery, src.stem)}:
         path.unlink()
-    toolkit, record = src_dir / GALLERY_SRC / TOOLKIT, gallery / TOOLKIT_MD5
-    if toolkit.exists():  # hashed as Sphinx-Gallery hashes a source: text, any line ending
-        current = hashlib.md5(toolkit.read_text(encoding="utf-8").encode("utf-8")).hexdigest()
-        if record.exists() and record.read_text().strip() != current:
-            for md5 in gallery.glob("*.py.md5"):
+    current = {name: _md5(path) for name, path in toolkit_modules(src_dir).items()}
+    record = gallery / TOOLKIT_MD5
+    if record.exists():
+        before = json.loads(record.read_text())
+        changed = {m for m in set(before) | set(current) if before.get(m) != current.get(m)}
+        for page in tutorial_sources(src_dir):
+            md5 = gallery / f"{page.name}.md5"
+            uses = sorted(page_modules(page, src_dir) & changed)
+            if uses and md5.exists():
                 md5.unlink()
-                print(f"gallery_layout: {TOOLKIT} changed, {md5.name.removesuffix('.md5')} runs again")
-        record.write_text(current)
+                print(f"gallery_layout: {', '.join(uses)} changed, {page.name} runs again")
+    record.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
 
 
 def setup(app):

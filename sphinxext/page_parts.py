@@ -19,7 +19,8 @@ from docutils import nodes
 from sphinx import addnodes
 from sphinx.errors import ExtensionError
 
-from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT, reading_order_key, tutorial_sources, tutorial_stem
+from downloads import wheel_path
+from gallery_layout import GALLERY_OUT, GALLERY_SRC, reading_order_key, tutorial_sources, tutorial_stem
 
 CARDS = Path("_generated") / "cards.rst"
 CHECKED_VERSIONS = Path(".github") / "checked-versions.json"
@@ -186,15 +187,17 @@ def decorate_page(app, doctree) -> None:
         next(iter(doctree.findall(nodes.section)), doctree).append(note)
         return
     footer.parent.insert(footer.parent.index(footer), note)
-    target = f"/{GALLERY_SRC}/{TOOLKIT}"  # registered as Sphinx's :download: role registers a file
-    ref = addnodes.download_reference("", "", refdoc=docname, reftarget=target, refexplicit=True,
-                                      classes=["tutorial-toolkit-link"])
-    ref += nodes.literal("", f"{TOOLKIT_LABEL}: {TOOLKIT}", classes=["xref", "download"])
-    rel, _ = app.env.relfn2path(target, docname)
-    app.env.note_dependency(rel)
-    ref["filename"] = app.env.dlfiles.add_file(docname, rel).as_posix()
-    python = [i for i, c in enumerate(footer.children) if "sphx-glr-download-python" in c.get("classes", [])]
-    footer.insert(python[0] + 1 if python else len(footer.children), _box("toolkit", ref))
+    wheel = wheel_path(src_dir)  # the toolkit's wheel (sphinxext/downloads.py)
+    if wheel is not None:
+        target = f"/{wheel.as_posix()}"  # registered as Sphinx's :download: role registers a file
+        ref = addnodes.download_reference("", "", refdoc=docname, reftarget=target, refexplicit=True,
+                                          classes=["tutorial-toolkit-link"])
+        ref += nodes.literal("", f"{TOOLKIT_LABEL} (wheel)", classes=["xref", "download"])
+        rel, _ = app.env.relfn2path(target, docname)
+        app.env.note_dependency(rel)  # a new toolkit is a new wheel: the page is read again
+        ref["filename"] = app.env.dlfiles.add_file(docname, rel).as_posix()
+        python = [i for i, c in enumerate(footer.children) if "sphx-glr-download-python" in c.get("classes", [])]
+        footer.insert(python[0] + 1 if python else len(footer.children), _box("toolkit", ref))
     for key, (label, url) in links(app.config, stem).items():
         footer += _box(key, nodes.reference("", label, refuri=url, classes=[f"tutorial-{key}-link"]))
 
@@ -204,9 +207,10 @@ def page_context(app, pagename, templatename, context, doctree) -> None:
     stem = tutorial_stem(pagename)
     if stem is not None and doctree is not None:
         context["tutorial_links"] = links(app.config, stem)
-        if (key := Path(GALLERY_SRC, TOOLKIT)) in app.env.dlfiles:  # as decorate_page registered it
-            context["tutorial_toolkit"] = {"link": f"_downloads/{app.env.dlfiles[key][1]}",
-                                           "label": TOOLKIT_LABEL, "title": TOOLKIT}
+        wheel = wheel_path(Path(app.srcdir))
+        if wheel is not None and wheel in app.env.dlfiles:  # as decorate_page registered it
+            context["tutorial_toolkit"] = {"link": f"_downloads/{app.env.dlfiles[wheel][1]}",
+                                           "label": TOOLKIT_LABEL, "title": wheel.name}
 
 
 _REMOTE_RAW = re.compile(r"^(?P<i>[ ]*)\.\. raw:: html\n(?:\n|(?P=i)[ ]+.*\n)*", re.M)

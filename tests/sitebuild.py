@@ -25,12 +25,13 @@ SITE_FILES = [
     "index.rst",
     "toolkit.rst",
     "requirements-tutorials.txt",
+    "pyproject.toml",
     "requirements-minimum.txt",
     ".github/checked-versions.json",
     ".pyspelling.yml",
     "spelling_wordlist.txt",
 ]
-SITE_DIRS = ["sphinxext", "_static", "_templates"]
+SITE_DIRS = ["sphinxext", "_static", "_templates", TOOLKIT]  # TOOLKIT: the package the pages import
 
 
 @dataclass
@@ -56,11 +57,11 @@ def make_site(dst: Path, tutorials: list[Path] | None = None) -> Path:
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, dst / name)
     for name in SITE_DIRS:
-        shutil.copytree(REPO / name, dst / name, dirs_exist_ok=True)
+        shutil.copytree(REPO / name, dst / name, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     tut = dst / "tutorials"
     tut.mkdir(exist_ok=True)
     shutil.copy2(REPO / "tutorials" / "GALLERY_HEADER.rst", tut)
-    shutil.copy2(REPO / "tutorials" / TOOLKIT, tut)  # the module the pages import
     sources = tutorials if tutorials is not None else [REPO / "tutorials" / f"{stem}.py" for stem in STEMS]
     for path in sources:
         shutil.copy2(path, tut / path.name)

@@ -8,27 +8,26 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 
 import pytest
 import torch
 
 from sitebuild import REPO
-
-sys.path.insert(0, str(REPO / "tutorials"))
-import ragged_toolkit as tk  # noqa: E402
+from toolkit_api import MODULES, tk
 
 PAGE = REPO / "tutorials" / "data_parallel_packed_training.py"
 CORPUS_LINE = re.compile(r"corpus: (\d+) documents from (.+), lengths min (\d+), median (\d+), max (\d+)")
 TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=512)
 
 
+DATA = MODULES["ragged_toolkit.data"]
+
+
 @pytest.fixture(scope="module")
 def corpus():
-    tk._CORPUS_CACHE.clear()
-    start = time.perf_counter()
+    DATA._CORPUS.clear()
     documents, source = tk.docstring_corpus(min_chars=200, limit=3000)
-    return documents, source, time.perf_counter() - start
+    return documents, source
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +36,11 @@ def model():
     return tk.GPT(tk.GPTConfig(**TINY))
 
 
-def test_the_corpus_is_real_deterministic_quick_and_its_line_has_the_page_form(corpus):
-    documents, source, seconds = corpus
+def test_the_corpus_is_real_deterministic_and_its_line_has_the_page_form(corpus):
+    documents, source = corpus
     assert len(documents) >= 1000 and all(isinstance(d, bytes) and len(d) >= 200 for d in documents)
     assert len(set(documents)) == len(documents), "a docstring is kept once"
-    assert seconds < 5, f"reading the corpus took {seconds:.1f} s"
-    tk._CORPUS_CACHE.clear()
+    DATA._CORPUS.clear()
     assert tk.docstring_corpus(min_chars=200, limit=3000) == (documents, source), "not deterministic"
     assert "/" not in source, f"the source names a machine path: {source}"
     lengths = sorted(len(d) for d in documents)

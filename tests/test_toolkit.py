@@ -1,9 +1,8 @@
-"""The site's toolkit, the module ``tutorials/ragged_toolkit.py``: one
-vocabulary (the pages import it and define none of its names),
-``ragged_attention``'s contract on bad input and empty sequences, varlen
-keyword detection, the dtype switch, and the GPU check's CPU-side parts. The
-backends' parity with an independent float64 reference is in
-``test_toolkit_parity.py``."""
+"""The site's toolkit, the package ``ragged_toolkit/``: one vocabulary (the
+pages import it and define none of its names), ``ragged_attention``'s
+contract on bad input and empty sequences, varlen keyword detection, the
+dtype switch, and the GPU check's CPU-side parts. The backends' parity with
+an independent float64 reference is in ``test_toolkit_parity.py``."""
 
 from __future__ import annotations
 
@@ -13,19 +12,19 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
-from sitebuild import REPO, TOOLKIT, tutorial_sources
+from sitebuild import REPO, tutorial_sources
+from toolkit_api import FILES, MODULES, OWNER, defined_names
+from toolkit_api import tk as toolkit
 
 sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "tutorials"))
 import gpu_check  # noqa: E402
-import ragged_toolkit  # noqa: E402
 
-MODULE = REPO / "tutorials" / TOOLKIT
-PAGES = tutorial_sources(REPO)  # every tutorial but the toolkit module
+PAGES = tutorial_sources(REPO)
 
 
 # --- one vocabulary ---------------------------------------------------------
@@ -42,12 +41,10 @@ def _top_level(tree):
                 todo.extend(n for n in getattr(node, name, ()) if isinstance(n, ast.AST))
 
 
-def _definitions(path, own=False):
+def _definitions(path):
     """Name -> line of every function, class and variable ``path`` defines at
-    top level. ``own``: leave out the names it also imports (the module's
-    ``except ImportError`` stand-in for ``varlen_attn`` does not make it the
-    module's own)."""
-    out, imported = {}, set()
+    top level, also inside if/try/with/for blocks."""
+    out = {}
     for node in _top_level(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.setdefault(node.name, node.lineno)
@@ -56,43 +53,39 @@ def _definitions(path, own=False):
                 for name in ast.walk(target):
                     if isinstance(name, ast.Name):
                         out.setdefault(name.id, node.lineno)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return {name: line for name, line in out.items() if not (own and name in imported)}
+    return out
 
 
-# What the module defines itself, private helpers included: a page that
+# What the toolkit defines itself, private helpers included: a page that
 # defines one of these carries a copy of toolkit code.
-OWN = set(_definitions(MODULE, own=True))
-PUBLIC = {name for name in OWN if not name.startswith("_")}
+OWN = {name for path in FILES.values() for name in defined_names(path)}
 
 # Names of helpers that the pages used to define, each under its own name, for
-# what the toolkit now does once: neither the module nor a page may bring them back.
+# what the toolkit now does once: neither the toolkit nor a page may bring them back.
 RETIRED = {"time_it", "time_ms", "timeit", "compare", "zipf_lengths", "gen_batch", "peak_memory_mb",
            "peak_mib", "padding_bound", "attention_flops", "valid_mask", "attend_per_sequence",
            "ragged_from_lengths", "stop_probability", "zipf_sentence_lengths",
-           # the toolkit's own names before it became a module
-           "_sync", "_varlen_keywords", "_compiled_flex_attention"}
+           # the toolkit's own names before it became a package, and what nothing used
+           "_sync", "_varlen_keywords", "_compiled_flex_attention", "fastest", "ragged_info", "RaggedInfo"}
 
 # Only these toolkit functions may call these: timing goes through
 # ``measure``, sentence lengths through ``sentence_lengths``.
 ONLY_INSIDE = {"Timer": "measure", "geometric": "sentence_lengths"}
 
 
-def test_the_module_defines_the_names_the_pages_rely_on():
+def test_the_package_defines_the_names_the_pages_rely_on():
     assert {"ragged_attention", "reference_attention", "measure", "compare_backends", "sentence_lengths",
             "to_padded", "work_bound", "synchronize", "varlen_keywords", "compiled_flex_attention",
             "default_device", "quick_mode", "quiet_known_notes", "MultiHeadAttention",
-            "generate_packed"} <= PUBLIC
-    assert PUBLIC <= set(dir(ragged_toolkit))
+            "generate_packed", "wrap_model", "StepTimer"} <= set(OWNER)
 
 
-@pytest.mark.parametrize("path", [MODULE, *PAGES], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [*FILES.values(), *PAGES], ids=lambda p: p.stem)
 def test_one_vocabulary(path):
     defined = _definitions(path)
     retired = sorted(set(defined) & RETIRED)
     assert not retired, "\n".join(f"{path.name}:{defined[n]}: defines retired {n}" for n in retired)
-    if path != MODULE:  # a page uses the module's names; it defines none of them
+    if path not in FILES.values():  # a page uses the toolkit's names; it defines none of them
         copies = sorted(set(defined) & OWN, key=defined.get)
         assert not copies, "a page imports these from ragged_toolkit; it does not define them:\n" + \
             "\n".join(f"{path.name}:{defined[n]}: defines {n}" for n in copies)
@@ -107,7 +100,7 @@ def test_one_vocabulary(path):
 
 def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
     page = tmp_path / "page.py"
-    page.write_text("from ragged_toolkit import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
+    page.write_text("from ragged_toolkit.measure import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
                     "    return values\n\n\nif x:\n    ragged_attention = None\n")
     with pytest.raises(AssertionError, match=r"page.py:6: defines to_padded\s+page.py:11: defines ragged_attention"):
         test_one_vocabulary(page)
@@ -116,30 +109,35 @@ def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
         test_one_vocabulary(page)
     with pytest.raises(AssertionError, match="page.py does not import from ragged_toolkit"):
         test_every_page_imports_the_toolkit(page)
-    page.write_text("from ragged_toolkit import measure, time_it\n")
-    with pytest.raises(AssertionError, match=r"imports names ragged_toolkit does not define: \['time_it'\]"):
+    page.write_text("from ragged_toolkit.measure import measure, time_it\n")
+    with pytest.raises(AssertionError, match=r"imports names ragged_toolkit.measure does not define: \['time_it'\]"):
+        test_every_page_imports_the_toolkit(page)
+    page.write_text("from ragged_toolkit import measure\n")
+    with pytest.raises(AssertionError, match="imports names ragged_toolkit does not define"):
         test_every_page_imports_the_toolkit(page)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
 def test_every_page_imports_the_toolkit(page):
-    imported = set()
+    """Each name from the module that defines it (so the build knows which
+    modules a page uses); the package itself exports nothing."""
+    missing, imported = [], False
     for node in _top_level(ast.parse(page.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "ragged_toolkit":
-            imported |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.Import) and any(a.name == "ragged_toolkit" for a in node.names):
-            imported.add("*")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ragged_toolkit":
+            imported = True
+            module = MODULES.get(node.module)
+            gone = [a.name for a in node.names if module is None or not hasattr(module, a.name)
+                    or isinstance(getattr(module, a.name), types.ModuleType)]
+            assert not gone, f"{page.name} imports names {node.module} does not define: {gone}"
     assert imported, f"{page.name} does not import from ragged_toolkit"
-    missing = imported - {"*"} - set(dir(ragged_toolkit))
-    assert not missing, f"{page.name} imports names ragged_toolkit does not define: {sorted(missing)}"
 
 
 # --- the toolkit ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tk():
-    """The toolkit module, as the pages import it."""
-    return ragged_toolkit
+    """The toolkit's public names (tests/toolkit_api.py)."""
+    return toolkit
 
 
 def _batch(tk, q_lengths, kv_lengths=None, heads=4, kv_heads=4, dtype=torch.float32, seed=0):
@@ -272,8 +270,9 @@ RELEASES = {
 @pytest.mark.parametrize("release", RELEASES)
 def test_varlen_arguments_follow_the_installed_signature(tk, release, monkeypatch):
     fake, calls = _fake_varlen(RELEASES[release])
-    monkeypatch.setattr(tk, "varlen_attn", fake)
-    monkeypatch.setattr(tk, "backend_support", lambda *a, **kw: None)  # as if on a GPU
+    monkeypatch.setattr(MODULES["ragged_toolkit.attention.varlen"], "varlen_attn", fake)
+    monkeypatch.setattr(MODULES["ragged_toolkit.attention"], "backend_support",
+                        lambda *a, **kw: None)  # as if on a GPU
     # decoding: one query per sequence, 8 query heads over 2 key/value heads,
     # rows of 8 keys of which 3 and 8 are in use
     q, k, v, qo, ko = _batch(tk, [1, 1], [8, 8], heads=8, kv_heads=2, dtype=torch.bfloat16)

@@ -46,7 +46,7 @@ library, one byte per token.
 # budget of 4096 to 16384 tokens per micro-batch and rank.)
 
 import torch
-from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)  # the timed steps; the gradient check runs in float32
@@ -93,7 +93,7 @@ quiet_known_notes()
 import time
 
 import numpy as np
-from ragged_toolkit import docstring_corpus, pack_documents
+from ragged_toolkit.data import docstring_corpus, pack_documents
 
 start = time.perf_counter()
 documents, source = docstring_corpus(min_chars=MIN_CHARS, limit=CORPUS_DOCS)
@@ -131,9 +131,10 @@ print(f"{len(tokens):,} tokens; {(lengths > CONTEXT).sum()} documents cut at {CO
 # Each check runs on the right code, then on the wrong variant; the page
 # shows the message the wrong one fails with.
 
-from ragged_toolkit import (GPT, GPTConfig, Packed, check_documents_apart,
-                            check_positions, check_targets, document_targets,
-                            offsets_from_position_ids, token_index)
+from ragged_toolkit.batches import offsets_from_position_ids, token_index
+from ragged_toolkit.data import document_targets
+from ragged_toolkit.data_parallel import check_documents_apart, check_positions, check_targets
+from ragged_toolkit.gpt import GPT, GPTConfig, Packed
 
 torch.manual_seed(SEED)
 cfg = GPTConfig(**MODEL)
@@ -207,8 +208,7 @@ print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e
 # the mean of the ranks, summed over every step of the corpus: the factor by
 # which the step is longer than it would be with perfectly balanced work.
 
-from ragged_toolkit import (split_by_documents, split_by_token_budget,
-                            split_carrying_documents)
+from ragged_toolkit.data import split_by_documents, split_by_token_budget, split_carrying_documents
 
 by_documents = split_by_documents(tokens, offsets, DOCS_PER_MICRO_BATCH)
 BUDGET = int(round(np.mean([len(t) for t, _ in by_documents]) / 64)) * 64
@@ -249,7 +249,7 @@ assert imbalance(steps_budget) == 1.0, "a token budget gives every rank the same
 # The tokens each rank holds in the first steps, both ways:
 
 import matplotlib.pyplot as plt
-from ragged_toolkit import FIGURE_STYLE
+from ragged_toolkit.figures import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 3.6))
@@ -281,7 +281,7 @@ plt.show()
 # so that no kernel is generated; with inductor, each graph is compiled
 # into kernels, which takes seconds (:doc:`packed_gpt_training` times it).
 
-from ragged_toolkit import token_loss_sum
+from ragged_toolkit.data_parallel import token_loss_sum
 
 graphs = []
 
@@ -323,7 +323,7 @@ torch._dynamo.reset()
 # DDP and FSDP2 then average the gradients over the ranks; multiplying each
 # rank's loss by the world size undoes that average.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: data_parallel_step
 #
 # The reference is independent of all of it: one process, the whole batch of
@@ -332,7 +332,7 @@ torch._dynamo.reset()
 # the most uneven of the first 50 steps, since uneven target counts are where
 # a wrong normalization shows.
 
-from ragged_toolkit import one_process_gradients
+from ragged_toolkit.data_parallel import one_process_gradients
 
 grad_steps = deal(split_by_documents(tokens, offsets, GRAD_DOCS), per_rank=3)[:50]
 grad_batches = max(grad_steps, key=lambda step: imbalance([step]))  # the most uneven
@@ -381,7 +381,7 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # * ``python -m torch.distributed.run --standalone --nproc-per-node=2 worker.py FOLDER``
 # * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: run_data_parallel
 #
 # The ranks run the gradient check under DDP, under FSDP2 (``fully_shard``
@@ -392,8 +392,10 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 
 import shlex
 
-from ragged_toolkit import (backend_support, check_same_gradients, data_parallel_command,
-                            run_data_parallel)
+from ragged_toolkit.attention import backend_support
+from ragged_toolkit.data_parallel import (
+    check_same_gradients, data_parallel_command, run_data_parallel,
+)
 
 
 def train_backend(device, dtype):
@@ -495,7 +497,7 @@ if DEVICE == "cuda":
 import copy
 import os
 
-from ragged_toolkit import data_parallel_step
+from ragged_toolkit.data_parallel import data_parallel_step
 
 
 def one_process(threads, steps):

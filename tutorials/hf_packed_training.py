@@ -54,7 +54,7 @@ import inspect
 
 import torch
 import transformers
-from ragged_toolkit import from_padded, offsets_from_position_ids, to_padded
+from ragged_toolkit.batches import from_padded, offsets_from_position_ids, to_padded
 from transformers import DataCollatorWithFlattening
 
 MINIMUM_TRANSFORMERS = "4.54.0"  # the oldest release this page was checked with
@@ -86,7 +86,7 @@ for key, value in batch.items():
 # ``cu_seq_lens_q``. From the offsets, ``to_padded`` gives the padded batch
 # (one row per document) and ``from_padded`` the packed row back.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: offsets_from_position_ids
 
 values = batch["input_ids"][0]  # (T,)
@@ -115,8 +115,9 @@ print("back to the packed row:", from_padded(padded, offsets).tolist())
 # and up, thousands of documents per step.)
 
 import numpy as np
-from ragged_toolkit import TIMING_THREADS, default_device, default_dtype, quick_mode
-from ragged_toolkit import quiet_known_notes
+from ragged_toolkit.device import default_device, default_dtype, quick_mode
+from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.device import quiet_known_notes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -168,7 +169,7 @@ quiet_known_notes()
 # one name, and the check below stops the page, naming what changed, where
 # a release calls attention functions another way.
 
-from ragged_toolkit import backend_support, default_backend, ragged_attention
+from ragged_toolkit.attention import backend_support, default_backend, ragged_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -287,7 +288,7 @@ print(f"LlamaForCausalLM, {n_params / 1e6:.2f} M parameters; use_cache={config.u
 # packed row, and the padded recipe, right-padded ``(B, S)`` ids with an
 # ``attention_mask`` and the labels ``-100`` at padding.
 
-from ragged_toolkit import offsets_from_lengths, sentence_lengths
+from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
 
 
 def documents(rng, lengths, vocab):
@@ -336,7 +337,7 @@ print(f"{real} real tokens in {STEPS} batches; padded, {slots} token slots "
 # ``False`` by default), then through ours.
 # Each is compared with the reference on every real token.
 
-from ragged_toolkit import tolerances
+from ragged_toolkit.device import tolerances
 
 
 def autocast():
@@ -371,7 +372,7 @@ print(f"{HF}: packed rows with 'sdpa' attend across documents (largest logit dif
 # later one is wrong wherever attention crosses a boundary.
 
 import matplotlib.pyplot as plt
-from ragged_toolkit import FIGURE_STYLE
+from ragged_toolkit.figures import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
@@ -454,7 +455,7 @@ print(f"gradients of all {len(pairs)} parameter tensors agree "
 
 import time
 
-from ragged_toolkit import synchronize
+from ragged_toolkit.device import synchronize
 
 
 def verdict(use_cache):
@@ -509,7 +510,7 @@ print(f"ragged and padded losses agree at every step (largest relative differenc
 # ``attention_mask`` makes ``sdpa`` score the whole ``S x S`` square of
 # every row.
 
-from ragged_toolkit import training_work
+from ragged_toolkit.bound import training_work
 
 per_token = 2 * (n_params - MODEL["vocab_size"] * MODEL["hidden_size"])
 per_pair = MODEL["num_hidden_layers"] * 4 * MODEL["hidden_size"]  # 4 H D per layer
@@ -556,7 +557,7 @@ plt.show()
 
 import importlib.util
 
-from ragged_toolkit import profile_call
+from ragged_toolkit.measure import profile_call
 
 
 def training_step():

@@ -47,10 +47,10 @@ and decoding steps of fixed shape from a KV cache.
 # padding and ``is_causal`` a real token never sees a padding token, so the
 # padded layout needs no mask for training.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Packed
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Padded
 #
 # (The cache is for generation, at the end.) A tiny model on documents of
@@ -59,8 +59,9 @@ and decoding steps of fixed shape from a KV cache.
 # them, exactly the ``position_ids`` of Hugging Face's packed format.
 
 import torch
-from ragged_toolkit import GPT, GPTConfig, Packed, Padded, offsets_from_lengths
-from ragged_toolkit import to_padded, token_index
+from ragged_toolkit.batches import offsets_from_lengths
+from ragged_toolkit.gpt import GPT, GPTConfig, Packed, Padded
+from ragged_toolkit.batches import to_padded, token_index
 
 torch.manual_seed(0)
 tiny = GPT(GPTConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -91,8 +92,9 @@ print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: "
 # 2048 and up, 16 and more layers, thousands of documents per step.)
 
 import numpy as np
-from ragged_toolkit import TIMING_THREADS, default_device, default_dtype, quick_mode
-from ragged_toolkit import quiet_known_notes
+from ragged_toolkit.device import default_device, default_dtype, quick_mode
+from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.device import quiet_known_notes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -135,28 +137,28 @@ quiet_known_notes()
 # each with a residual connection; a final RMSNorm and an output layer, not
 # tied to the embedding, as in Llama.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: GPTConfig
 #
 # Attention computes q, k and v with one matmul, rotates q and k by each
 # token's position, and hands them to the layout; ``n_heads / n_kv_heads``
 # query heads share each key/value head (grouped-query attention).
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: apply_rope
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Attention
 #
 # The feed-forward network never sees the layout; the block passes it on:
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: FeedForward
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Block
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: GPT
 #
 # One copy of the model for each trainer:
@@ -182,17 +184,12 @@ print(f"{n_params / 1e6:.2f} M parameters; "
 # the prompts for generation, at the end, come from documents no step
 # trains on.
 
-from ragged_toolkit import docstring_corpus, document_targets
+from ragged_toolkit.data import as_tokens, docstring_corpus, document_targets
 
 docs, source = docstring_corpus(min_chars=2)
 doc_lengths = np.array([len(d) for d in docs])
 print(f"corpus: {len(docs)} documents from {source}, lengths min {doc_lengths.min()}, "
       f"median {int(np.median(doc_lengths))}, max {doc_lengths.max()}")
-
-
-def as_tokens(doc, limit=MODEL["max_seq_len"]):
-    """A document's bytes as token ids (n,), cut at ``limit``."""
-    return torch.frombuffer(bytearray(doc[:limit]), dtype=torch.uint8).long()
 
 
 rng = np.random.default_rng(SEED)
@@ -201,7 +198,7 @@ held_out, train_docs = order[:PROMPTS], order[PROMPTS:]
 batches, cut = [], 0
 for step in range(STEPS):
     chosen = rng.choice(train_docs, size=DOCS_PER_BATCH, replace=False)
-    pieces = [as_tokens(docs[i]) for i in chosen]
+    pieces = [as_tokens(docs[i], MODEL["max_seq_len"]) for i in chosen]
     cut += sum(len(docs[i]) > MODEL["max_seq_len"] for i in chosen)
     offsets = offsets_from_lengths([len(p) for p in pieces])
     batches.append((torch.cat(pieces).to(DEVICE), offsets.to(DEVICE)))
@@ -246,7 +243,7 @@ def padded_loss(model, tokens, offsets):
 # first batch. The packed side uses the per-sequence loop, the padded side
 # SDPA's math backend (matrix products and a softmax): no shared kernel.
 
-from ragged_toolkit import tolerances
+from ragged_toolkit.device import tolerances
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 tolerance = tolerances(DTYPE)
@@ -278,7 +275,9 @@ padded_model.zero_grad(set_to_none=True)
 # runner-up's; within the noise it keeps the site's default backend, the one
 # ``ragged_attention`` uses when none is named.
 
-from ragged_toolkit import Timing, choose, compare_backends, default_backend, print_timings
+from ragged_toolkit.attention import default_backend
+from ragged_toolkit.attention.compare import compare_backends
+from ragged_toolkit.measure import Timing, choose, print_timings
 
 q_job = torch.randn(len(tokens), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
 kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
@@ -301,7 +300,7 @@ TRAINING_BACKEND = choose(backends, default_backend(DEVICE, DTYPE), "training ba
 import functools
 import time
 
-from ragged_toolkit import synchronize
+from ragged_toolkit.device import synchronize
 from torch._dynamo.utils import counters  # counts the graphs compiled
 
 
@@ -417,7 +416,7 @@ for side, t in trainers.items():
 # attention, the causal half on both sides (the padded causal kernel skips
 # the masked half too). The backward pass scales both sides alike.
 
-from ragged_toolkit import pairs_scored, training_work
+from ragged_toolkit.bound import pairs_scored, training_work
 
 per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding
 per_pair = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim
@@ -433,7 +432,7 @@ print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, "
 # the bound: one step on the last batch, profiled at its steady state, per
 # call, beside its own median.
 
-from ragged_toolkit import where_time_goes
+from ragged_toolkit.profiles import where_time_goes
 
 if R / P / bound < 0.9:
     tokens_l, offsets_l = batches[-1]
@@ -455,7 +454,7 @@ else:
 # bound, which counts FLOPs only, does not see.
 # Those activations show in the peak memory of one step on the last batch:
 
-from ragged_toolkit import profile_call
+from ragged_toolkit.measure import profile_call
 
 tokens_l, offsets_l = batches[-1]
 for side, t in trainers.items():
@@ -487,7 +486,7 @@ print(f"packed loss {first:.3f} -> {last:.3f}, against {uniform:.2f} for a unifo
 print(f"last ten steps: packed {last:.4f}, padded {last_padded:.4f}")
 
 import matplotlib.pyplot as plt
-from ragged_toolkit import FIGURE_STYLE
+from ragged_toolkit.figures import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 every = max(STEPS // 12, 1)
@@ -532,19 +531,19 @@ plt.show()
 #   for ``capacity`` tokens per sequence; only which slots are in use
 #   differs, so packing removes no work here.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: KVCache
 #
 # The packed prefill writes sequence ``b``'s keys into rows
 # ``b * capacity ...`` of the cache seen as packed rows:
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: prefill_packed
 #
 # The padded prefill left-pads the prompts, as Hugging Face's ``generate``
 # pads them, with a causal mask that also hides the padding:
 
-from ragged_toolkit import KVCache, prefill_packed
+from ragged_toolkit.kv_cache import KVCache, prefill_packed
 
 prompt_docs = [docs[i] for i in held_out]
 
@@ -627,7 +626,8 @@ print(f"prefill with the backend chosen, {PREFILL_BACKEND}: the last-token logit
 # per token and ``4 H D`` per query-key pair and layer, on the real tokens
 # against the padded ``B x S``.
 
-from ragged_toolkit import measure, speedup_line
+from ragged_toolkit.bound import speedup_line
+from ragged_toolkit.measure import measure
 
 times = measure({"padded": padded_prefill, "packed": packed_prefill},
                 min_run_time=2 * RUN_TIME)
@@ -649,17 +649,17 @@ if times["padded"].median_ms / times["packed"].median_ms / prefill_bound < 0.9:
 # slot is a tensor, and the step's shapes never change, so one compiled
 # graph can serve every step, with no host sync. The layout both sides use:
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: CachedStep
 #
 # The packed cache holds sequence ``b`` from slot 0; the left-padded one
 # from slot ``pad[b]``, with the new tokens at the same slot for all. Each
 # token keeps its own position (for the rotary embedding) on both sides.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: decode_greedy
 
-from ragged_toolkit import call_model, decode_greedy
+from ragged_toolkit.kv_cache import call_model, decode_greedy
 
 lengths_dev = prompt_lengths.to(DEVICE)
 column = torch.full_like(lengths_dev, longest)

@@ -40,7 +40,7 @@ padding costs a linear layer, measured. The page ends with the site's
 # sentence starts, then where the last one ends.
 
 import torch
-from ragged_toolkit import from_padded, offsets_from_lengths, to_padded
+from ragged_toolkit.batches import from_padded, offsets_from_lengths, to_padded
 
 sentences = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0]), torch.tensor([5.0, 6.0, 7.0, 8.0])]
 padded = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True)  # (B, S)
@@ -67,7 +67,7 @@ print("sentence 2:", values[offsets[2]:offsets[3]])
 # shows its position in its sentence, and each sentence has its color.
 
 import matplotlib.pyplot as plt
-from ragged_toolkit import FIGURE_STYLE, draw_batch
+from ragged_toolkit.figures import FIGURE_STYLE, draw_batch
 
 plt.rcParams.update(FIGURE_STYLE)
 draw_batch([len(s) for s in sentences])
@@ -81,10 +81,10 @@ plt.show()
 # test suite; every assertion still runs.
 
 import numpy as np
-from ragged_toolkit import (
-    default_device, default_dtype, measure, quick_mode, quiet_known_notes,
-    sentence_lengths, speedup_line, zipf_stop_probability,
-)
+from ragged_toolkit.batches import sentence_lengths, zipf_stop_probability
+from ragged_toolkit.bound import speedup_line
+from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit.measure import measure
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)

@@ -52,7 +52,7 @@ transformer building blocks tutorial by
 
 import torch
 import torch.nn.functional as F
-from ragged_toolkit import ragged_attention
+from ragged_toolkit.attention import ragged_attention
 
 lengths = torch.tensor([3, 1, 4])  # keys each sequence has cached
 B, capacity, H, H_kv, D = 3, 6, 4, 2, 8
@@ -80,7 +80,7 @@ print(f"row offsets {row_offsets.tolist()}, kv_used {lengths.tolist()}: "
 # writes new keys into them (``write_rows``; ``write_columns`` is for a
 # padded batch):
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: KVCache
 #
 # Sizes
@@ -91,8 +91,8 @@ print(f"row offsets {row_offsets.tolist()}, kv_used {lengths.tolist()}: "
 # 8 key/value heads for 64 query heads, width 8192 and 80 layers.)
 
 import numpy as np
-from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit import TIMING_THREADS
+from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit.measure import TIMING_THREADS
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -131,14 +131,15 @@ quiet_known_notes()
 # short, a few are long. The model is the GPT of :doc:`packed_gpt_training`
 # (RMSNorm, rotary positions, SwiGLU), whose attention takes a *layout*:
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: GPT
 #
 # Two of them share everything but the number of key/value heads:
 # multi-head attention (MHA, one key/value head per query head) and GQA
 # (``n_heads / n_kv_heads`` query heads share each key/value head).
 
-from ragged_toolkit import GPT, GPTConfig, offsets_from_lengths, sentence_lengths
+from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
+from ragged_toolkit.gpt import GPT, GPTConfig
 
 rng = np.random.default_rng(SEED)
 prompt_lengths = sentence_lengths(rng, PROMPTS, ZIPF_ALPHA).clamp(
@@ -168,7 +169,7 @@ print(f"MHA: {mha_cfg.n_heads} query heads, {mha_cfg.n_kv_heads} key/value heads
 # The ``Packed`` layout writes each new token's key and value into its row of
 # the cache, then attends over the cache's rows with ``kv_used``:
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Packed
 #
 # ``generate_packed`` uses it twice:
@@ -180,7 +181,7 @@ print(f"MHA: {mha_cfg.n_heads} query heads, {mha_cfg.n_kv_heads} key/value heads
 #   ``lengths[b]``, written into its next row; its query sees every key its
 #   sequence has.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: generate_packed
 #
 # The loop below is ``generate_packed`` unrolled, with a check at every step:
@@ -189,7 +190,10 @@ print(f"MHA: {mha_cfg.n_heads} query heads, {mha_cfg.n_kv_heads} key/value heads
 # that this check is about the cache's bookkeeping; every backend's kernel is
 # checked against the float32 reference in the tables below.
 
-from ragged_toolkit import KVCache, Packed, token_index, tolerances
+from ragged_toolkit.batches import token_index
+from ragged_toolkit.device import tolerances
+from ragged_toolkit.gpt import Packed
+from ragged_toolkit.kv_cache import KVCache
 
 torch.manual_seed(SEED)
 history = [prompts[int(a):int(b)].tolist()
@@ -231,8 +235,10 @@ print(f"{NEW_TOKENS} steps x {PROMPTS} sequences: every cached step matches the 
 # the arithmetic) and the query-key pairs its attention scores; here it is
 # the work of the recomputation over the work of the cached generation.
 
-from ragged_toolkit import generate_packed, measure, outside_noise, pairs_scored
-from ragged_toolkit import speedup_line
+from ragged_toolkit.bound import pairs_scored
+from ragged_toolkit.kv_cache import generate_packed
+from ragged_toolkit.measure import measure, outside_noise
+from ragged_toolkit.bound import speedup_line
 
 
 @torch.no_grad()
@@ -299,7 +305,7 @@ for n_new in GEN_LENGTHS:
 # tensors are allocated and copied at every step).
 
 import matplotlib.pyplot as plt
-from ragged_toolkit import FIGURE_STYLE
+from ragged_toolkit.figures import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
@@ -325,7 +331,7 @@ plt.show()
 # the operators' own time (the kernels and their dispatch) and the rest:
 # Python, building the step's layout, and the bookkeeping between operators.
 
-from ragged_toolkit import where_time_goes
+from ragged_toolkit.profiles import where_time_goes
 
 step_cache = KVCache(gqa_cfg, PROMPTS, int(prompt_lengths.max()) + NEW_TOKENS, DEVICE,
                      DTYPE)
@@ -372,11 +378,12 @@ print(f"the step's useful arithmetic: {PROMPTS * per_token / 1e6:.1f} MFLOP of p
 # for the whole generation. The same rule as everywhere chooses between
 # eager and compiled (within the noise: eager, the site's default).
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: CachedStep
 
-from ragged_toolkit import call_model, choose, decode_greedy, prefill_packed
-from ragged_toolkit import print_timings
+from ragged_toolkit.kv_cache import call_model, decode_greedy, prefill_packed
+from ragged_toolkit.measure import choose
+from ragged_toolkit.measure import print_timings
 from torch._dynamo.utils import counters
 
 compiled_step = torch.compile(call_model, dynamic=False)
@@ -489,8 +496,10 @@ plt.show()
 
 import textwrap
 
-from ragged_toolkit import Timing, choose, compare_backends, compile_counter
-from ragged_toolkit import default_backend, print_timings
+from ragged_toolkit.attention.compare import compare_backends
+from ragged_toolkit.measure import Timing, choose, compile_counter
+from ragged_toolkit.attention import default_backend
+from ragged_toolkit.measure import print_timings
 
 capacity = int(prompt_lengths.max()) + NEW_TOKENS
 used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)
@@ -546,7 +555,8 @@ if "flex" in ran:
 # timed per decoding step, for the GQA cache laid out as
 # ``(B, H_kv, capacity, D)``.
 
-from ragged_toolkit import compiled_flex_attention, reference_attention
+from ragged_toolkit.attention.flex import compiled_flex_attention
+from ragged_toolkit.attention.reference import reference_attention
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 BLOCK = 128
@@ -667,7 +677,8 @@ except (RuntimeError, NotImplementedError) as err:
 
 import inspect
 
-from ragged_toolkit import backend_support, varlen_attn, varlen_keywords
+from ragged_toolkit.attention import backend_support
+from ragged_toolkit.attention.varlen import varlen_attn, varlen_keywords
 
 if varlen_attn is None:
     print("this PyTorch has no torch.nn.attention.varlen")

@@ -43,7 +43,7 @@ backends; and a multi-head attention layer built on both, checked against
 # starts and the last one ends. The picture draws both for one small batch.
 
 import matplotlib.pyplot as plt
-from ragged_toolkit import FIGURE_STYLE, draw_batch
+from ragged_toolkit.figures import FIGURE_STYLE, draw_batch
 
 plt.rcParams.update(FIGURE_STYLE)
 draw_batch([5, 2, 7, 3])
@@ -80,14 +80,20 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ragged_toolkit import (
-    BACKENDS, STOP_RANKS, TIMING_THREADS, MultiHeadAttention, backend_support, choose,
-    compare_backends, compile_counter, default_backend, default_device, default_dtype,
-    from_padded, measure, offsets_from_lengths, offsets_from_position_ids, quick_mode,
-    quiet_known_notes, ragged_attention, ragged_batch, reference_attention,
-    sentence_lengths, speedup_line, synchronize, to_padded, token_index, tolerances,
-    where_time_goes, work_bound, zipf_stop_probability,
+from ragged_toolkit.attention import BACKENDS, backend_support, default_backend, ragged_attention
+from ragged_toolkit.attention.compare import compare_backends
+from ragged_toolkit.attention.reference import reference_attention
+from ragged_toolkit.batches import (
+    STOP_RANKS, from_padded, offsets_from_lengths, offsets_from_position_ids, ragged_batch,
+    sentence_lengths, to_padded, token_index, zipf_stop_probability,
 )
+from ragged_toolkit.bound import speedup_line, work_bound
+from ragged_toolkit.device import (
+    default_device, default_dtype, quick_mode, quiet_known_notes, synchronize, tolerances,
+)
+from ragged_toolkit.layers import MultiHeadAttention
+from ragged_toolkit.measure import TIMING_THREADS, choose, compile_counter, measure
+from ragged_toolkit.profiles import where_time_goes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -125,7 +131,7 @@ quiet_known_notes()
 # draw with parameter ``p``: one call to a seeded ``numpy.random.Generator``
 # draws a whole batch, with no loop over words.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: sentence_lengths
 #
 # The cell checks the shortcut against drawing words one by one with a
@@ -158,10 +164,10 @@ assert cdf_gap < critical, "the geometric lengths do not match the word-by-word 
 # it: all a layer needs to build positions (rotary embeddings restart at
 # every sequence) or to pad the batch where a padded tensor is needed.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: token_index
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: to_padded
 #
 # On a batch of three, the positions ``token_index`` computes are the
@@ -194,7 +200,7 @@ print(f"lengths {offsets.diff().tolist()}: values {tuple(values.shape)}, "
 # ``kv_used`` says how many of a sequence's key rows are filled, for a cache
 # with spare room (``seqused_k`` in ``varlen_attn``).
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/attention/__init__.py
 #    :pyobject: ragged_attention
 #
 # Six backends compute it; ``backend_support`` says which can run a job here:
@@ -263,7 +269,7 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 # and interquartile range (IQR) in ms, then profiles each call once more for
 # its peak memory in MiB and the :term:`kernel that ran <kernel label>`.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/measure.py
 #    :pyobject: measure
 #
 # ``compare_backends`` runs one attention job on every backend that can take
@@ -275,7 +281,7 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 # the scores; a causal kernel scores ``L (L + 1) / 2`` pairs per sequence, a
 # merged mask the whole ``S x S`` square).
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/bound.py
 #    :pyobject: work_bound
 
 # %%
@@ -292,7 +298,7 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 # takes the default, ``default_backend`` (the per-sequence loop on a CPU,
 # ``varlen`` where it runs), the same default on every page.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/measure.py
 #    :pyobject: choose
 
 torch.manual_seed(SEED)
@@ -334,7 +340,7 @@ print(f"chosen on {DEVICE}: forward -> {FORWARD_BACKEND}, training -> {TRAINING_
 # padding. With right padding a causal query never sees a padding key, so
 # the causal padded path needs no mask at all and can use a causal kernel.
 #
-# .. literalinclude:: ../tutorials/ragged_toolkit.py
+# .. literalinclude:: ../ragged_toolkit/layers.py
 #    :pyobject: MultiHeadAttention
 #
 # ``copy_from_nn`` gives it the weights of an ``nn.MultiheadAttention``, for

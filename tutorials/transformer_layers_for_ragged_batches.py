@@ -49,7 +49,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ragged_toolkit import MultiHeadAttention
+from ragged_toolkit.layers import MultiHeadAttention
 
 
 class TransformerEncoderLayer(nn.Module):
@@ -108,8 +108,8 @@ class TransformerDecoderLayer(TransformerEncoderLayer):
 # ``nn.Transformer``'s defaults with fewer layers; :term:`quick mode` shrinks them.
 
 import numpy as np
-from ragged_toolkit import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit import TIMING_THREADS
+from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit.measure import TIMING_THREADS
 
 DEVICE, QUICK, SEED = default_device(), quick_mode(), 0
 DTYPE = default_dtype(DEVICE)
@@ -208,7 +208,8 @@ class Transformer(nn.Module):
 # ``torch.nn``'s ``in_proj_weight``, ``(3E, E)``, is our ``qkv_proj`` of
 # self-attention, split into ``q_proj`` and ``kv_proj`` for cross-attention.
 
-from ragged_toolkit import from_padded, ragged_batch, to_padded, tolerances
+from ragged_toolkit.batches import from_padded, ragged_batch, to_padded
+from ragged_toolkit.device import tolerances
 
 torch.manual_seed(SEED)  # the layers' initial weights and the random gradients below
 torch.backends.mha.set_fastpath_enabled(False)
@@ -358,8 +359,10 @@ print("eval mode: matches nn.Transformer; training mode: dropout active")
 # takes the lowest median only where its interquartile range does not
 # overlap that of the second fastest, and otherwise the default, ``default_backend``.
 
-from ragged_toolkit import choose, compare_backends, compile_counter, default_backend
-from ragged_toolkit import measure
+from ragged_toolkit.attention import default_backend
+from ragged_toolkit.attention.compare import compare_backends
+from ragged_toolkit.measure import choose, compile_counter
+from ragged_toolkit.measure import measure
 
 B, E, NHEAD, FF, LAYERS = BENCH.values()  # batch, d_model, nhead, dim_ff, layers
 rng = np.random.default_rng(SEED)
@@ -456,7 +459,7 @@ step_fns = {
 # memory token, and ``4 E`` per query-key pair: the whole square where a
 # padding mask is applied, the causal half where a causal kernel runs.
 
-from ragged_toolkit import pairs_scored, speedup_line
+from ragged_toolkit.bound import pairs_scored, speedup_line
 
 
 def stack_work(src_len, tgt_len=None, *, d_model, dim_ff, layers, padded=False):
@@ -507,7 +510,7 @@ for (model, mode), t in results.items():
 # profiles show where each side's time goes: the matrix multiplies
 # (``addmm``, ``mm``) scale with the tokens on both sides.
 
-from ragged_toolkit import where_time_goes
+from ragged_toolkit.profiles import where_time_goes
 
 for side in ("padded", "ragged"):
     print(f"transformer, forward and backward, {side}:")
@@ -525,7 +528,7 @@ for side in ("padded", "ragged"):
 # the target, 2 ends it, the symbols are ``3 .. VOCAB - 1``; the decoder
 # reads ``[BOS] + source`` and predicts ``source + [EOS]``.
 
-from ragged_toolkit import offsets_from_lengths, sentence_lengths, token_index
+from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths, token_index
 
 PAD, BOS, EOS, N_SYMBOLS = 0, 1, 2, 16
 VOCAB = 3 + N_SYMBOLS
@@ -583,7 +586,8 @@ class Seq2Seq(nn.Module):
 
 import time
 
-from ragged_toolkit import Timing, outside_noise, synchronize
+from ragged_toolkit.device import synchronize
+from ragged_toolkit.measure import Timing, outside_noise
 
 cfg = {k: TRAIN[k] for k in ("d_model", "nhead", "layers", "dim_ff")}
 torch.manual_seed(SEED)
@@ -677,7 +681,7 @@ print(f"both losses fell below 40% of their start; final losses {padded_run['las
 
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
-from ragged_toolkit import FIGURE_STYLE
+from ragged_toolkit.figures import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")

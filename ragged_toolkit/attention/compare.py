@@ -1,0 +1,51 @@
+"""One attention job on every backend that can take it here: each checked
+against the float32 reference, then all measured together."""
+
+import torch
+
+from ..device import tolerances
+from ..measure import measure, print_timings
+from . import BACKENDS, backend_support, ragged_attention
+from .reference import reference_attention
+
+
+def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
+                     backward=False, backends=BACKENDS, min_run_time=0.5):
+    """Check and time one attention job on each backend. Returns name ->
+    :class:`~ragged_toolkit.measure.Timing`, or name -> the reason
+    :func:`~ragged_toolkit.attention.backend_support` gives for not running it; prints one line per
+    backend. A backend that should run and raises, or disagrees with the
+    reference, raises, naming it: no silent fallback."""
+    gqa = q.shape[1] != k.shape[1]
+    kw = dict(is_causal=is_causal, kv_used=kv_used)
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    # the reference, and its gradients, in float32 from float32 copies
+    q32, k32, v32 = (t.detach().float().requires_grad_(backward) for t in (q, k, v))
+    reference = reference_attention(q32, k32, v32, q_offsets, kv_offsets, **kw)
+    grad_out = torch.randn_like(reference) if backward else None
+    ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out) if backward else ()
+    results, runs = {}, {}
+    for name in backends:
+        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
+        if why:
+            results[name] = why
+            continue
+
+        def run(name=name):
+            with torch.set_grad_enabled(backward):
+                out = ragged_attention(q, k, v, q_offsets, kv_offsets, backend=name, **kw)
+                grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)) if backward else ()
+            return out, grads
+
+        try:
+            out, grads = run()
+        except Exception as err:
+            raise RuntimeError(f"backend {name!r} should run this job here and raised: {err}") from err
+        for what, got, want in (("output", out, reference), *zip(("dq", "dk", "dv"), grads, ref_grads)):
+            torch.testing.assert_close(got.float(), want, **tolerances(q.dtype),
+                                       msg=lambda m, n=name, w=what: f"{n}: {w} disagrees with the reference: {m}")
+        runs[name] = run
+    results.update(measure(runs, min_run_time=min_run_time))
+    results = {name: results[name] for name in backends}
+    print_timings(results)
+    return results

@@ -1,0 +1,23 @@
+"""Dense attention on one padded block: the SDPA call the loop, bucketed and
+padded backends make, and the causal mask of a block with more keys than
+queries."""
+
+import torch
+import torch.nn.functional as F
+
+
+def bottom_right_causal(lq, lkv, device):
+    """(lq, lkv), True where a query may see a key; aligned bottom-right, as in
+    FlashAttention and ``varlen_attn``: the last query sees every key."""
+    return torch.ones(lq, lkv, dtype=torch.bool, device=device).tril(lkv - lq)
+
+
+def dense_attention(q, k, v, is_causal, scale, mask=None):
+    """SDPA on q (N, H, Lq, D) and k, v (N, H_kv, Lkv, D); ``mask``, if given,
+    holds everything a query may see. Every query has at least one key."""
+    lq, lkv, gqa = q.shape[-2], k.shape[-2], q.shape[1] != k.shape[1]
+    if mask is None and is_causal and lq == lkv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if mask is None and is_causal and lq > 1:
+        mask = bottom_right_causal(lq, lkv, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,34 @@
+"""The reference every backend is checked against: attention in float32,
+sequence by sequence, on SDPA's math backend."""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .dense import bottom_right_causal
+from .plan import plan_batch
+
+
+def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None, scale=None):
+    """The attention of :func:`~ragged_toolkit.attention.ragged_attention` in
+    float32, sequence by sequence, on the math backend of SDPA, with key/value
+    heads repeated and the causal mask built explicitly: a reference that
+    shares no kernel with the backends. Returns (T_q, H, D) in float32."""
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    plan = plan_batch(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    q_start, kv_start = q_offsets.tolist(), kv_offsets.tolist()
+    with sdpa_kernel(SDPBackend.MATH):
+        for i, (lq, lkv) in enumerate(zip(plan.q_lengths, plan.kv_lengths)):
+            if lq and lkv:
+                qi = q[q_start[i] : q_start[i] + lq].float().transpose(0, 1)  # (H, Lq, D)
+                ki, vi = (
+                    t[kv_start[i] : kv_start[i] + lkv].float().repeat_interleave(group, 1).transpose(0, 1)
+                    for t in (k, v)
+                )  # (H, Lkv, D)
+                mask = bottom_right_causal(lq, lkv, q.device) if is_causal else None
+                out[q_start[i] : q_start[i] + lq] = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=scale
+                ).transpose(0, 1)
+    return out

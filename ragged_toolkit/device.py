@@ -1,0 +1,73 @@
+"""The device and dtype a page computes in, the tolerances that go with the
+dtype, the test suite's quick mode, and quiet logs."""
+
+import logging
+import os
+import warnings
+
+import torch
+
+
+def default_device():
+    """``"cuda"`` where a GPU is present, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device):
+    """The dtype a page computes in: ``bfloat16`` on CUDA (``float16`` on a GPU
+    without it), ``float32`` on CPU. ``TUTORIALS_DTYPE`` overrides it, so the
+    low-precision paths can be exercised on a CPU too."""
+    name = os.environ.get("TUTORIALS_DTYPE")
+    if name:
+        if name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}"
+            )
+        return getattr(torch, name)
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    print("This GPU has no bfloat16: the page runs in float16 instead.")
+    return torch.float16
+
+
+def tolerances(dtype):
+    """``assert_close`` tolerances for results computed in ``dtype``."""
+    return {
+        torch.float32: dict(atol=1e-4, rtol=1e-4),
+        torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+        torch.float16: dict(atol=5e-3, rtol=5e-3),
+    }[dtype]
+
+
+def quick_mode():
+    """Whether ``TUTORIALS_QUICK=1`` asks for the small sizes of the test suite."""
+    return os.environ.get("TUTORIALS_QUICK") == "1"
+
+
+def synchronize():
+    """Wait for the GPU, where there is one, before a clock is read."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _DropNotes(logging.Filter):
+    def filter(self, record):
+        return not record.getMessage().startswith(
+            ("is_fx_tracing", "Failed to pickle cache key")
+        )
+
+
+def quiet_known_notes():
+    """Hide messages PyTorch prints that say nothing about a page's code: the
+    prototype notice of nested tensors, inductor's note about caching nested
+    graphs, a torch.fx note that building a block mask triggers, and the
+    profiler's log lines."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    warnings.filterwarnings("ignore", message=r".*nested tensors is in prototype stage")
+    warnings.filterwarnings(
+        "ignore", message=r".*does not implement _stable_hash_for_caching"
+    )
+    for name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
+        logging.getLogger(name).addFilter(_DropNotes())

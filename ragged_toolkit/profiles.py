@@ -1,0 +1,102 @@
+"""Where a call's time goes: a profile of its steady state, per call, beside
+its timed median, with the profiler's own overhead estimated."""
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .device import synchronize
+from .measure import TIMING_THREADS, cpu_threads, measure
+
+_OVERHEAD_US = []
+
+
+def profiler_overhead_us():
+    """What the profiler adds per operator it records, in microseconds: a
+    loop of trivial operators timed with and without it (measured once)."""
+    if not _OVERHEAD_US:
+        from torch.profiler import ProfilerActivity, profile
+
+        x, n, best = torch.zeros(1), 2000, []
+        with cpu_threads(TIMING_THREADS):
+            for profiled in (False, True, False, True):
+                with profile(activities=[ProfilerActivity.CPU]) if profiled else cpu_threads(None):
+                    start = time.perf_counter()
+                    for _ in range(n):
+                        x.add_(0)
+                    best.append(time.perf_counter() - start)
+        plain, profiled = min(best[0::2]), min(best[1::2])
+        _OVERHEAD_US.append(max(profiled - plain, 0.0) / n * 1e6)
+    return _OVERHEAD_US[0]
+
+
+@dataclass
+class Profile:
+    """A profile of ``calls`` steady-state calls (after warm-up), per call: the
+    wall time under the profiler, the operators' own time summed, the
+    operators recorded and the profiler's estimated overhead for them, the
+    median of the timing without the profiler it describes, and the top
+    operators as (name, ms per call, share of the operators' time, calls per call)."""
+
+    calls: int
+    wall_ms: float
+    self_ms: float
+    events: float
+    overhead_ms: float
+    median_ms: float
+    rows: list
+
+    def __str__(self):
+        lines = [
+            f"  per call, {self.calls} calls after warm-up: {self.wall_ms:.2f} ms under the "
+            f"profiler, of which up to about {self.overhead_ms:.2f} ms is its overhead",
+            f"  ({self.events:.0f} operators); the timed median is {self.median_ms:.2f} ms. "
+            f"Operators' own time: {self.self_ms:.2f} ms per call",
+        ]
+        lines += [f"  {name[:52]:52s} {ms:8.3f} ms {share:5.1f}%  x{count:g}"
+                  for name, ms, share, count in self.rows]
+        return "\n".join(lines)
+
+
+def where_time_goes(fn, top=6, *, timing=None, warmup=1, threads=TIMING_THREADS):
+    """Profile ``fn`` at its steady state, as it was timed: ``warmup`` calls
+    first, then enough calls for about 0.2 s, with ``threads``; every figure
+    is per call. ``timing``: the :class:`~ragged_toolkit.measure.Timing` of
+    ``fn`` from ``measure`` (else ``fn`` is timed here), whose median the
+    profile is printed beside. Returns a :class:`Profile`; printed, the
+    operators that took most time."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import ProfilerActivity, profile
+
+    overhead_us = profiler_overhead_us()
+    if timing is None:
+        timing = measure({"fn": fn}, min_run_time=0.2, profile=False, threads=threads)["fn"]
+    calls = int(min(50, max(1, 200 / max(timing.median_ms, 1e-3))))
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with cpu_threads(threads):
+        for _ in range(warmup):
+            fn()
+        synchronize()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            synchronize()
+            wall = time.perf_counter() - start
+    rows = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in rows) or 1
+    events = sum(e.count for e in rows) / calls
+    return Profile(
+        calls=calls,
+        wall_ms=wall * 1e3 / calls,
+        self_ms=sum(e.self_cpu_time_total for e in rows) / 1e3 / calls,
+        events=events,
+        overhead_ms=events * overhead_us / 1e3,
+        median_ms=timing.median_ms,
+        rows=[(e.key, own(e) / 1e3 / calls, 100 * own(e) / total, e.count / calls)
+              for e in sorted(rows, key=own, reverse=True)[:top]],
+    )

@@ -211,7 +211,7 @@ def run_page(python: Path, page: Path | None, workdir: Path) -> tuple[int, str, 
     out = workdir / "warnings.json"
     # the pages import the toolkit module that lies beside them
     env = {**os.environ, "TUTORIALS_QUICK": "1", "MPLBACKEND": "agg", "PYTHONWARNINGS": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tutorials"), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [str(python), "-c", RUNNER, str(out), str(page or ""), "0" if page else "1"],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT_S)

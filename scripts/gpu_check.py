@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         return 1
     # the pages import the toolkit module that lies beside them
     env = {**os.environ, "MPLBACKEND": "agg", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tutorials"), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results, total = [], time.perf_counter()
     for path in pages:
         missing = missing_packages(path)

@@ -11,9 +11,9 @@ clipped behind a scroll bar, so this script lists every one:
   rendered as paragraphs) and not what Sphinx-Gallery leaves out
   (``# sphinx_gallery_...`` config comments, ``start_ignore``/``end_ignore``
   blocks);
-* in the toolkit module beside the pages (``tutorials/ragged_toolkit.py``),
-  every line: the pages show its functions whole, comments and docstrings
-  included (``literalinclude`` with ``:pyobject:``).
+* in the toolkit's modules (``ragged_toolkit/``), every line: the pages show
+  their functions whole, comments and docstrings included
+  (``literalinclude`` with ``:pyobject:``).
 
 ``python scripts/line_widths.py [FILE ...]`` prints ``file:line: length``
 for each line longer than ``MAX_CHARS`` (``--max N`` to choose another
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
-from gallery_layout import GALLERY_SRC, TOOLKIT, tutorial_sources  # noqa: E402
+from gallery_layout import GALLERY_SRC, TOOLKIT, toolkit_modules, tutorial_sources  # noqa: E402
 
 # Monospace characters a code or output block holds at a 1280 px window:
 # measured in Chromium, in DejaVu Sans Mono (as wide as the widest of the
@@ -72,19 +72,19 @@ def long_lines(path: Path, limit: int = MAX_CHARS) -> list[tuple[int, int]]:
     """``(line number, length)`` of each shown code line of ``path`` longer
     than ``limit``."""
     path = Path(path)
-    lines = (list(enumerate(path.read_text().splitlines(), 1)) if path.name == TOOLKIT
-             else page_code_lines(path))
+    toolkit = path.resolve().is_relative_to(ROOT / TOOLKIT)
+    lines = list(enumerate(path.read_text().splitlines(), 1)) if toolkit else page_code_lines(path)
     return [(n, len(text.rstrip())) for n, text in lines if len(text.rstrip()) > limit]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", type=Path,
-                        help=f"default: {GALLERY_SRC}/*.py (the pages and {TOOLKIT})")
+                        help=f"default: {GALLERY_SRC}/*.py and {TOOLKIT}/ (the pages and the toolkit)")
     parser.add_argument("--max", type=int, default=MAX_CHARS,
                         help=f"the most characters a line may have (default {MAX_CHARS})")
     args = parser.parse_args(argv)
-    files = args.files or [*tutorial_sources(ROOT), ROOT / GALLERY_SRC / TOOLKIT]
+    files = args.files or [*tutorial_sources(ROOT), *toolkit_modules(ROOT).values()]
     found = 0
     for path in files:
         shown = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path

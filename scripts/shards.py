@@ -30,7 +30,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sphinxext"))
-from gallery_layout import GALLERY_SRC, TOOLKIT, tutorial_files  # noqa: E402
+from gallery_layout import GALLERY_SRC, tutorial_files  # noqa: E402
 
 DEFAULT_SECONDS = 120.0  # a tutorial never timed before
 
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "plan":
-        stems = sorted(p.stem for p in args.tutorials.glob("*.py") if p.name != TOOLKIT)
+        stems = sorted(p.stem for p in args.tutorials.glob("*.py"))
         if not stems:
             ap.error(f"no tutorials in {args.tutorials}")
         print(json.dumps(plan(stems, load_durations(args.durations), args.shards, args.gpu_shards)))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import builtins
-import importlib.metadata
 import io
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -212,38 +213,74 @@ def test_a_fresh_peak_is_the_pages_own_and_the_page_begins_seeded_and_stamped(tm
     assert draw == torch.rand(1).item()
 
 
-# --- the notebook's first cell ----------------------------------------------
+# --- the notebook's install cell --------------------------------------------
 
-def _run_cell(monkeypatch, installed: dict[str, str]):
-    calls = []
-    installed = dict(installed)
+def _pip_arguments(cell: str, folder: Path) -> list[str]:
+    """What the cell asks ``%pip install`` for, run in ``folder`` (as IPython
+    runs it: the magic becomes a call of ``get_ipython().run_line_magic``)."""
+    from IPython.core.inputtransformer2 import TransformerManager
 
-    def check_call(cmd, **kwargs):
-        calls.append(cmd)
-        for req in cmd[cmd.index("--quiet") + 1:]:
-            name, minimum = req.split(">=")
-            installed[name] = minimum
+    calls, namespace = [], {}
 
-    def version(name):
-        if name not in installed:
-            raise importlib.metadata.PackageNotFoundError(name)
-        return installed[name]
+    class Shell:
+        def run_line_magic(self, name, line):  # IPython expands {name} from the namespace first
+            calls.append((name, line.format_map(namespace)))
 
-    monkeypatch.setattr(importlib.metadata, "version", version)
-    monkeypatch.setattr(subprocess, "check_call", check_call)
-    source = downloads.install_cell(REPO / "requirements-minimum.txt")
-    exec(compile(source, "first_cell", "exec"), {})
-    return [c[c.index("--quiet") + 1:] for c in calls]
+    python = TransformerManager().transform_cell(cell)
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        namespace["get_ipython"] = Shell
+        exec(compile(python, "install_cell", "exec"), namespace)  # noqa: S102
+    finally:
+        os.chdir(here)
+    assert [name for name, _ in calls] == ["pip"], calls
+    return calls[0][1].split()
 
 
-def test_notebook_cell_installs_only_what_is_missing_or_too_old(monkeypatch):
+def test_install_cell_asks_pip_for_the_minimums_and_the_wheel_beside_it_else_the_sites(tmp_path):
     mins = dict(downloads.minimums(REPO / "requirements-minimum.txt"))
     assert mins["torch"] == "2.11.0"
-    newer = {"torch": "2.15.0+cu128", "numpy": "2.4.6", "matplotlib": "3.11.2"}
-    assert _run_cell(monkeypatch, newer) == [], "a newer torch must not be replaced"
-    assert _run_cell(monkeypatch, {**newer, "torch": "2.11.0"}) == []
-    old = {"torch": "2.10.1", "numpy": "2.4.6"}  # and no matplotlib
-    assert _run_cell(monkeypatch, old) == [[f"torch>={mins['torch']}", f"matplotlib>={mins['matplotlib']}"]]
+    cell = downloads.install_cell(REPO / "requirements-minimum.txt", "a_page", "tk-1.0-py3-none-any.whl",
+                                  "https://site/_downloads/x/tk-1.0-py3-none-any.whl")
+    assert len(cell.splitlines()) <= 8, "the install cell fills the screen"
+    # pip keeps an installed release that satisfies name>=minimum (a newer
+    # PyTorch is not replaced) and installs only what is missing or older
+    wanted = [f'"{name}>={version}"' for name, version in mins.items() if name != "transformers"]
+    args = _pip_arguments(cell, tmp_path)
+    assert args == ["install", "--quiet", *wanted, "https://site/_downloads/x/tk-1.0-py3-none-any.whl"], args
+    (tmp_path / "tk-1.0-py3-none-any.whl").write_bytes(b"")  # the page's zip: the wheel beside it
+    assert _pip_arguments(cell, tmp_path)[-1] == "tk-1.0-py3-none-any.whl"
+
+
+def test_the_packages_dependencies_are_the_minimums():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    mins = dict(downloads.minimums(REPO / "requirements-minimum.txt"))
+    for requirement in project["dependencies"] + project["optional-dependencies"]["figures"]:
+        name, version = requirement.split(">=")
+        assert mins.get(name) == version, f"pyproject.toml asks {requirement}, requirements-minimum.txt {mins}"
+
+
+def test_the_wheel_installs_and_changes_with_the_toolkit(tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "ragged_toolkit", site / "ragged_toolkit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(REPO / "pyproject.toml", site)
+    name, data = downloads.wheel_bytes(site)
+    assert downloads.wheel_bytes(site) == (name, data), "not the same bytes for the same sources"
+    assert re.fullmatch(r"ragged_toolkit-1\.0\.0\+[0-9a-f]{10}-py3-none-any\.whl", name), name
+    (site / "ragged_toolkit" / "device.py").write_text((site / "ragged_toolkit" / "device.py").read_text() + "\n")
+    assert downloads.wheel_bytes(site)[0] != name, "a changed toolkit keeps its version: pip would not update it"
+    (tmp_path / name).write_bytes(data)
+    target = tmp_path / "installed"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                           "--target", str(target), str(tmp_path / name)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    installed = {p.relative_to(target).as_posix() for p in target.rglob("*.py")}
+    assert installed == {p.relative_to(REPO).as_posix() for p in (REPO / "ragged_toolkit").rglob("*.py")}
+    metadata = next(target.glob("*.dist-info")).joinpath("METADATA").read_text()
+    assert "Requires-Dist: torch>=2.11.0" in metadata and 'extra == "figures"' in metadata, metadata
 
 
 def test_minimums_agree_with_the_pins():
@@ -501,8 +538,13 @@ def test_markdown_of_roles():
              "`what Sphinx-Gallery makes of :ref: <sphx_glr_x.py>`, ``:term:`literal```.\n")
     assert md == ("*ragged batch*, *batches*, *the intro*, *label*, *the gallery*, *toolkit*, launch, "
                   "*what Sphinx-Gallery makes of :ref:*, ``:term:`literal```.\n")
-    titled = downloads.rst_to_markdown(":ref:`x <lbl>` and :doc:`page`", titles=lambda target: "T")
-    assert titled == "*x* and *T*\n"
+    # with the published site known, they stay links to its pages
+    site = {("ref", "lbl"): ("The section", "https://site/a.html#lbl"), ("doc", "page"): ("T", "https://site/p.html"),
+            ("term", "offsets"): (None, "https://site/intro.html#term-offsets")}
+    linked = downloads.rst_to_markdown(":ref:`x <lbl>`, :ref:`lbl`, :doc:`page`, :term:`offsets`, :doc:`gone`",
+                                       links=lambda kind, target: site.get((kind, target), (None, None)))
+    assert linked == ("[x](https://site/a.html#lbl), [The section](https://site/a.html#lbl), "
+                      "[T](https://site/p.html), [offsets](https://site/intro.html#term-offsets), *gone*\n")
 
 
 def test_markdown_leaves_code_alone_and_is_idempotent():
@@ -530,17 +572,17 @@ def _nb(*cells):
                       for kind, src in cells], "metadata": {}, "nbformat": 4, "nbformat_minor": 0}
 
 
-def test_notebook_for_download_writes_the_toolkit_second_and_drops_empty_cells():
-    nb = _nb(("code", "install()"), ("markdown", "\n# Title\n\n.. a comment\n\n   <b>x</b>\n"),
-             ("code", ""), ("markdown", "See :term:`offsets`.\n"), ("code", "from ragged_toolkit import f\n"))
-    out = downloads.notebook_for_download(nb, MODULE_TEXT)
+def test_notebook_for_download_opens_with_the_title_then_installs_and_drops_empty_cells():
+    nb = _nb(("markdown", "\n# Title\n\n.. a comment\n\n   <b>x</b>\n"), ("code", ""),
+             ("markdown", "See :term:`offsets`.\n"), ("code", "from ragged_toolkit.batches import f\n"))
+    install = downloads.INSTALL_HEAD + " ...\n%pip install x"
+    out = downloads.notebook_for_download(nb, install)
     kinds = [(c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"]))
              for c in out["cells"]]
-    assert kinds == [("code", "install()"), ("code", f"%%writefile ragged_toolkit.py\n{MODULE_TEXT}"),
-                     ("markdown", "# Title\n"), ("markdown", "See *offsets*.\n"),
-                     ("code", "from ragged_toolkit import f\n")]
-    assert downloads.notebook_for_download(out, MODULE_TEXT) == out
-    assert nb["cells"][2]["source"] == [""], "the input notebook was changed"
+    assert kinds == [("markdown", "# Title\n"), ("code", install), ("markdown", "See *offsets*.\n"),
+                     ("code", "from ragged_toolkit.batches import f\n")]
+    assert downloads.notebook_for_download(out, install) == out
+    assert nb["cells"][1]["source"] == [""], "the input notebook was changed"
     import nbformat
     nbformat.validate(nbformat.reads(downloads.dump_notebook(out), as_version=4))
 
@@ -555,11 +597,15 @@ from __future__ import annotations
 
 # %%
 # Text.
-from ragged_toolkit import Pair, fails
+import sys
+
+from ragged_toolkit.pairs import Pair, fails
 
 print(Pair(1, 2))
 '''
-DATACLASS_TOOLKIT = '''"""A toolkit with a dataclass and a backslash: \\\\d+."""
+CARRIED = {
+    "ragged_toolkit/__init__.py": '"""The package: a backslash \\\\d+ and a dataclass below."""\n',
+    "ragged_toolkit/pairs.py": '''"""Pairs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -573,32 +619,31 @@ class Pair:
 
 def fails():
     raise ValueError("from the toolkit\\n")
-'''
+''',
+}
 
 
-def test_carry_toolkit_after_docstring_and_future_import(tmp_path):
-    out = downloads.carry_toolkit(SCRIPT, DATACLASS_TOOLKIT)
-    assert downloads.carry_toolkit(out, DATACLASS_TOOLKIT) == out, "not idempotent"
+def test_carry_toolkit_keeps_the_page_first_and_carries_the_modules_at_the_end():
+    out = downloads.carry_toolkit(SCRIPT, CARRIED)
+    assert downloads.carry_toolkit(out, CARRIED) == out, "not idempotent"
     lines = out.splitlines()
-    assert lines[:5] == ['"""', "A page", "======", '"""', "from __future__ import annotations"]
-    assert lines[6].startswith(downloads.BEGIN)
-    assert out.index(downloads.END) < out.index("# sphinx_gallery_tags")
+    assert lines[:11] == SCRIPT.splitlines()[:11], "the page's docstring and code come first"
+    at = lines.index("from ragged_toolkit.pairs import Pair, fails")
+    assert "\n".join(lines[at - 3:at]) == downloads.LOADER.rstrip("\n"), "the loader is not right before the import"
+    assert out.index("\n" + downloads.BEGIN + "\n") > out.index("print(Pair(1, 2))") and out.rstrip().endswith(downloads.END)
     with pytest.raises(ValueError, match="cannot be carried"):  # the delimiter is not free
-        downloads.source_literal(DATACLASS_TOOLKIT + "x = '''y'''\n")
+        downloads.source_literal("x = \'\'\'y\'\'\'\n")
 
 
-def test_carried_toolkit_runs_alone_with_dataclasses_and_shows_its_lines_in_tracebacks(tmp_path):
-    toolkit = DATACLASS_TOOLKIT
-    assert downloads.source_literal(toolkit).startswith("r'''")
-    assert downloads.source_literal(toolkit.replace('"""', "'")).startswith("r'''")
-    for bad in ("x = '''a'''\n", "x = 1\r\n", "s = 'a'", "x = 1  # \\"):
+def test_carried_toolkit_runs_alone_and_shows_its_lines_in_tracebacks(tmp_path):
+    for bad in ("x = \'\'\'a\'\'\'\n", "x = 1\r\n", "s = \'a\'", "x = 1  # \\"):
         with pytest.raises(ValueError, match="cannot be carried"):
             downloads.source_literal(bad)
     script = tmp_path / "page.py"
-    script.write_text(downloads.carry_toolkit(SCRIPT + "fails()\n", toolkit))
+    script.write_text(downloads.carry_toolkit(SCRIPT + "fails()\n", CARRIED))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.stdout == "Pair(a=1, b=2)\n", proc.stderr
-    assert 'File "ragged_toolkit.py", line 14, in fails' in proc.stderr, proc.stderr
+    assert re.search(r'File ".*/ragged_toolkit/pairs.py", line 14, in fails', proc.stderr), proc.stderr
     assert 'raise ValueError("from the toolkit\\n")' in proc.stderr, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.py"], "it wrote beside the script"

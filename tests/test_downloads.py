@@ -21,21 +21,23 @@ of 4.8e-07) must match exactly.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
+import zipfile
 from pathlib import Path
-
-import shutil
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
 from pages import soup
-from sitebuild import FIXTURES, STEMS, TOOLKIT, Build, build, make_site
-from test_real_site import module_source, notebook_problems
+from sitebuild import FIXTURES, STEMS, Build, build, make_site
+from test_real_site import notebook_problems, toolkit_wheel
 
 pytestmark = [pytest.mark.notebook, pytest.mark.lowprecision]
 
@@ -78,40 +80,63 @@ def alone(download: Path, folder: Path) -> Path:
     return Path(shutil.copy2(download, folder / download.name))
 
 
+def without_toolkit(folder: Path) -> Path:
+    """The python of a new virtual environment that sees this environment's
+    packages (a path file naming its site-packages) but not what their own
+    path files add, such as the editable install of the toolkit."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
 def run_alone(site, stem: str, tmp_path: Path, monkeypatch, env: dict[str, str]):
-    """The page's downloaded .py (plain python) and notebook (a fresh kernel),
-    each alone in an empty folder and run there, with no PYTHONPATH; returns
-    the script's process and the executed notebook."""
+    """The page's downloaded .py (plain python) alone in an empty folder, and
+    its notebook (a fresh kernel) in a folder with what its zip holds, both
+    where the toolkit is not installed, with no PYTHONPATH; returns the
+    script's process, the executed notebook and that environment's python."""
     clean = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "PYTHONPATH")}
-    probe = subprocess.run([sys.executable, "-c", "import ragged_toolkit"], cwd=tmp_path,
+    python = without_toolkit(tmp_path / "env")
+    probe = subprocess.run([str(python), "-c", "import torch, ragged_toolkit"], cwd=tmp_path,
                            env=clean, capture_output=True, text=True)
-    assert probe.returncode != 0, "the toolkit is importable without any download: the test proves nothing"
+    assert "No module named 'ragged_toolkit'" in probe.stderr, "the toolkit is importable: the test proves nothing"
 
     # The script runs while the notebook runs (each mostly on one core).
     script = alone(downloaded(site, stem, ".py"), tmp_path / "py")
-    running = subprocess.Popen([sys.executable, script.name], cwd=script.parent, stdout=subprocess.PIPE,
+    running = subprocess.Popen([str(python), script.name], cwd=script.parent, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env={**clean, **env})
 
-    # The notebook, on a fresh kernel whose folder holds nothing else; its
-    # first cell is the install cell, its second writes the toolkit.
-    notebook = alone(downloaded(site, stem, ".ipynb"), tmp_path / "nb")
+    # The notebook, on a fresh kernel of that environment, in the page's zip
+    # unpacked: the notebook and the toolkit's wheel (and the .py).
+    folder = tmp_path / "nb"
+    with zipfile.ZipFile(downloaded(site, stem, ".zip")) as zf:
+        zf.extractall(folder)
+    kernels = tmp_path / "jupyter" / "kernels" / "without-toolkit"
+    kernels.mkdir(parents=True)
+    (kernels / "kernel.json").write_text(json.dumps({
+        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "without the toolkit", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    notebook = folder / f"{stem}.ipynb"
     nb = nbformat.read(notebook, as_version=4)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
     monkeypatch.delenv("PYTHONPATH", raising=False)
     try:
-        NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
-                       resources={"metadata": {"path": str(notebook.parent)}}).execute()
+        NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="without-toolkit",
+                       resources={"metadata": {"path": str(folder)}}).execute()
         stdout, stderr = running.communicate(timeout=TIMEOUT_S)
     finally:
         running.kill()
     proc = subprocess.CompletedProcess(running.args, running.returncode, stdout, stderr)
     assert proc.returncode == 0, f"{stem}.py failed, alone in a folder:\n{proc.stderr[-5000:]}"
-    assert not (script.parent / TOOLKIT).exists(), f"{stem}.py wrote {TOOLKIT} instead of carrying it"
-    written = notebook.parent / TOOLKIT
-    assert written.is_file(), f"{stem}.ipynb did not write {TOOLKIT} into its folder"
-    assert written.read_text(encoding="utf-8") == module_source(site), f"{stem}.ipynb wrote another {TOOLKIT}"
+    assert [p.name for p in script.parent.iterdir()] == [script.name], f"{stem}.py wrote beside itself"
+    installed = subprocess.run([str(python), "-c", "import ragged_toolkit; print(ragged_toolkit.__file__)"],
+                               capture_output=True, text=True, env=clean)
+    assert str(tmp_path / "env") in installed.stdout, f"{stem}.ipynb did not install the toolkit: {installed}"
     return proc, nb
 
 
@@ -125,7 +150,7 @@ def test_downloaded_py_and_notebook_run_and_agree(real_site, stem, tmp_path, mon
     assert "error" not in pip_out.lower(), f"{stem}: the install cell failed:\n{pip_out}"
     printed = "".join(
         o.get("text", "")
-        for c in nb.cells if c.cell_type == "code" and c is not first and not c.source.startswith("%%writefile")
+        for c in nb.cells if c.cell_type == "code" and c is not first
         for o in c.outputs if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
     a, b = comparable(proc.stdout), comparable(printed)
@@ -159,21 +184,23 @@ def test_fixture_downloads_run_alone_and_the_notebook_reads_as_the_page(toolkit_
     proc, nb = run_alone(toolkit_site, "uses_toolkit", tmp_path, monkeypatch, {"MPLBACKEND": "agg"})
     assert "offsets: [0, 3, 4, 8]" in proc.stdout
     outputs = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells if c.cell_type == "code"]
-    assert outputs[1] == f"Writing {TOOLKIT}\n" and "offsets: [0, 3, 4, 8]" in outputs[-1], outputs
+    assert "offsets: [0, 3, 4, 8]" in outputs[-1], outputs
 
-    assert not notebook_problems(nb, module_source(toolkit_site)), notebook_problems(nb, module_source(toolkit_site))
+    assert not notebook_problems(nb), notebook_problems(nb)
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    site = "https://ragged-transformers.github.io/tutorials/"
     for made in ("**What you will learn**\n\n* That a downloaded page runs alone",  # grid and cards
-                 "A *ragged batch* is packed values",  # :term:
-                 "more on\n*this page* and in\n*the gallery*",  # :ref: and :doc:
+                 f"A [ragged batch]({site}auto_tutorials/uses_toolkit.html#term-ragged-batch) is packed",  # :term:
+                 f"more on\n[this page]({site}auto_tutorials/uses_toolkit.html",  # :ref:
+                 f"[the gallery]({site}auto_tutorials/index.html)",  # :doc:
                  "```python\ndef offsets_from_lengths(",  # literalinclude :pyobject:
                  "**ragged batch**\n\nSequences of different lengths"):  # glossary
         assert made in text, f"not in the notebook: {made!r}"
     assert "fixture-only" not in text and "octicon" not in text and "currentmodule" not in text  # dropped
 
-    # The side bar and the footer each link the toolkit the page ran with.
+    # The side bar and the footer each link the toolkit's wheel.
     html = toolkit_site.html / "auto_tutorials" / "uses_toolkit.html"
     for selector in (".sphx-glr-footer", ".tutorial-toolkit"):
         links = [a["href"] for a in soup(html).select(f"{selector} a.tutorial-toolkit-link")]
-        assert len(links) == 1 and (html.parent / links[0]).resolve().read_text() == module_source(toolkit_site), \
+        assert len(links) == 1 and (html.parent / links[0]).resolve().read_bytes() == toolkit_wheel(toolkit_site), \
             (selector, links)

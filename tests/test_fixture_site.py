@@ -228,18 +228,27 @@ def test_reading_order_ignores_missing_and_appends_unlisted(monkeypatch):
 
 # --- what makes a page run again ---------------------------------------------
 
-def test_a_toolkit_change_runs_every_page_again_and_no_change_runs_nothing(tmp_path):
-    site = make_site(tmp_path / "site", tutorials=TINY)
+MODULE_PAGES = sorted((FIXTURES / "modules").glob("*.py"))  # uses_batches, uses_measure
+
+
+def test_a_changed_module_runs_again_only_the_pages_that_import_it(tmp_path):
+    """Each page's toolkit modules are read from its imports (and theirs): a
+    change to ``device`` runs the page that imports ``measure`` (which imports
+    ``device``) and no other; a change to ``batches`` only its page; no change,
+    nothing. A build that ran every page again fails this test."""
+    site = make_site(tmp_path / "site", tutorials=[*MODULE_PAGES, FIXTURES / "tutorials" / "tiny_text.py"])
     assert build(site).returncode == 0
     again = build(site)
     assert again.returncode == 0 and "successfully executed 0 out of" in again.log, again.log[-3000:]
-    toolkit = site / "tutorials" / TOOLKIT
-    toolkit.write_text(toolkit.read_text() + "\n# changed\n")
-    changed = build(site)
-    assert changed.returncode == 0, changed.log[-3000:]
-    assert f"successfully executed {len(TINY)} out of {len(TINY)} files" in changed.log, changed.log[-3000:]
-    for path in TINY:
-        assert f"{TOOLKIT} changed, {path.name} runs again" in changed.log
+    for module, page in (("device", "uses_measure"), ("batches", "uses_batches")):
+        path = site / TOOLKIT / f"{module}.py"
+        path.write_text(path.read_text() + "\n# changed\n")
+        changed = build(site)
+        assert changed.returncode == 0, changed.log[-3000:]
+        assert "successfully executed 1 out of 1 file" in changed.log, changed.log[-3000:]
+        ran = re.findall(r"gallery_layout: (.+) changed, (\w+)\.py runs again", changed.log)
+        assert [r[1] for r in ran] == [page], ran
+        assert f"ragged_toolkit.{module}" in ran[0][0], ran
 
 
 # --- renamed and deleted tutorials ------------------------------------------

@@ -46,60 +46,25 @@ def test_the_page_minimum_is_the_one_in_requirements_minimum_and_the_pin_is_newe
         "transformers is a minimum of every notebook: it must be this page's only"
 
 
+def _cell(stem):
+    return downloads.install_cell(MINIMUMS, stem, "tk.whl", "https://site/tk.whl")
+
+
 def test_only_this_pages_install_cell_installs_transformers():
-    assert "transformers" not in downloads.install_cell(MINIMUMS)
-    assert downloads.install_cell(MINIMUMS, "ragged_batches_intro") == downloads.install_cell(MINIMUMS)
-    cell = downloads.install_cell(MINIMUMS, STEM)
-    assert f"transformers', '{page_constant('MINIMUM_TRANSFORMERS')}'" in cell and "==" not in cell
+    assert "transformers" not in _cell(None)
+    assert _cell("ragged_batches_intro") == _cell(None)
+    cell = _cell(STEM)
+    assert f'"transformers>={page_constant("MINIMUM_TRANSFORMERS")}"' in cell and "==" not in cell
 
 
-def _run_install_cell(monkeypatch, installed: dict[str, str]) -> tuple[list, str]:
-    import importlib.metadata
-
-    calls = []
-
-    def version(name):
-        if name not in installed:
-            raise importlib.metadata.PackageNotFoundError(name)
-        return installed[name]
-
-    def check_call(cmd):
-        calls.append(cmd[cmd.index("--quiet") + 1:])
-        for req in calls[-1]:
-            name, minimum = req.split(">=")
-            installed[name] = minimum
-
-    monkeypatch.setattr(importlib.metadata, "version", version)
-    monkeypatch.setattr(subprocess, "check_call", check_call)
-    printed = []
-    monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
-    exec(compile(downloads.install_cell(MINIMUMS, STEM), "install_cell", "exec"), {})
-    return calls, "\n".join(printed)
-
-
-def test_the_install_cell_adds_transformers_only_where_missing_or_too_old(monkeypatch):
-    minimum = page_constant("MINIMUM_TRANSFORMERS")
-    newer = {"torch": "2.15.0", "numpy": "2.4.6", "matplotlib": "3.11.2"}
-    calls, printed = _run_install_cell(monkeypatch, {**newer, "transformers": "5.24.0"})
-    assert calls == [] and printed.startswith("nothing to install:"), printed
-    calls, printed = _run_install_cell(monkeypatch, {**newer, "transformers": "4.40.0"})
-    assert calls == [[f"transformers>={minimum}"]] and printed.endswith(f"transformers {minimum}"), printed
-    calls, _ = _run_install_cell(monkeypatch, newer)
-    assert calls == [[f"transformers>={minimum}"]]
-
-
-def test_the_notebook_of_this_page_installs_it_in_its_first_cell_once():
-    everyone = downloads.install_cell(MINIMUMS)  # what Sphinx-Gallery puts first in every notebook
-    nb = {"cells": [{"cell_type": "code", "source": everyone, "metadata": {}, "outputs": []},
+def test_the_notebook_of_this_page_installs_it_in_its_one_install_cell():
+    nb = {"cells": [{"cell_type": "markdown", "source": "# Title\n", "metadata": {}},
                     {"cell_type": "code", "source": "print(1)", "metadata": {}, "outputs": []}],
           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
-    cell = downloads.install_cell(MINIMUMS, STEM)
-    out = downloads.notebook_for_download(nb, "TOOLKIT = 1\n", install=cell)
+    out = downloads.notebook_for_download(nb, _cell(STEM))
     sources = [c["source"] for c in out["cells"]]
-    assert sources[0] == cell and sources[1].startswith(downloads.WRITEFILE) and sources[2:] == ["print(1)"]
-    assert downloads.notebook_for_download(out, "TOOLKIT = 1\n", install=cell) == out
-    kept = [c["source"] for c in downloads.notebook_for_download(nb, "TOOLKIT = 1\n")["cells"]]
-    assert kept[0] == everyone and kept[1].startswith(downloads.WRITEFILE) and len(kept) == 3
+    assert sources == ["# Title\n", _cell(STEM), "print(1)"]
+    assert downloads.notebook_for_download(out, _cell(STEM)) == out
 
 
 def test_the_transformers_matrix_is_oldest_pinned_newest():

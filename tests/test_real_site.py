@@ -14,23 +14,23 @@ import pytest
 import torch
 
 from pages import download_links, external_resources, run_seconds, soup
-from sitebuild import REPO, STEMS, TOOLKIT, build
+from sitebuild import REPO, STEMS, build
 
 sys.path.insert(0, str(REPO / "sphinxext"))
 import downloads  # noqa: E402
+from gallery_layout import page_modules  # noqa: E402
 
 # rST that a notebook shows as it is, not rendered (outside fenced code,
 # which shows source: the toolkit's docstrings hold roles).
 RST_DIRECTIVE = re.compile(r"^\s*\.\. [\w:-]+::", re.M)
 RST_ROLE = re.compile(r":[\w:]+:`")
 FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.M | re.S)
-WRITEFILE = f"%%writefile {TOOLKIT}"
 
 
-def notebook_problems(nb, toolkit: str) -> list[str]:
-    """What keeps a downloaded notebook from reading as its page and running
-    alone: rST in a markdown cell, an empty code cell, and a second cell that
-    is not ``%%writefile ragged_toolkit.py`` followed by the module's source."""
+def notebook_problems(nb) -> list[str]:
+    """What keeps a downloaded notebook from reading as its page: rST in a
+    markdown cell, an empty code cell, a first cell that is not its title,
+    and anything but one install cell second."""
     found = []
     for i, cell in enumerate(nb.cells, 1):
         if cell.cell_type == "markdown":
@@ -39,26 +39,25 @@ def notebook_problems(nb, toolkit: str) -> list[str]:
             found += [f"cell {i}: rST role {m[0]!r}" for m in RST_ROLE.finditer(prose)]
         elif cell.cell_type == "code" and not cell.source.strip():
             found.append(f"cell {i}: an empty code cell")
-    second = nb.cells[1] if len(nb.cells) > 1 else None
-    head, _, body = second.source.partition("\n") if second is not None else ("", "", "")
-    if second is None or second.cell_type != "code" or head.strip() != WRITEFILE:
-        found.append(f"cell 2 is not the {WRITEFILE} cell: it starts {head[:60]!r}")
-    elif body != toolkit:
-        found.append(f"cell 2 writes a {TOOLKIT} that differs from the module")
+    if not nb.cells or nb.cells[0].cell_type != "markdown" or not nb.cells[0].source.startswith("# "):
+        found.append(f"cell 1 is not the title: {nb.cells[0].source[:60]!r}" if nb.cells else "no cells")
+    installs = [i for i, c in enumerate(nb.cells, 1) if c.source.startswith(downloads.INSTALL_HEAD)]
+    if installs != [2]:
+        found.append(f"install cells at {installs}, not one at 2")
     return found
 
 
 def own_downloads(html: Path) -> dict[str, str]:
-    """The page's own .py and .ipynb links, without "Download the toolkit"
-    (a .py too)."""
+    """The page's own .py and .ipynb links, without "Download the toolkit"."""
     page = soup(html)
     for a in page.select("a.tutorial-toolkit-link"):
         a.decompose()
     return download_links(page)
 
 
-def module_source(site) -> str:
-    return (site.src / "tutorials" / TOOLKIT).read_text(encoding="utf-8")
+def toolkit_wheel(site) -> bytes:
+    """The wheel the build made of the site's toolkit."""
+    return (site.src / downloads.wheel_path(site.src)).read_bytes()
 
 
 def test_there_are_tutorials():
@@ -95,45 +94,51 @@ def test_downloads_exist_and_notebook_is_valid(real_site, stem):
     nb = nbformat.read((html.parent / links[".ipynb"]).resolve(), as_version=4)
     nbformat.validate(nb)
     first_code = next(c for c in nb.cells if c.cell_type == "code")
-    # Installs only what is missing or older than requirements-minimum.txt.
-    assert first_code.source.strip() == downloads.install_cell(REPO / "requirements-minimum.txt", stem).strip()
-    assert "==" not in first_code.source
+    # Installs only what is missing or older than requirements-minimum.txt, and the wheel.
+    wheel = downloads.wheel_path(real_site.src).name
+    assert first_code.source.startswith(downloads.INSTALL_HEAD) and "==" not in first_code.source
+    assert f'"{wheel}"' in first_code.source and f"/{wheel}\"" in first_code.source
 
 
 @pytest.mark.parametrize("stem", STEMS)
-def test_notebook_is_markdown_and_writes_the_toolkit(real_site, stem):
+def test_notebook_opens_with_the_title_and_is_markdown(real_site, stem):
     html = real_site.html / "auto_tutorials" / f"{stem}.html"
     nb = nbformat.read((html.parent / own_downloads(html)[".ipynb"]).resolve(), as_version=4)
-    problems = notebook_problems(nb, module_source(real_site))
+    problems = notebook_problems(nb)
     assert not problems, f"{stem}.ipynb:\n" + "\n".join(problems[:20])
+    assert "What you will learn" in nb.cells[0].source, f"{stem}.ipynb: cell 1 has no 'What you will learn'"
 
 
 @pytest.mark.parametrize("stem", STEMS)
-def test_downloaded_py_carries_the_toolkit(real_site, stem):
+def test_downloaded_py_is_the_page_then_the_modules_it_imports(real_site, stem):
     html = real_site.html / "auto_tutorials" / f"{stem}.html"
     script = (html.parent / own_downloads(html)[".py"]).read_text(encoding="utf-8")
+    source = (real_site.src / "tutorials" / f"{stem}.py").read_text(encoding="utf-8")
+    head = script[:script.index(downloads.LOADER)]
+    assert source.startswith(head) and len(head) > 200, f"{stem}.py does not start with the page's own code"
+    assert script.replace(downloads.LOADER, "").startswith(source.rstrip("\n")), f"{stem}.py changed the page"
     body = ast.parse(script).body
-    carried = [n for n in body if isinstance(n, ast.Assign)
-               and [getattr(t, "id", None) for t in n.targets] == ["_TOOLKIT_SOURCE"]]
-    assert [ast.literal_eval(n.value) for n in carried] == [module_source(real_site)], \
-        f"{stem}.py does not carry the module exactly once"
-    imports = [n.lineno for n in ast.walk(ast.Module(body, [])) if isinstance(n, ast.ImportFrom)
-               and n.module == TOOLKIT.removesuffix(".py")]
-    assert imports and carried[0].lineno < min(imports), f"{stem}.py imports the toolkit before defining it"
+    call = body[-1].value
+    assert isinstance(call, ast.Call) and call.func.id == "_unpack_toolkit", f"{stem}.py does not end unpacking"
+    carried = ast.literal_eval(call.args[0])
+    wanted = {f"{name.replace('.', '/')}{'/__init__' if (real_site.src / name.replace('.', '/')).is_dir() else ''}.py"
+              for name in page_modules(real_site.src / "tutorials" / f"{stem}.py", real_site.src)}
+    assert set(carried) == wanted, f"{stem}.py carries {sorted(carried)}, imports {sorted(wanted)}"
+    for name, text in carried.items():
+        assert text == (real_site.src / name).read_text(encoding="utf-8"), f"{stem}.py carries another {name}"
 
 
 @pytest.mark.parametrize("stem", STEMS)
 def test_every_page_links_the_toolkit(real_site, stem):
     html = real_site.html / "auto_tutorials" / f"{stem}.html"
-    page, module = soup(html), module_source(real_site).encode("utf-8")
+    page, wheel = soup(html), toolkit_wheel(real_site)
     for where, selector in (("footer", ".sphx-glr-footer"), ("side bar", ".tutorial-toolkit")):
         scope = page.select_one(selector)
         links = scope.select("a.tutorial-toolkit-link") if scope is not None else []
         assert len(links) == 1, f"{stem}: {len(links)} toolkit links in the {where}"
         assert "Download the toolkit" in links[0].get_text(), f"{stem}: {links[0].get_text()!r}"
         target = (html.parent / links[0]["href"]).resolve()
-        assert target.name == TOOLKIT and target.is_file(), f"{stem}: {where} link {links[0]['href']}"
-        assert target.read_bytes() == module, f"{stem}: the {where} link gives another {TOOLKIT}"
+        assert target.suffix == ".whl" and target.read_bytes() == wheel, f"{stem}: {where} link {links[0]['href']}"
 
 
 @pytest.mark.parametrize("stem", STEMS)
@@ -144,10 +149,11 @@ def test_zip_holds_the_downloads_and_the_toolkit(real_site, stem):
     assert len(zips) == 1, f"{stem}: zip links {zips}"
     with zipfile.ZipFile((html.parent / zips.pop()).resolve()) as zf:
         files = {name: zf.read(name) for name in zf.namelist()}
-    assert set(files) == {f"{stem}.py", f"{stem}.ipynb", TOOLKIT}, sorted(files)
+    wheel = downloads.wheel_path(real_site.src).name
+    assert set(files) == {f"{stem}.py", f"{stem}.ipynb", wheel}, sorted(files)
     for suffix in (".py", ".ipynb"):
         assert files[stem + suffix] == (html.parent / links[suffix]).resolve().read_bytes(), f"{stem}{suffix}"
-    assert files[TOOLKIT] == module_source(real_site).encode("utf-8")
+    assert files[wheel] == toolkit_wheel(real_site)
 
 
 def conf_value(name: str):

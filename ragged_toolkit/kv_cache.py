@@ -91,7 +91,7 @@ def prefill_packed(model, prompts, offsets, cache, backend=None):
 
 @torch.no_grad()
 def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, backend=None, slots=None,
-                  start=None, step=call_model):
+                  start=None, step=None):
     """``n_new`` greedy tokens per sequence from the prefill's last logits
     (B, vocab): each step feeds one token per sequence at its own position
     (``positions``, (B,), the prompt lengths). ``fixed_shape``: a
@@ -100,7 +100,9 @@ def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, b
     padding); else a :class:`~ragged_toolkit.gpt.Packed` step through
     ``ragged_attention`` with ``backend``, over each sequence's rows in use.
     ``step(model, tokens, positions, layout)`` runs the model, for example
-    ``torch.compile(call_model, dynamic=False)``. Returns (B, n_new)."""
+    ``torch.compile(call_model, dynamic=False)`` (default: :func:`call_model`).
+    Returns (B, n_new)."""
+    step = call_model if step is None else step
     slots = positions if slots is None else slots
     one_each = torch.arange(len(positions) + 1, device=positions.device)  # one query per sequence
     out = []
@@ -117,7 +119,7 @@ def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, b
 
 
 @torch.no_grad()
-def generate_packed(model, prompts, offsets, n_new, backend=None, *, fixed_shape=False, step=call_model,
+def generate_packed(model, prompts, offsets, n_new, backend=None, *, fixed_shape=False, step=None,
                     dtype=None):
     """Greedy generation for packed prompts (T,) with offsets (B + 1,):
     :func:`prefill_packed` with ``backend``, then :func:`decode_greedy` with

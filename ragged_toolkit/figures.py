@@ -56,3 +56,136 @@ def draw_batch(lengths):
     ax_pack.set_xlabel("offsets: where each sequence starts, then where the last one ends")
     fig.tight_layout()
     return fig
+
+
+def block_grid(block_mask):
+    """The blocks of a FlexAttention ``BlockMask`` (batch 0, head 0) as a
+    (query blocks, key blocks) int grid: 2 where the whole block is computed
+    with no mask, 1 where the mask runs inside it, 0 where it is skipped."""
+    import torch
+
+    grid = torch.zeros(block_mask.kv_num_blocks.shape[-1], block_mask.kv_indices.shape[-1], dtype=torch.long)
+    for kind, (counts, indices) in ((1, (block_mask.kv_num_blocks, block_mask.kv_indices)),
+                                    (2, (block_mask.full_kv_num_blocks, block_mask.full_kv_indices))):
+        if counts is None:
+            continue
+        for row, (n, cols) in enumerate(zip(counts[0, 0].tolist(), indices[0, 0].tolist())):
+            grid[row, cols[:n]] = kind
+    return grid
+
+
+def draw_block_mask(block_mask, title=""):
+    """A FlexAttention ``BlockMask`` drawn block by block: computed whole,
+    computed with the mask inside, skipped. Returns the figure and the
+    fraction of blocks skipped."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    grid = block_grid(block_mask).numpy()
+    colors = ["#f4f4f4", "#f2a541", "#3b6ea5"]  # skipped, partial, full
+    fig, ax = plt.subplots(figsize=(6.5, 6.5 * grid.shape[0] / grid.shape[1] + 1.2))
+    ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=2)
+    ax.set_xticks(np.arange(grid.shape[1] + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(grid.shape[0] + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", linewidth=1)
+    ax.tick_params(which="minor", length=0)
+    block = block_mask.BLOCK_SIZE[0]
+    ax.set(xlabel=f"key block ({block} keys each)", ylabel=f"query block ({block} queries each)")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    skipped = float((grid == 0).mean())
+    ax.set_title(title or f"{skipped:.0%} of the blocks skipped")
+    ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(
+        colors[::-1], ("computed whole", "computed, mask applied", "skipped"))],
+        loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=3, fontsize=11, frameon=False)
+    fig.tight_layout()
+    return fig, skipped
+
+
+def draw_scores(lengths):
+    """The query-key pairs causal attention scores for one batch, packed (one
+    ``(T, T)`` matrix, a triangle per sequence on its diagonal) beside padded
+    (a ``(S, S)`` matrix per sequence, with the pairs that touch padding).
+    Each sequence has its color; gray pairs are computed and thrown away."""
+    import matplotlib.pyplot as plt
+
+    offsets = offsets_from_lengths(lengths)
+    B, S, T = len(lengths), max(lengths), int(offsets[-1])
+    colors = plt.get_cmap("tab10")(np.arange(B) % 10)
+    fig, (ax_pack, ax_pad) = plt.subplots(1, 2, figsize=(8, 4.6), width_ratios=[T, S])
+    packed = np.ones((T, T, 4))  # white: never computed
+    for b, (start, n) in enumerate(zip(offsets[:-1].tolist(), lengths)):
+        rows, cols = np.tril_indices(n)
+        packed[start + rows, start + cols] = colors[b]
+    ax_pack.imshow(packed)
+    ax_pack.set_title(f"packed: {int(sum(n * (n + 1) // 2 for n in lengths))} pairs\n(T, T) = ({T}, {T})")
+    padded = np.ones((B * (S + 1) - 1, S, 4))
+    for b, n in enumerate(lengths):
+        rows, cols = np.tril_indices(S)
+        real = (rows < n) & (cols < n)
+        top = b * (S + 1)
+        padded[top + rows, cols] = np.where(real[:, None], colors[b], (0.72, 0.72, 0.72, 1))
+    ax_pad.imshow(padded)
+    ax_pad.set_title(f"padded: {B * S * (S + 1) // 2} pairs\n{B} x (S, S) = {B} x ({S}, {S})")
+    for ax in (ax_pack, ax_pad):
+        ax.set(xticks=[], yticks=[], xlabel="keys", ylabel="queries")
+    fig.suptitle("causal scores: a color per sequence; gray, padding, computed and thrown away", fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def draw_kv_cache(kv_used, capacity, new=None):
+    """A KV cache as packed rows: each sequence owns ``capacity`` rows and uses
+    the first ``kv_used[b]`` of them; ``new`` (B,), the row each sequence's
+    next token writes, is marked."""
+    import matplotlib.pyplot as plt
+
+    kv_used = [int(n) for n in kv_used]
+    B = len(kv_used)
+    colors = plt.get_cmap("tab10")(np.arange(B) % 10)
+    fig, ax = plt.subplots(figsize=(8, 0.8 * B + 1.6))
+    for b, n in enumerate(kv_used):
+        for s in range(capacity):
+            is_new = new is not None and s == int(new[b])
+            color = colors[b] if s < n else ("white" if is_new else "0.88")
+            _cell(ax, s, b, color, f"{b * capacity + s}", "white" if s < n else "0.35")
+            if is_new:
+                ax.add_patch(plt.Rectangle((s, b), 0.92, 0.86, fill=False, lw=2.5, ec=colors[b]))
+        ax.text(capacity + 0.3, b + 0.43, f"kv_used {n}", va="center")
+    ax.set(xlim=(0, capacity + 2.6), ylim=(B, -0.1), yticks=np.arange(B) + 0.43,
+           yticklabels=[f"sequence {b}" for b in range(B)], xticks=[])
+    ax.set_title(f"packed rows: sequence b owns rows b x {capacity} ..." +
+                 ("; outlined, where its next token goes" if new is not None else ""))
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_token_budget(lengths, budget, micro_batches=None):
+    """Documents of ``lengths`` end to end, cut every ``budget`` tokens into
+    micro-batches (at most ``micro_batches`` of them drawn): each document
+    its color, each cut that falls inside a document marked."""
+    import matplotlib.pyplot as plt
+
+    offsets = offsets_from_lengths(lengths).tolist()
+    total = offsets[-1] // budget * budget
+    rows = total // budget if micro_batches is None else min(micro_batches, total // budget)
+    colors = plt.get_cmap("tab20")(np.arange(len(lengths)) % 20)
+    fig, ax = plt.subplots(figsize=(8, 0.55 * rows + 1.5))
+    cuts = 0
+    for b, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        for r in range(start // budget, min((end - 1) // budget, rows - 1) + 1):
+            lo, hi = max(start, r * budget), min(end, (r + 1) * budget)
+            ax.barh(r, hi - lo, left=lo - r * budget, height=0.8, color=colors[b], edgecolor="white")
+            if hi == (r + 1) * budget and end > hi:  # the document goes on in the next row
+                for x, y in ((budget, r), (0, r + 1))[: 1 + (r + 1 < rows)]:
+                    ax.plot([x, x], [y - 0.45, y + 0.45], color="black", lw=4, clip_on=False)
+                cuts += 1
+    ax.set(xlim=(0, budget), ylim=(rows - 0.5, -0.5), xlabel=f"token position in the micro-batch "
+           f"(budget {budget})", yticks=range(rows), yticklabels=[f"{r}" for r in range(rows)],
+           ylabel="micro-batch")
+    ax.set_title(f"{rows} micro-batches; a black edge: a document cut there ({cuts}), its rest opens the next")
+    fig.tight_layout()
+    return fig

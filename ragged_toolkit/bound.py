@@ -29,21 +29,24 @@ def work_bound(q_lengths, kv_lengths=None, *, per_token, per_pair, per_kv_token=
     return work(full_q, full_kv, padded_causal) / work(q, kv, causal)
 
 
-def training_work(lengths, per_token, per_pair, padded_causal=True, padded_lengths=None):
-    """The work of training steps, one per batch of ``lengths`` (each (B,)):
-    ``per_token`` per token and ``per_pair`` per query-key pair scored,
-    packed (causal) and padded to each batch's longest (causal where
-    ``padded_causal``, a causal kernel; every pair where not, a mask).
-    ``padded_lengths``: the padded side's own batches, where they hold other
-    documents (a length-grouped baseline). Returns ``(packed, padded)``;
-    their ratio is the work bound."""
-    packed = padded = 0.0
-    for n in lengths:
-        packed += per_token * float(n.sum()) + per_pair * pairs_scored(n, n, True)
-    for n in lengths if padded_lengths is None else padded_lengths:
-        longest = torch.full_like(n, int(n.max()))
-        padded += per_token * float(longest.sum()) + per_pair * pairs_scored(longest, longest, padded_causal)
-    return packed, padded
+def work_per_token(batches, per_token, per_pair, *, padded=False, causal=True):
+    """The work of training steps per real token: one step per entry of
+    ``batches`` (each a (B,) tensor of sequence lengths), ``per_token`` per
+    token and ``per_pair`` per query-key pair scored. Packed (``padded``
+    False), each sequence as it is, its causal half; padded, each batch
+    padded to its longest sequence, the causal half where ``causal`` (a
+    causal kernel), else every pair (a merged mask). Two trainers' work per
+    token, divided, is the work bound of their tokens per second, even when
+    they batch other documents (a length-grouped baseline)."""
+    work = tokens = 0.0
+    for n in batches:
+        if padded:  # every sequence as long as the longest; the causal half only with a causal kernel
+            n_padded = torch.full_like(n, int(n.max()))
+            work += per_token * float(n_padded.sum()) + per_pair * pairs_scored(n_padded, n_padded, causal)
+        else:  # the causal half of each sequence
+            work += per_token * float(n.sum()) + per_pair * pairs_scored(n, n, True)
+        tokens += float(n.sum())
+    return work / tokens
 
 
 def speedup_line(label, padded, ragged, bound):

@@ -157,3 +157,62 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, layout)
         return self.output(self.norm(x))
+
+
+@dataclass
+class PackedRows:
+    """``N`` packed rows of ``L`` tokens, seen as ``(N * L,)`` tokens: every
+    row holds whole documents or pieces of them, and attention is one SDPA
+    call over the rows with a block-diagonal causal mask, ``(N, 1, L, L)``,
+    True where a query may see a key. The mask is built once per batch,
+    outside a compiled model (:meth:`from_offsets`); every shape is fixed, so
+    a compiled model compiles once, with no graph break. It scores every
+    pair of a row and masks those across documents."""
+
+    mask: torch.Tensor  # (N, 1, L, L)
+
+    @classmethod
+    def from_offsets(cls, offsets, row_len):
+        """The layout of a batch of ``N * row_len`` tokens whose offsets mark
+        every document, and every row start."""
+        document = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=offsets.device),
+                                           offsets.diff()).view(-1, row_len)  # (N, L)
+        causal = torch.ones(row_len, row_len, dtype=torch.bool, device=offsets.device).tril()
+        return cls(((document[:, :, None] == document[:, None, :]) & causal)[:, None])
+
+    def attend(self, q, k, v, layer):  # (N * L, H, D), (N * L, H_kv, D)
+        rows, row_len = self.mask.shape[0], self.mask.shape[-1]
+        q, k, v = (t.view(rows, row_len, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # (N, H, L, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).flatten(0, 1)  # (N * L, H, D)
+
+
+@dataclass
+class FlexRows:
+    """The same packed rows as :class:`PackedRows`, attended by FlexAttention
+    with a document-causal ``BlockMask`` over the whole batch (built once per
+    batch, outside a compiled model: :meth:`from_offsets`), which skips the
+    blocks across documents. Inside a compiled model ``flex_attention`` is
+    compiled with it, into one graph."""
+
+    block_mask: object  # torch.nn.attention.flex_attention.BlockMask
+
+    @classmethod
+    def from_offsets(cls, offsets, row_len):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        document = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=offsets.device),
+                                           offsets.diff())  # (N * L,)
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+        n = len(document)
+        return cls(create_block_mask(document_causal, None, None, n, n, device=offsets.device))
+
+    def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                             block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)  # (T, H, D)

@@ -510,14 +510,14 @@ print(f"ragged and padded losses agree at every step (largest relative differenc
 # ``attention_mask`` makes ``sdpa`` score the whole ``S x S`` square of
 # every row.
 
-from ragged_toolkit.bound import training_work
+from ragged_toolkit.bound import work_per_token
 
 per_token = 2 * (n_params - MODEL["vocab_size"] * MODEL["hidden_size"])
 per_pair = MODEL["num_hidden_layers"] * 4 * MODEL["hidden_size"]  # 4 H D per layer
 step_lengths = [offsets_from_position_ids(packed_i["position_ids"]).diff().cpu()
                 for packed_i, _ in batches[WARMUP_STEPS:]]
-ragged_work, padded_work = training_work(step_lengths, per_token, per_pair, padded_causal=False)
-bound = padded_work / ragged_work
+bound = (work_per_token(step_lengths, per_token, per_pair, padded=True, causal=False)
+         / work_per_token(step_lengths, per_token, per_pair))
 R, P = runs["ragged"]["tokens/s"], runs["padded"]["tokens/s"]
 print(f"hf training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, "
       f"speedup {R / P:.2f}x, work bound {bound:.2f}x, fraction {R / P / bound:.2f}")

@@ -1,12 +1,13 @@
 """
-A packed GPT on real text: training and prefill without padding
-===============================================================
+A packed GPT on real text: fixed-length rows against the best padded trainers
+=============================================================================
 
-Train a small modern GPT on packed documents of real text, as Hugging
-Face's ``DataCollatorWithFlattening``, ``torchtune`` and ``torchtitan`` pack
-them, against the best padded trainer: same weights, documents and
-optimizer. Then generate: a packed prefill of prompts of different lengths,
-and decoding steps of fixed shape from a KV cache.
+Train a small modern GPT on real documents packed as ``torchtitan`` packs
+them: the document stream cut into rows of a fixed length, each row a
+packed batch with its offsets, so that every step has one shape. Measure it
+against two padded trainers on the same documents, naive padding and the
+length-grouped padding a careful practitioner uses, compiled where
+compiling wins. Then a packed prefill of prompts of different lengths.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -17,23 +18,26 @@ and decoding steps of fixed shape from a KV cache.
 
        * How one GPT (RMSNorm, rotary positions, SwiGLU, grouped-query
          attention) runs on a packed batch and, unchanged, on a padded one
-       * How to train it on packed documents, prove it computes what the
-         padded model computes, and measure real tokens per second against
-         the :term:`work bound`
-       * How to prefill packed prompts into a KV cache, and why decoding
-         gains nothing from packing: one token per sequence is a rectangle
+       * How to pack documents into fixed-length rows, what cutting a
+         document at a row's end costs, and how that differs from
+         flattening each batch (Hugging Face's collator)
+       * What packing buys over naive padding and over length-grouped
+         padding, each beside its :term:`work bound`, and how a packed
+         trainer compiles into one graph with no graph break
+       * How to prefill packed prompts into a KV cache
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * :doc:`transformer_building_blocks`: packed values and offsets, and
-         ``ragged_attention``; the model and the measuring helpers come from
-         the site's module ``ragged_toolkit`` (:doc:`reference </toolkit>`)
+       * :doc:`transformer_building_blocks` (packed values and offsets,
+         ``ragged_attention``) and :doc:`measuring_ragged_batches` (how the
+         site times and chooses); the model and helpers come from the
+         site's toolkit (:doc:`reference </toolkit>`)
        * PyTorch 2.11 or later; a CPU is enough, a CUDA GPU runs the page at
          a larger scale in ``bfloat16``
 """
 
-# sphinx_gallery_tags = ["GPT", "training", "packing", "KV cache", "benchmarks"]
+# sphinx_gallery_tags = ["GPT", "training", "packing", "torch.compile", "benchmarks"]
 
 # %%
 # One model, two layouts
@@ -41,11 +45,10 @@ and decoding steps of fixed shape from a KV cache.
 # Every module of a transformer but attention works on the last dimension
 # only: embeddings, linear layers, norms, activations and residuals treat a
 # packed batch ``(T, dim)`` and a padded one ``(B, S, dim)`` alike. So one
-# model can run on both, if attention alone is told which it got. Here
-# attention gets a small *layout* object: ``Packed`` holds the offsets and
-# calls ``ragged_attention``; ``Padded`` runs one SDPA call. With right
-# padding and ``is_causal`` a real token never sees a padding token, so the
-# padded layout needs no mask for training.
+# model can run on both, if attention alone is told which it got: a small
+# *layout* object. ``Packed`` holds the offsets and calls
+# ``ragged_attention``; ``Padded`` runs one SDPA call (right padding and
+# ``is_causal``: a real token never sees a padding token, no mask needed).
 #
 # .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Packed
@@ -59,70 +62,53 @@ and decoding steps of fixed shape from a KV cache.
 # them, exactly the ``position_ids`` of Hugging Face's packed format.
 
 import torch
-from ragged_toolkit.batches import offsets_from_lengths
+from ragged_toolkit.batches import offsets_from_lengths, to_padded, token_index
 from ragged_toolkit.gpt import GPT, GPTConfig, Packed, Padded
-from ragged_toolkit.batches import to_padded, token_index
 
 torch.manual_seed(0)
-tiny = GPT(GPTConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                     ffn_hidden=64, max_seq_len=16))
-docs = [torch.tensor([5, 9, 2]), torch.tensor([7]), torch.tensor([3, 3, 8, 1])]
-tokens = torch.cat(docs)  # (T,) = (8,)
-offsets = offsets_from_lengths([len(d) for d in docs])  # [0, 3, 4, 8]
-positions = token_index(offsets)[1]  # [0, 1, 2, 0, 0, 1, 2, 3]
+tiny = GPT(GPTConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                     max_seq_len=16))
+tokens = torch.tensor([5, 9, 2, 7, 3, 3, 8, 1])  # (T,): documents of 3, 1 and 4 tokens
+offsets = offsets_from_lengths([3, 1, 4])  # [0, 3, 4, 8]
 ids, valid = to_padded(tokens, offsets)  # (B, S) = (3, 4), right padding
 with torch.no_grad():
-    packed = tiny(tokens, positions, Packed(offsets, "loop"))  # (T, vocab)
+    packed = tiny(tokens, token_index(offsets)[1], Packed(offsets, "loop"))  # (T, vocab)
     padded = tiny(ids, torch.arange(4).expand_as(ids), Padded())  # (B, S, vocab)
 torch.testing.assert_close(packed, padded[valid])
-print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: "
-      f"equal on all {len(tokens)} real tokens")
+print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: equal on all 8 real tokens")
 
 # %%
-# The padded batch spent 12 slots on 8 tokens. Real document lengths have a
-# long tail, so padding is most of the batch; the page measures what
-# skipping it buys a whole training step, and generation.
-#
 # Sizes
 # ~~~~~
 # Every size is set here, per device; :term:`quick mode` shrinks them. The
 # tokens are bytes (a vocabulary of 256), so that no tokenizer is needed.
-# The CPU model is small so that the page builds in a minute or two on two
-# cores; the CUDA one trains under ``bfloat16`` autocast. (Real runs: width
-# 2048 and up, 16 and more layers, thousands of documents per step.)
+# A step is ``ROWS`` rows of ``ROW_LEN`` tokens. (Real runs: width 2048 and
+# up, rows of 2,048 to 8,192 tokens, many rows per step.)
 
 import numpy as np
-from ragged_toolkit.device import default_device, default_dtype, quick_mode
+from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
 from ragged_toolkit.measure import TIMING_THREADS
-from ragged_toolkit.device import quiet_known_notes
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
-# One CPU thread for the whole page, as every timing and profile of the site
-# uses (TIMING_THREADS): torch.compile guards on the thread count, so what is
-# compiled is compiled once, for the threads it is timed with.
-torch.set_num_threads(TIMING_THREADS)
+torch.set_num_threads(TIMING_THREADS)  # as every timing of the site (measuring_ragged_batches)
 QUICK = quick_mode()
 SEED = 0
 if DEVICE == "cuda":
-    MODEL = dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4,
-                 ffn_hidden=2816, max_seq_len=2048)
-    DOCS_PER_BATCH, STEPS, LR = 128, 300, 1e-3
-    PROMPTS, NEW_TOKENS = 64, 64
+    MODEL = dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
+                 max_seq_len=2048)
+    ROWS, STEPS, LR, PROMPTS = 8, 200, 1e-3, 64
 else:
-    MODEL = dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2,
-                 ffn_hidden=688, max_seq_len=192)
-    DOCS_PER_BATCH, STEPS, LR = 12, 70, 6e-3
-    PROMPTS, NEW_TOKENS = 16, 40
+    MODEL = dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
+                 max_seq_len=512)
+    ROWS, STEPS, LR, PROMPTS = 2, 40, 6e-3, 16
 if QUICK:
-    MODEL.update(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=128)
-    DOCS_PER_BATCH, STEPS, LR, PROMPTS, NEW_TOKENS = 8, 30, 1e-2, 8, 8
-WARMUP_STEPS = 3  # steps left out of the throughput figures (first calls, compiling)
-RUN_TIME = 0.2 if QUICK else 1.0 if DEVICE == "cuda" else 0.4  # s per comparison
+    MODEL.update(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256)
+    ROWS, STEPS, LR, PROMPTS = 2, 16, 1e-2, 8
+ROW_LEN = MODEL["max_seq_len"]  # a row is the model's context
+WARMUP_STEPS = 3  # steps left out of every throughput figure (first calls, compiling)
 print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")
-print("model: " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[:4]))
-print("       " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[4:]))
-print(f"{STEPS} steps of {DOCS_PER_BATCH} documents")
+print("model: " + ", ".join(f"{k} {v}" for k, v in MODEL.items()))
 
 # sphinx_gallery_start_ignore
 quiet_known_notes()
@@ -134,97 +120,148 @@ quiet_known_notes()
 # The usual modern decoder-only stack, written flat in the style of
 # ``gpt-fast``: a token embedding; blocks of RMSNorm, grouped-query attention
 # with rotary position embeddings, RMSNorm and a SwiGLU feed-forward network,
-# each with a residual connection; a final RMSNorm and an output layer, not
-# tied to the embedding, as in Llama.
-#
-# .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: GPTConfig
-#
+# each with a residual connection; a final RMSNorm and an output layer.
 # Attention computes q, k and v with one matmul, rotates q and k by each
 # token's position, and hands them to the layout; ``n_heads / n_kv_heads``
-# query heads share each key/value head (grouped-query attention).
-#
-# .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: apply_rope
+# query heads share each key/value head.
 #
 # .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Attention
 #
-# The feed-forward network never sees the layout; the block passes it on:
-#
-# .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: FeedForward
-#
-# .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: Block
-#
 # .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: GPT
-#
-# One copy of the model for each trainer:
-
-import copy
 
 cfg = GPTConfig(**MODEL)
 torch.manual_seed(SEED)
-ragged_model = GPT(cfg).to(DEVICE)
-padded_model = copy.deepcopy(ragged_model)  # the same initial weights
-n_params = sum(p.numel() for p in ragged_model.parameters())
-print(f"{n_params / 1e6:.2f} M parameters; "
-      f"{cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads")
+model = GPT(cfg).to(DEVICE)  # every trainer starts from a copy of these weights
+n_params = sum(p.numel() for p in model.parameters())
+print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads")
 
 # %%
-# A corpus of packed documents
-# ----------------------------
-# Real text, with the long tail of real document lengths, on every machine
-# and without a download: the docstrings of Python's own standard library,
-# read from its source files (``docstring_corpus`` parses them with ``ast``
-# and imports nothing). Each document is its UTF-8 bytes; one longer than
-# the context is cut there. Each step draws ``DOCS_PER_BATCH`` documents;
-# the prompts for generation, at the end, come from documents no step
-# trains on.
+# Documents packed into fixed-length rows
+# ---------------------------------------
+# Real text, offline: the docstrings of Python's standard library
+# (``docstring_corpus`` parses them with ``ast`` and imports nothing), each
+# a document of UTF-8 bytes, in a seeded random order. ``torchtitan`` packs
+# such a stream as here: the documents end to end, cut every ``ROW_LEN``
+# tokens. A document that crosses a row's end is *cut*: its rest opens the
+# next row as a sequence of its own, without the context before the cut and
+# the target across it. Every token slot holds a real token, and every step
+# has one shape. The alternative, *carrying* a document that does not fit
+# to the next row and padding the rest (``torchtune``'s default), keeps every
+# document whole at the price of padding.
+#
+# .. literalinclude:: ../ragged_toolkit/data.py
+#    :pyobject: split_by_token_budget
 
-from ragged_toolkit.data import as_tokens, docstring_corpus, document_targets
+from ragged_toolkit.data import (
+    concat_batches, docstring_corpus, pack_documents, split_by_token_budget, split_carrying_documents,
+)
 
 docs, source = docstring_corpus(min_chars=2)
-doc_lengths = np.array([len(d) for d in docs])
-print(f"corpus: {len(docs)} documents from {source}, lengths min {doc_lengths.min()}, "
-      f"median {int(np.median(doc_lengths))}, max {doc_lengths.max()}")
-
-
 rng = np.random.default_rng(SEED)
 order = rng.permutation(len(docs))
-held_out, train_docs = order[:PROMPTS], order[PROMPTS:]
-batches, cut = [], 0
-for step in range(STEPS):
-    chosen = rng.choice(train_docs, size=DOCS_PER_BATCH, replace=False)
-    pieces = [as_tokens(docs[i], MODEL["max_seq_len"]) for i in chosen]
-    cut += sum(len(docs[i]) > MODEL["max_seq_len"] for i in chosen)
-    offsets = offsets_from_lengths([len(p) for p in pieces])
-    batches.append((torch.cat(pieces).to(DEVICE), offsets.to(DEVICE)))
-real = sum(len(tokens) for tokens, _ in batches)
-slots = sum(DOCS_PER_BATCH * int(offsets.diff().max()) for _, offsets in batches)
-print(f"{real} real tokens in {STEPS} batches ({cut} documents cut at the context)")
-print(f"padded batches would hold {slots} token slots, {slots / real:.2f}x the tokens")
-tokens, offsets = batches[0]
-print(f"first batch: lengths {offsets.diff().tolist()[:12]} ...")
+held_out = [docs[i] for i in order[:PROMPTS]]  # prompts for generation, at the end: never trained on
+stream_tokens, stream_offsets = pack_documents([docs[i] for i in order[PROMPTS:]])  # (T,), (B + 1,)
+rows = split_by_token_budget(stream_tokens, stream_offsets, ROW_LEN)[:STEPS * ROWS]
+steps = [concat_batches(rows[i:i + ROWS]) for i in range(0, len(rows), ROWS)]  # (ROWS * ROW_LEN,) each
+n_docs = int(torch.searchsorted(stream_offsets, STEPS * ROWS * ROW_LEN))  # documents the rows touch
+row_starts = torch.arange(ROW_LEN, STEPS * ROWS * ROW_LEN, ROW_LEN)
+cut = int((~torch.isin(row_starts, stream_offsets)).sum())  # row starts inside a document
+used = stream_offsets[:n_docs + 1].clone()
+used[-1] = STEPS * ROWS * ROW_LEN
+carried = split_carrying_documents(stream_tokens[:int(used[-1])], used, ROW_LEN)
+carried_real = sum(len(t) for t, _ in carried) / (len(carried) * ROW_LEN)
+print(f"corpus: {len(docs)} documents from {source}")
+print(f"packing: {ROWS} rows of {ROW_LEN} tokens per step, 100% of token slots hold real tokens, "
+      f"{cut} documents cut")
+print(f"carrying them instead: {len(carried)} rows for the same tokens, {carried_real:.0%} of the slots real")
 
 # %%
-# One training step, two ways
-# ---------------------------
-# The packed step feeds the documents as they are, ``(T,)`` ids and their
-# offsets. The padded step is the best padded trainer a reader would write:
-# right-padded ``(B, S)`` ids, a causal kernel and no mask, the loss masked
-# at padding. Both average the loss over the same real targets, under
-# autocast where the dtype is not float32 (the weights stay in float32).
+# Hugging Face's ``DataCollatorWithFlattening`` is the other common scheme:
+# it flattens each batch of whole documents into one row, so the row's
+# length changes with every batch (:doc:`hf_packed_training` trains that
+# way). Nothing is cut, nothing is padded, and every step has a new shape,
+# which a compiled model meets as a new input size.
+#
+# Two padded trainers
+# -------------------
+# The padded trainers see the same documents, whole (each cut at the
+# context), batched two ways:
+#
+# * **naive**: in stream order, ``B`` documents per step, padded to the
+#   longest of them;
+# * **grouped**: as Hugging Face's ``group_by_length``: a window of a few
+#   batches' documents is sorted by length and cut into batches, which are
+#   shuffled, so that a batch holds documents of similar length and little
+#   padding. It changes which documents share a step.
+#
+# ``B`` is chosen so that both make as many steps as the packed trainer.
+
+
+def group_by_length(lengths, batch_size, window, rng):
+    """Batches (lists of document indices) of ``batch_size``: each window of
+    ``window`` batches' documents sorted by length, longest first, cut into
+    batches; the batches then shuffled."""
+    order = np.arange(len(lengths))
+    batches = []
+    for lo in range(0, len(order), batch_size * window):
+        chunk = sorted(order[lo:lo + batch_size * window], key=lambda i: -lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+doc_lengths = stream_offsets[:n_docs + 1].diff().clamp(max=ROW_LEN)  # whole documents, cut at the context
+B = -(-n_docs // STEPS)
+naive = [list(range(i, min(i + B, n_docs))) for i in range(0, n_docs, B)]
+grouped = group_by_length(doc_lengths.tolist(), B, window=4, rng=rng)
+
+
+def padded_batch(indices):
+    """Documents ``indices`` of the stream, packed (tokens, offsets)."""
+    pieces = [stream_tokens[int(stream_offsets[i]):][:int(doc_lengths[i])] for i in indices]
+    return torch.cat(pieces), offsets_from_lengths([len(p) for p in pieces])
+
+
+for name, batches in (("naive", naive), ("grouped", grouped)):
+    n = [doc_lengths[b] for b in batches]
+    slots = sum(len(x) * int(x.max()) for x in n) / sum(int(x.sum()) for x in n)
+    print(f"{name}: {len(batches)} steps of {B} documents, padded slots {slots:.2f}x the real tokens")
+batches = {"packed": steps, "naive": [padded_batch(b) for b in naive],
+           "grouped": [padded_batch(b) for b in grouped]}
+batches = {name: [(t.to(DEVICE), o.to(DEVICE)) for t, o in b] for name, b in batches.items()}
+
+# %%
+# One training step, three ways
+# -----------------------------
+# The packed step feeds a step's rows as one packed batch, ``(T,)`` ids and
+# offsets that mark every document and every row start. The padded step is
+# the best padded trainer a reader would write: right-padded ``(B, S)`` ids,
+# a causal kernel and no mask, the loss masked at padding. Both average the
+# loss over the real targets, under autocast where the dtype is not float32.
+# For ``torch.compile`` the packed rows have a third layout, ``PackedRows``:
+# one SDPA call over the ``(ROWS, ROW_LEN)`` rows with a block-diagonal causal
+# mask built before the model runs, so the compiled model is one graph (on
+# CUDA, ``FlexRows``: FlexAttention with a document ``BlockMask``, which skips
+# the blocks across documents).
+#
+# .. literalinclude:: ../ragged_toolkit/gpt.py
+#    :pyobject: PackedRows
 
 import torch.nn.functional as F
+from ragged_toolkit.data import document_targets
+from ragged_toolkit.gpt import FlexRows, PackedRows
+
+ROWS_LAYOUT = FlexRows if DEVICE == "cuda" else PackedRows
 
 
-def packed_loss(model, tokens, offsets, backend):
-    positions = token_index(offsets)[1]
-    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
-        logits = model(tokens, positions, Packed(offsets, backend))  # (T, vocab)
+def autocast():
+    return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
+
+
+def packed_loss(model, tokens, offsets, layout):
+    with autocast():
+        logits = model(tokens, token_index(offsets)[1], layout)  # (T, vocab)
     return F.cross_entropy(logits.float(), document_targets(tokens, offsets))
 
 
@@ -232,524 +269,296 @@ def padded_loss(model, tokens, offsets):
     ids, valid = to_padded(tokens, offsets)  # (B, S), right padding with id 0
     targets = to_padded(document_targets(tokens, offsets), offsets, -100)[0]
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
+    with autocast():
         logits = model(ids, positions, Padded())  # (B, S, vocab)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 # %%
-# Before timing anything, the proof that the two steps compute the same
-# thing: the same loss and the same gradient for every parameter, on the
-# first batch. The packed side uses the per-sequence loop, the padded side
-# SDPA's math backend (matrix products and a softmax): no shared kernel.
+# Before timing anything, the proof that they compute the same thing. On the
+# first step's sequences, the packed step (the per-sequence loop backend)
+# and the padded step of the same sequences on SDPA's math backend (matrix
+# products and a softmax: no kernel shared) give the same loss and the same
+# gradient for every parameter; on a GPU the check takes as many sequences as
+# the math path's scores fit in 2 GiB (``math_check_sequences``). Then the
+# rows layout, on the whole step and compiled as its trainer runs it, gives
+# the packed step's loss and gradients.
 
+import copy
+
+from ragged_toolkit.attention.reference import math_check_sequences
 from ragged_toolkit.device import tolerances
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-tolerance = tolerances(DTYPE)
-loss_r = packed_loss(ragged_model, tokens, offsets, "loop")
-loss_r.backward()
+
+def loss_and_grads(loss_of):
+    """The loss ``loss_of(model)`` on a copy of the model, and every gradient."""
+    copy_ = copy.deepcopy(model)
+    loss = loss_of(copy_)
+    loss.backward()
+    return loss, {n: p.grad for n, p in copy_.named_parameters()}
+
+
+def check_same(name, got, want):
+    torch.testing.assert_close(got[0], want[0], **tolerances(DTYPE), msg=lambda m: f"{name}, loss: {m}")
+    for n, g in got[1].items():
+        torch.testing.assert_close(g, want[1][n], **tolerances(DTYPE), msg=lambda m, n=n: f"{name}, {n}: {m}")
+    return max((g - want[1][n]).abs().max().item() for n, g in got[1].items())
+
+
+tokens, offsets = batches["packed"][0]
+n = math_check_sequences(offsets.diff(), cfg.n_heads, cfg.n_layers, budget=2**31)
+tokens_n, offsets_n = tokens[:int(offsets[n])], offsets[:n + 1]
+packed_n = loss_and_grads(lambda m: packed_loss(m, tokens_n, offsets_n, Packed(offsets_n, "loop")))
 with sdpa_kernel(SDPBackend.MATH):
-    loss_p = padded_loss(padded_model, tokens, offsets)
-    loss_p.backward()
-torch.testing.assert_close(loss_r, loss_p, **tolerance)
-pairs = list(zip(ragged_model.named_parameters(), padded_model.parameters()))
-for (name, p_r), p_p in pairs:
-    torch.testing.assert_close(p_r.grad, p_p.grad, **tolerance,
-                               msg=lambda m, name=name: f"{name}: {m}")
-gap = max((p_r.grad - p_p.grad).abs().max().item() for (_, p_r), p_p in pairs)
-print(f"loss {loss_r.item():.4f} (packed) and {loss_p.item():.4f} (padded)")
-print(f"gradients of all {n_params:,} parameters agree (largest difference {gap:.1e})")
-ragged_model.zero_grad(set_to_none=True)
-padded_model.zero_grad(set_to_none=True)
-
-# %%
-# Which attention backend trains here
-# -----------------------------------
-# The model's attention job on the first batch, causal, grouped-query,
-# forward and backward: ``compare_backends`` checks each backend that runs
-# here against the float32 reference and times them all. Each row: median
-# and interquartile range (IQR) in ms, peak memory in MiB, and in brackets
-# the :term:`kernel label` of what ran (``CPU flash`` is SDPA's fused CPU
-# kernel). ``choose`` takes the fastest only if its IQR does not overlap the
-# runner-up's; within the noise it keeps the site's default backend, the one
-# ``ragged_attention`` uses when none is named.
-
-from ragged_toolkit.attention import default_backend
-from ragged_toolkit.attention.compare import compare_backends
-from ragged_toolkit.measure import Timing, choose, print_timings
-
-q_job = torch.randn(len(tokens), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-kv_job = torch.randn(len(tokens), cfg.n_kv_heads, cfg.head_dim, device=DEVICE,
-                     dtype=DTYPE)
-backends = compare_backends(q_job, kv_job, kv_job.clone(), offsets, is_causal=True,
-                            backward=True, min_run_time=RUN_TIME)
-TRAINING_BACKEND = choose(backends, default_backend(DEVICE, DTYPE), "training backend")
+    padded_n = loss_and_grads(lambda m: padded_loss(m, tokens_n, offsets_n))
+gap = check_same("padded, math path", padded_n, packed_n)
+print(f"{n} sequences: loss {packed_n[0].item():.4f} packed, {padded_n[0].item():.4f} padded; "
+      f"all {n_params} gradients agree (largest difference {gap:.1e})")
+packed_step = loss_and_grads(lambda m: packed_loss(m, tokens, offsets, Packed(offsets, "loop")))
+rows_step = loss_and_grads(lambda m: packed_loss(torch.compile(m, fullgraph=True, dynamic=False), tokens,
+                                                  offsets, ROWS_LAYOUT.from_offsets(offsets, ROW_LEN)))
+gap = check_same("rows layout", rows_step, packed_step)
+print(f"the whole step, {ROWS_LAYOUT.__name__}: the packed step's loss and gradients "
+      f"(largest difference {gap:.1e})")
 
 # %%
 # Compile, or not
-# ~~~~~~~~~~~~~~~
-# Every batch has a new size, so ``torch.compile(dynamic=True)`` compiles
-# each graph once for symbolic sizes. The packed attention call is not
-# traced (``ragged_attention`` is host-side bookkeeping around the kernel
-# calls): the compiled packed model is a few graphs around it. Each side
-# trains a few steps eager and compiled, on copies of the models, after the
-# steps that compile; the step times, per thousand real tokens, decide by
-# the same rule, and within the noise the default is not to compile.
+# ---------------
+# Each trainer runs a few steps eager and compiled, on copies of the model,
+# interleaved, and the rule of :doc:`measuring_ragged_batches` chooses
+# (within the noise: eager). The packed trainer compiles the rows layout,
+# one shape, ``fullgraph=True`` (a graph break would be an error); the padded
+# trainers, whose batch shape changes every step, compile with dynamic
+# shapes. The step time is per thousand real tokens; compiles fall into the
+# warm-up steps, left out. Each compiled trainer's graphs and graph breaks
+# are counted over its steps.
 
-import functools
-import time
-
-from ragged_toolkit.device import synchronize
-from torch._dynamo.utils import counters  # counts the graphs compiled
+from ragged_toolkit.measure import StepTimer, choose
 
 
-def train_step(model, optimizer, loss):
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+def trainer(name, compiled):
+    """A training step for trainer ``name``: a copy of the model, AdamW, and
+    the step's loss, through ``torch.compile`` where ``compiled``."""
+    copy_ = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(copy_.parameters(), lr=LR)
+    if name == "packed":
+        runner = torch.compile(copy_, fullgraph=True, dynamic=False) if compiled else copy_
+
+        def loss_of(tokens, offsets):
+            layout = ROWS_LAYOUT.from_offsets(offsets, ROW_LEN) if compiled else Packed(offsets)
+            return packed_loss(runner, tokens, offsets, layout)
+    else:
+        runner = torch.compile(copy_, dynamic=True) if compiled else copy_
+
+        def loss_of(tokens, offsets):
+            return padded_loss(runner, tokens, offsets)
+
+    def step(tokens, offsets):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(tokens, offsets)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step, copy_
 
 
-def step_timing(seconds, n_tokens):
-    """A :class:`Timing` of steps, in ms per thousand real tokens."""
-    per_k = np.asarray(seconds) / np.asarray(n_tokens) * 1e6
-    q1, median, q3 = np.percentile(per_k, [25, 50, 75])
-    return Timing(median, q3 - q1, float("nan"), q1_ms=q1, q3_ms=q3)
-
-
-def probe(make_loss, model, compiled, steps):
-    """Step times of ``steps`` training steps on a copy of ``model`` after
-    the first ``WARMUP_STEPS`` (a :class:`Timing` per thousand tokens), and
-    how many graphs were compiled in those timed steps."""
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    runner = torch.compile(model, dynamic=True) if compiled else model
-    elapsed, graphs = [], 0
-    for i, (tokens_i, offsets_i) in enumerate(batches[:steps]):
-        before = counters["stats"]["unique_graphs"]
-        start = time.perf_counter()
-        train_step(model, optimizer, make_loss(runner, tokens_i, offsets_i))
-        synchronize()
-        elapsed.append(time.perf_counter() - start)
-        graphs += (counters["stats"]["unique_graphs"] - before) * (i >= WARMUP_STEPS)
-    n = [len(t) for t, _ in batches[WARMUP_STEPS:steps]]
-    return step_timing(elapsed[WARMUP_STEPS:], n), graphs
-
-
-packed_step_loss = functools.partial(packed_loss, backend=TRAINING_BACKEND)
-PROBE_STEPS = WARMUP_STEPS + (4 if QUICK else 8)
+PROBE = WARMUP_STEPS + (3 if QUICK else 6)
+probes = {(name, c): (trainer(name, c == "compiled")[0], StepTimer())
+          for name in batches for c in ("eager", "compiled")}
+for i in range(PROBE):
+    for (name, _), (step, timer) in probes.items():
+        tokens_i, offsets_i = batches[name][i]
+        with timer.step(len(tokens_i)):
+            step(tokens_i, offsets_i)
 COMPILE = {}
-for side, make_loss, model in (("packed", packed_step_loss, ragged_model),
-                               ("padded", padded_loss, padded_model)):
-    timings = {}
-    for compiled in (False, True):
-        timings["compiled" if compiled else "eager"], graphs = probe(
-            make_loss, model, compiled, PROBE_STEPS)
-        assert graphs == 0, f"{side}, compiled: {graphs} graphs compiled after the warm-up"
-    print_timings({f"{side} step, {name} (ms per 1k tokens)": t for name, t in timings.items()})
-    COMPILE[side] = choose(timings, "eager", f"{side} trainer") == "compiled"
+for name in batches:
+    timings = {c: probes[name, c][1].per_1k_tokens(WARMUP_STEPS) for c in ("eager", "compiled")}
+    compiled_timer = probes[name, "compiled"][1]
+    print(f"compiled trainer {name}: {sum(compiled_timer.graphs)} graphs for {PROBE} steps, "
+          f"{sum(compiled_timer.breaks)} graph breaks")
+    assert sum(compiled_timer.breaks) == 0, f"the compiled {name} trainer broke its graph"
+    COMPILE[name] = choose(timings, "eager", f"{name} trainer (ms per 1k tokens)") == "compiled"
 
 # %%
 # Training
 # --------
-# Same weights, same batches in the same order, same optimizer (AdamW) and
-# schedule (linear warm-up, cosine decay). The trainers take turns, one step
-# each, so that whatever else the machine does slows both alike. A step is
-# timed from the batch on the device to the optimizer's update, synchronized;
-# throughput counts *real* tokens (the padded trainer gets no credit for
-# padding) after the first ``WARMUP_STEPS``, which compile where compiling
-# was chosen. The graphs compiled in the timed steps are counted for each
-# trainer, and must be none: a compile inside the window would be timed as
-# training.
+# Same initial weights, same documents, same optimizer (AdamW), each trainer
+# compiled or not as chosen above. The three take turns, one step each, so
+# that whatever else the machine does slows all alike. Throughput counts
+# *real* tokens after the first ``WARMUP_STEPS``; a graph compiled inside
+# the timed steps would be timed as training, so there must be none.
 
-import math
-
-
-def schedule(step):
-    warmup = max(STEPS // 20, 1)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(step / STEPS, 1.0)))
-    return min(1.0, (step + 1) / warmup) * cosine
-
-
-trainers = {}
-for side, model, make_loss in (("packed", ragged_model, packed_step_loss),
-                               ("padded", padded_model, padded_loss)):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    runner = torch.compile(model, dynamic=True) if COMPILE[side] else model
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    trainers[side] = dict(model=model, runner=runner, optimizer=optimizer, losses=[],
-                          make_loss=make_loss, scheduler=scheduler, seconds=[], graphs=0)
-for step, (tokens_i, offsets_i) in enumerate(batches):
-    for t in trainers.values():
-        before = counters["stats"]["unique_graphs"]
-        start = time.perf_counter()
-        loss = t["make_loss"](t["runner"], tokens_i, offsets_i)
-        loss = train_step(t["model"], t["optimizer"], loss)
-        t["scheduler"].step()
-        synchronize()
-        t["seconds"].append(time.perf_counter() - start)
-        t["losses"].append(loss.item())
-        if step >= WARMUP_STEPS:
-            t["graphs"] += counters["stats"]["unique_graphs"] - before
-
-print(f"timed-window compiles: packed {trainers['packed']['graphs']}, "
-      f"padded {trainers['padded']['graphs']}")
-assert trainers["packed"]["graphs"] == trainers["padded"]["graphs"] == 0, \
-    "a graph was compiled inside the timed steps: warm up on every shape first"
-timed_tokens = np.array([len(b[0]) for b in batches[WARMUP_STEPS:]])
-for side, t in trainers.items():
-    seconds = np.array(t["seconds"][WARMUP_STEPS:])
-    t["tokens/s"] = timed_tokens.sum() / seconds.sum()
-    per_step = timed_tokens / seconds
-    q1, median, q3 = np.percentile(per_step, [25, 50, 75])
-    first, last = np.mean(t["losses"][:5]), np.mean(t["losses"][-10:])
-    print(f"{side}: loss {first:.3f} -> {last:.3f}; real tokens/s: mean {t['tokens/s']:,.0f}, "
-          f"per-step median {median:,.0f} (IQR {q3 - q1:,.0f}), slowest step "
-          f"{seconds.max() / np.median(seconds):.1f}x the median")
+trainers = {name: (*trainer(name, COMPILE[name]), StepTimer(), []) for name in batches}
+for i in range(STEPS):
+    for name, (step, _, timer, losses) in trainers.items():
+        if i < len(batches[name]):
+            tokens_i, offsets_i = batches[name][i]
+            with timer.step(len(tokens_i)):
+                losses.append(step(tokens_i, offsets_i).item())
+for name, (_, _, timer, losses) in trainers.items():
+    assert sum(timer.graphs[WARMUP_STEPS:]) == 0, f"{name}: a graph was compiled inside the timed steps"
+    print(f"{name:8s} loss {np.mean(losses[:3]):.3f} -> {np.mean(losses[-5:]):.3f}, "
+          f"{timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s ({'compiled' if COMPILE[name] else 'eager'})")
 
 # %%
-# The work bound of this run
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What each trainer must compute over the timed batches: ``2 x`` the weights
-# of every matrix per token, and ``4 H D`` per query-key pair and layer for
-# attention, the causal half on both sides (the padded causal kernel skips
-# the masked half too). The backward pass scales both sides alike.
+# The work bounds of this run
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What each trainer must compute per real token: ``2 x`` the weights of
+# every matrix per token, and ``4 H D`` per query-key pair and layer, the
+# causal half on every side (the padded causal kernel skips the masked half
+# too). Each padded trainer's bound is computed from its own batches.
 
-from ragged_toolkit.bound import pairs_scored, training_work
+from ragged_toolkit.bound import work_per_token
 
 per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding
 per_pair = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim
-packed_work, padded_work = training_work(
-    [offsets_i.diff().cpu() for _, offsets_i in batches[WARMUP_STEPS:]], per_token, per_pair)
-bound = padded_work / packed_work
-R, P = trainers["packed"]["tokens/s"], trainers["padded"]["tokens/s"]
-print(f"training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, "
-      f"speedup {R / P:.2f}x, work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
+
+
+def lengths_of(name):  # the sequence lengths of each timed step of trainer ``name``
+    return [o.diff().cpu() for _, o in batches[name][WARMUP_STEPS:STEPS]]
+
+
+packed_work = work_per_token(lengths_of("packed"), per_token, per_pair)
+R = trainers["packed"][2].tokens_per_s(WARMUP_STEPS)
+for name, label in (("naive", "training"), ("grouped", "training against length-grouped padding")):
+    bound = work_per_token(lengths_of(name), per_token, per_pair, padded=True) / packed_work
+    P = trainers[name][2].tokens_per_s(WARMUP_STEPS)
+    print(f"{label}: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, speedup {R / P:.2f}x, "
+          f"work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
 
 # %%
-# Where the packed step's time goes, whenever it reaches less than 0.9 of
-# the bound: one step on the last batch, profiled at its steady state, per
-# call, beside its own median.
+# The last number is the :term:`fraction of the bound`. Against naive
+# padding, the bound is what padding a random batch to its longest document
+# costs, and packing turns it into speed. Against length-grouped padding
+# the bound is small on this corpus: sorted windows leave little padding, so
+# packing buys little speed there. What it still buys: one shape for every
+# step (one compiled graph, no recompiles), a memory footprint that does not
+# depend on which documents meet in a step, and batches whose composition
+# does not depend on length, where grouping puts the long documents
+# together. Where lengths have a long tail and no grouping is done, packing
+# buys speed too.
+#
+# The loss curves: the trainers see the same documents in different
+# batches, so their curves differ by the batches they saw, not only by
+# rounding; the page asserts that each learned (the mean of its last five
+# losses below 60% of a uniform guess over the 256 bytes, ln 256 = 5.55
+# nats) and prints the spread of the last losses.
 
-from ragged_toolkit.profiles import where_time_goes
-
-if R / P / bound < 0.9:
-    tokens_l, offsets_l = batches[-1]
-    for side, t in trainers.items():  # forward and backward, as compiled or not
-        print(f"{side} step, forward and backward:")
-        print(where_time_goes(lambda: t["make_loss"](t["runner"], tokens_l, offsets_l).backward()))
-        t["model"].zero_grad(set_to_none=True)
-else:
-    print(f"the packed trainer reached {R / P / bound:.2f} of the bound: no profile needed")
-
-# %%
-# The last number is the :term:`fraction of the bound`, the measured
-# speedup over the work bound. Near 1, the packed trainer turned all the work
-# it skips into speed. Below 1, part of it went to overheads: one attention
-# call per document with the loop backend, the bookkeeping of the packed
-# batch, the graph breaks of the compiled packed model. Above 1, the padded
-# trainer is slower per unit of work than the packed one: its larger
-# activations cost memory traffic, cache misses and allocations that the
-# bound, which counts FLOPs only, does not see.
-# Those activations show in the peak memory of one step on the last batch:
-
-from ragged_toolkit.measure import profile_call
-
-tokens_l, offsets_l = batches[-1]
-for side, t in trainers.items():
-    model_copy = copy.deepcopy(t["model"])
-    peak, kernels = profile_call(
-        lambda: t["make_loss"](model_copy, tokens_l, offsets_l).backward())
-    print(f"{side}: peak {peak:6.1f} MiB above the weights  [{kernels}]")
-
-# %%
-# The two loss curves must agree: the trainers compute the same thing, so
-# they can only drift apart by rounding. The page stops unless the packed
-# model learned (its last ten losses average below 60% of the loss of a
-# uniform guess over the 256 bytes, ln 256 = 5.55 nats) and the two curves'
-# averages over the last ten steps agree within 2%. The
-# curves lie on top of each other, so the first figure marks them with
-# different symbols at different steps and plots their difference below;
-# the second puts them against wall-clock time, where the faster trainer's
-# curve reaches each loss first.
-
-losses = {side: np.array(t["losses"]) for side, t in trainers.items()}
-first, last = losses["packed"][:5].mean(), losses["packed"][-10:].mean()
-last_padded = losses["padded"][-10:].mean()
-uniform = math.log(cfg.vocab_size)
-assert last < 0.6 * uniform, \
-    f"the packed model did not learn: {first:.3f} -> {last:.3f} (a uniform guess: {uniform:.2f})"
-assert abs(last - last_padded) < 0.02 * last_padded, \
-    f"the curves disagree: {last:.4f} vs {last_padded:.4f}"
-print(f"packed loss {first:.3f} -> {last:.3f}, against {uniform:.2f} for a uniform guess")
-print(f"last ten steps: packed {last:.4f}, padded {last_padded:.4f}")
+import math
 
 import matplotlib.pyplot as plt
 from ragged_toolkit.figures import FIGURE_STYLE
 
-plt.rcParams.update(FIGURE_STYLE)
-every = max(STEPS // 12, 1)
-styles = {"packed": dict(ls="-", lw=3, alpha=0.6, marker="o", markevery=(0, every)),
-          "padded": dict(ls="--", marker="s", mfc="none", markevery=(every // 2, every))}
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[2, 1],
-                               layout="constrained")
-for side, style in styles.items():
-    ax1.plot(losses[side], label=side, **style)
-ax1.set(ylabel="training loss", title=f"Same weights, same documents ({DEVICE})")
-ax1.legend()
-ax2.plot(losses["packed"] - losses["padded"], ".-", color="C2")
-ax2.axhline(0, color="gray", lw=0.8)
-ax2.set(xlabel="step", ylabel="loss, packed - padded")
-plt.show()
+uniform = math.log(cfg.vocab_size)
+for name, (_, _, _, losses) in trainers.items():
+    last = np.array(losses[-5:])
+    assert last.mean() < 0.6 * uniform, f"{name} did not learn: {losses[0]:.3f} -> {last.mean():.3f}"
+    print(f"{name:8s} last five losses {last.mean():.3f} +- {last.std():.3f}")
 
+plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-for side, style in styles.items():
-    t = trainers[side]
-    ax.plot(np.cumsum(t["seconds"]), losses[side], **style,
-            label=f"{side}, {t['tokens/s']:,.0f} real tokens/s")
-ax.set(xlabel="seconds", ylabel="training loss", title="Loss against wall-clock time")
+for (name, (_, _, timer, losses)), style in zip(trainers.items(), ("-o", "--s", ":^")):
+    ax.plot(np.cumsum(timer.seconds), losses, style, markevery=max(1, STEPS // 8), lw=2,
+            label=f"{name}, {timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s")
+ax.set(xlabel="seconds of training (measured)", ylabel="training loss",
+       title=f"Same documents, three trainers ({DEVICE})")
 ax.legend()
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 1
 
 # %%
-# Generation
-# ----------
-# The trained model now continues, greedily, ``NEW_TOKENS`` bytes for each
-# of a batch of prompts: the openings of documents no step trained on, of
-# different lengths. Generation has two phases, and packing does different
-# things to each:
-#
-# * **prefill** runs every prompt at once and writes each token's keys and
-#   values into a cache. Prompts of different lengths are a ragged batch:
-#   packed, the prefill computes the real tokens only; padded, every prompt
-#   is as long as the longest.
-# * **decode** then feeds one token per sequence per step. That batch is a
-#   rectangle on both sides, ``(B,)`` new tokens against a cache with room
-#   for ``capacity`` tokens per sequence; only which slots are in use
-#   differs, so packing removes no work here.
-#
-# .. literalinclude:: ../ragged_toolkit/kv_cache.py
-#    :pyobject: KVCache
-#
-# The packed prefill writes sequence ``b``'s keys into rows
-# ``b * capacity ...`` of the cache seen as packed rows:
+# Prefill
+# -------
+# The trained packed model now reads a batch of prompts, the openings of
+# documents no step trained on, of different lengths. Prefill runs every
+# prompt at once and writes each token's keys and values into a cache:
+# packed, it computes the real tokens only; padded (left-padded, as
+# Hugging Face's ``generate`` pads prompts), every prompt is as long as the
+# longest, with a mask that also hides the padding.
 #
 # .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: prefill_packed
-#
-# The padded prefill left-pads the prompts, as Hugging Face's ``generate``
-# pads them, with a causal mask that also hides the padding:
 
-from ragged_toolkit.kv_cache import KVCache, prefill_packed
+from ragged_toolkit.attention import default_backend
+from ragged_toolkit.bound import pairs_scored, speedup_line
+from ragged_toolkit.data import as_tokens
+from ragged_toolkit.kv_cache import KVCache, generate_packed, prefill_packed
+from ragged_toolkit.measure import measure, print_timings
 
-prompt_docs = [docs[i] for i in held_out]
-
-
-def opening(doc, n):
-    """The first ``n`` bytes of ``doc`` or fewer, ending at a word's end."""
-    cut = doc[:n].rfind(b" ") if len(doc) > n else -1
-    return doc[:cut + 1] if cut > 0 else doc[:n]
-
-
-# openings of 8 to 8 + 3 (B - 1) bytes: prompts of different lengths
-prompt_docs = [opening(d, 8 + 3 * i) for i, d in enumerate(prompt_docs)]
+model = trainers["packed"][1].eval()  # the packed trainer's model (not the compiled wrapper)
+prompt_docs = [d[:8 + 3 * i] for i, d in enumerate(held_out)]  # openings of 8 to 8 + 3 (B - 1) bytes
 prompt_lengths = torch.tensor([len(d) for d in prompt_docs])
 prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
-prompts = torch.cat([as_tokens(d) for d in prompt_docs])
-prompts = prompts.to(DEVICE)
+prompts = torch.cat([as_tokens(d) for d in prompt_docs]).to(DEVICE)
 longest = int(prompt_lengths.max())
-capacity = longest + NEW_TOKENS
-model = trainers["packed"]["model"].eval()
-print(f"{PROMPTS} prompts, {len(prompts)} tokens, longest {longest}; "
-      f"left padding makes {PROMPTS * longest} token slots")
 
 
 @torch.no_grad()
 def prefill_padded(model, prompts, offsets, cache):
     """The same prompts left-padded to (B, S) into ``cache``: the logits of
-    each prompt's last token (B, vocab), and the padding per prompt (B,)."""
-    B, lengths = len(offsets) - 1, offsets.diff()
-    S = int(lengths.max())
+    each prompt's last token (B, vocab)."""
+    lengths = offsets.diff()
+    S, pad = int(lengths.max()), int(lengths.max()) - lengths  # (B,) padding columns on the left
     seq, pos = token_index(offsets)
-    pad = S - lengths  # (B,) padding columns on the left
-    ids = torch.zeros(B, S, dtype=torch.long, device=prompts.device)
+    ids = torch.zeros(len(lengths), S, dtype=torch.long, device=prompts.device)
     ids[seq, pad[seq] + pos] = prompts
-    valid = torch.arange(S, device=prompts.device) >= pad[:, None]  # (B, S)
-    positions = (torch.arange(S, device=prompts.device) - pad[:, None]).clamp(min=0)
-    causal = torch.ones(S, S, dtype=torch.bool, device=prompts.device).tril()
-    eye = torch.eye(S, dtype=torch.bool, device=prompts.device)
-    # a padding query sees itself, so that no row of the mask is empty
-    mask = (causal & valid[:, None, :]) | (eye & ~valid[:, :, None])  # (B, S, S)
-    return model(ids, positions, Padded(mask[:, None], cache, 0))[:, -1], pad
+    column = torch.arange(S, device=prompts.device)
+    valid = column >= pad[:, None]  # (B, S)
+    causal = column[:, None] >= column
+    mask = (causal & valid[:, None, :]) | (~valid[:, :, None] & (column[:, None] == column))  # (B, S, S)
+    return model(ids, (column - pad[:, None]).clamp(min=0), Padded(mask[:, None], cache, 0))[:, -1]
 
 
-def autocast():
-    return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
-
-
-# %%
-# The prefill's attention backend is chosen by the same rule as training's,
-# on the prompts' causal forward job:
-
-q_pre = torch.randn(len(prompts), cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-kv_pre = torch.randn(len(prompts), cfg.n_kv_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-prefill_backends = compare_backends(q_pre, kv_pre, kv_pre.clone(), prompt_offsets,
-                                    is_causal=True, min_run_time=RUN_TIME / 2)
-PREFILL_BACKEND = choose(prefill_backends, default_backend(DEVICE, DTYPE),
-                         "prefill backend")
-
-caches = {side: KVCache(cfg, PROMPTS, capacity, DEVICE, DTYPE) for side in ("packed", "padded")}
-
-
-def packed_prefill():
-    with autocast():
-        return prefill_packed(model, prompts, prompt_offsets, caches["packed"],
-                              PREFILL_BACKEND)
-
-
-def padded_prefill():
-    with autocast():
-        return prefill_padded(model, prompts, prompt_offsets, caches["padded"])
-
-
-logits_packed, (logits_padded, pad) = packed_prefill(), padded_prefill()
-torch.testing.assert_close(logits_packed.float(), logits_padded.float(), **tolerance)
-gap = (logits_packed - logits_padded).abs().max().item()
-print(f"prefill with the backend chosen, {PREFILL_BACKEND}: the last-token logits "
-      f"of all {PROMPTS} prompts agree (largest difference {gap:.1e})")
-
-# %%
-# The work bound of the prefill counts, as in training, ``2 x`` the weights
-# per token and ``4 H D`` per query-key pair and layer, on the real tokens
-# against the padded ``B x S``.
-
-from ragged_toolkit.bound import speedup_line
-from ragged_toolkit.measure import measure
-
-times = measure({"padded": padded_prefill, "packed": packed_prefill},
-                min_run_time=2 * RUN_TIME)
-print_timings({f"prefill, {n}": t for n, t in times.items()})
-work_packed = (per_token * float(prompt_lengths.sum())
-               + per_pair * pairs_scored(prompt_lengths, prompt_lengths, True))
-full = torch.full_like(prompt_lengths, longest)
-work_padded = per_token * PROMPTS * longest + per_pair * pairs_scored(full, full, True)
-prefill_bound = work_padded / work_packed
+caches = {side: KVCache(cfg, PROMPTS, longest + 8, DEVICE, DTYPE) for side in ("packed", "padded")}
+backend = default_backend(DEVICE, DTYPE)
+with autocast():
+    prefills = {"padded": lambda: prefill_padded(model, prompts, prompt_offsets, caches["padded"]),
+                "packed": lambda: prefill_packed(model, prompts, prompt_offsets, caches["packed"], backend)}
+    torch.testing.assert_close(prefills["packed"]().float(), prefills["padded"]().float(),
+                               **tolerances(DTYPE))
+    times = measure(prefills, min_run_time=0.5 if QUICK else 1.0)
+print(f"prefill of {PROMPTS} prompts ({len(prompts)} tokens, longest {longest}): the last-token logits agree")
+print_timings(times)
+prefill_bound = ((per_token * PROMPTS * longest + per_pair * PROMPTS * pairs_scored([longest], [longest], True))
+                 / (per_token * len(prompts) + per_pair * pairs_scored(prompt_lengths, prompt_lengths, True)))
 print(speedup_line("prefill", times["padded"], times["packed"], prefill_bound))
-if times["padded"].median_ms / times["packed"].median_ms / prefill_bound < 0.9:
-    print(where_time_goes(packed_prefill, timing=times["packed"]))
 
 # %%
-# Decoding, one step
-# ~~~~~~~~~~~~~~~~~~
-# A decoding step is cheap to run only if it has nothing to prepare: in the
-# style of gpt-fast the cache has a fixed capacity, each sequence's next
-# slot is a tensor, and the step's shapes never change, so one compiled
-# graph can serve every step, with no host sync. The layout both sides use:
-#
-# .. literalinclude:: ../ragged_toolkit/kv_cache.py
-#    :pyobject: CachedStep
-#
-# The packed cache holds sequence ``b`` from slot 0; the left-padded one
-# from slot ``pad[b]``, with the new tokens at the same slot for all. Each
-# token keeps its own position (for the rotary embedding) on both sides.
-#
-# .. literalinclude:: ../ragged_toolkit/kv_cache.py
-#    :pyobject: decode_greedy
+# Decoding then feeds one token per sequence per step: a rectangle on both
+# sides, so packing removes no work there; :doc:`ragged_decoding_kv_cache_gqa`
+# measures it, and the KV cache itself. What the model learned: a few
+# prompts, and the bytes greedy decoding writes after them (after ``|``). A
+# model this small, trained for seconds on a CPU, has learned the most
+# frequent bytes and words of English docstrings and little else.
 
-from ragged_toolkit.kv_cache import call_model, decode_greedy
-
-lengths_dev = prompt_lengths.to(DEVICE)
-column = torch.full_like(lengths_dev, longest)
-compiled_step = torch.compile(call_model, dynamic=False)
-
-
-def packed_decode(step=None):
-    with autocast():
-        return decode_greedy(model, logits_packed, caches["packed"], lengths_dev,
-                             NEW_TOKENS, step=step)
-
-
-def padded_decode(step=None):
-    with autocast():
-        return decode_greedy(model, logits_padded, caches["padded"], lengths_dev,
-                             NEW_TOKENS, slots=column, start=pad, step=step)
-
-
-graphs_before = counters["stats"]["unique_graphs"]
-out_packed, out_padded = packed_decode(), padded_decode()
-out_compiled = packed_decode(compiled_step)
-padded_decode(compiled_step)  # the padded step compiles too, before any timing
-decode_graphs = counters["stats"]["unique_graphs"] - graphs_before
-agree = (out_packed == out_padded).float().mean().item()
-assert agree >= (1.0 if DTYPE == torch.float32 else 0.9), \
-    f"packed and padded decoding agree on {agree:.1%} of the tokens"
-same = (out_compiled == out_packed).float().mean().item()
-assert same >= (1.0 if DTYPE == torch.float32 else 0.9), \
-    f"the compiled step agrees with the eager one on {same:.1%} of the tokens"
-print(f"with the prefill backend chosen ({PREFILL_BACKEND}), packed and padded decoding "
-      f"agree on {agree:.1%} of {out_packed.numel()} tokens;\nthe compiled step, after the "
-      f"chosen prefill: {same:.1%}, {decode_graphs} graphs for {NEW_TOKENS - 1} steps")
-
-# %%
-# Compiling the step is chosen by the rule, and the choice applies to both
-# sides. The bound of decoding is 1.00: both sides feed the same tokens
-# through the same weights, and the kernel scores every slot of the cache
-# on both (masked where not in use).
-
-with_step = {"eager": packed_decode,
-             "compiled": functools.partial(packed_decode, compiled_step)}
-step_times = measure(with_step, min_run_time=RUN_TIME, profile=False)
-print_timings({f"decode, packed, {n}": t for n, t in step_times.items()})
-DECODE_STEP = compiled_step if choose(step_times, "eager", "decode step") == "compiled" else None
-times = measure({"padded": functools.partial(padded_decode, DECODE_STEP),
-                 "packed": functools.partial(packed_decode, DECODE_STEP)},
-                min_run_time=2 * RUN_TIME)
-print_timings({f"decode, {n}": t for n, t in times.items()})
-new = PROMPTS * (NEW_TOKENS - 1)
-print(", ".join(f"{side} {new / t.median_ms * 1e3:,.0f}" for side, t in times.items())
-      + " new tokens/s")
-print(speedup_line("decode", times["padded"], times["packed"], 1.0))
-if times["padded"].median_ms / times["packed"].median_ms < 0.9:
-    print(where_time_goes(functools.partial(packed_decode, DECODE_STEP), timing=times["packed"]))
-
-# %%
-# What the model learned: a few prompts, and the bytes it wrote after them
-# (after ``|``). A model this small, trained for a minute on a CPU, has
-# learned the most frequent bytes and words of English docstrings and little
-# else, so greedy decoding repeats them; the CUDA sizes train a larger model
-# on many more tokens. Either way, the packed and padded generations are
-# the same tokens, checked above.
-
+with torch.no_grad():
+    written = generate_packed(model, prompts, prompt_offsets, 24, dtype=DTYPE)
 for b in range(min(4, PROMPTS)):
-    prompt = bytes(prompts[prompt_offsets[b]:prompt_offsets[b + 1]].tolist())
-    written = bytes(out_padded[b].tolist())  # the packed tokens too (checked above)
-    show = (prompt.decode(errors="replace") + " | " + written.decode(errors="replace"))
-    print(repr(show)[:118])
+    text = prompt_docs[b].decode(errors="replace") + " | " + bytes(written[b].tolist()).decode(errors="replace")
+    print(repr(text)[:100])
 
 # %%
 # Conclusion
 # ----------
 # A packed trainer is the padded trainer minus the padding: the same
-# modules, loss, targets and optimizer, and a loss curve that ends where the
-# padded one ends, within the tolerance the page asserts. What changes is
-# the work: the training and prefill lines say how much of the work bound
-# this device turned into speed, the peak-memory lines what padding would
-# have held. Decoding does the same work on both sides; its line says
-# whether the packed cache cost anything there.
-#
-# In a real trainer the packed batch is what ``DataCollatorWithFlattening``
-# produces (``offsets_from_position_ids`` turns its ``position_ids`` into
-# offsets), and on a GPU ``varlen_attn`` is the attention call.
-# :doc:`ragged_decoding_kv_cache_gqa` takes the KV cache further.
+# modules, loss and optimizer, proved to compute the same loss and
+# gradients. Packed into fixed-length rows, as ``torchtitan`` packs, every
+# step has one shape and compiles into one graph with no graph break; the
+# documents cut at the rows' ends lose a little context. The two training
+# lines say what this device turned into speed: against naive padding, the
+# padding of random batches; against length-grouped padding, little padding
+# to remove, so there packing's gains are one shape, predictable memory and
+# batches mixed independently of length.
 #
 # Further reading
 # ---------------
+# * `torchtitan <https://github.com/pytorch/torchtitan>`_ (document packing,
+#   document masks) and `torchtune <https://github.com/pytorch/torchtune>`_
+#   (``PackedDataset``)
 # * `Packing with FlashAttention 2 <https://huggingface.co/blog/packing-with-FA2>`_
-# * `torchtitan <https://github.com/pytorch/torchtitan>`_ and
-#   `torchtune <https://github.com/pytorch/torchtune>`_ (sample packing)
 # * `gpt-fast <https://github.com/meta-pytorch/gpt-fast>`_ (the model's style,
 #   the KV cache)
 # * Ainslie et al., `GQA <https://arxiv.org/abs/2305.13245>`_; Su et al.,

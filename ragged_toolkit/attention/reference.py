@@ -32,3 +32,21 @@ def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False,
                     qi, ki, vi, attn_mask=mask, scale=scale
                 ).transpose(0, 1)
     return out
+
+
+def math_scores_bytes(lengths, heads, layers=1):
+    """Bytes of the float32 scores and probabilities SDPA's math path keeps
+    for a backward pass, over ``layers`` layers, when ``lengths`` (B,) are
+    padded to the longest: ``2 x layers x B x heads x S^2 x 4``."""
+    lengths = torch.as_tensor(lengths)
+    return 2 * layers * len(lengths) * heads * int(lengths.max()) ** 2 * 4 if len(lengths) else 0
+
+
+def math_check_sequences(lengths, heads, layers=1, budget=2**30):
+    """How many of the first sequences of ``lengths`` a parity check on the
+    math path can take within ``budget`` bytes (:func:`math_scores_bytes`);
+    at least one. A check against the math path at GPU sizes takes a slice."""
+    n = len(lengths)
+    while n > 1 and math_scores_bytes(lengths[:n], heads, layers) > budget:
+        n -= 1
+    return n

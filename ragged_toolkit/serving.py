@@ -1,0 +1,543 @@
+"""Serving ragged requests: a stream of requests, a paged KV cache (fixed-size
+blocks, a free list, a block table per request), the layout a :class:`~ragged_toolkit.gpt.GPT`
+attends through it with, and two schedulers on one engine: static batches
+and continuous batching with chunked prefill and preemption by recomputation.
+
+One step feeds each scheduled request the next tokens it has not computed
+yet: a prompt chunk, a whole prompt, or the one token it generated last. A
+request's keys are those of ``prompt + generated``; ``computed`` of them are
+in the cache. So prefill, chunked prefill, decoding and the recomputation
+of a preempted request are one operation.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .attention import backend_support, ragged_attention
+from .attention.flex import FLEX_BLOCK, compiled_flex_attention, flex_rows
+from .attention.varlen import varlen_attn, varlen_keywords
+from .batches import offsets_from_lengths, token_index
+from .device import synchronize
+from .gpt import Padded
+
+# --- the request stream --------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One request: its prompt (token ids), how many tokens it must generate
+    (fixed, as benchmarks fix it by ignoring the end-of-sequence token) and
+    when it arrives, in seconds of the simulated clock. The rest is the
+    state a server keeps: what it generated, with the logits that chose each
+    token ((vocab,) each), how many of ``prompt + generated`` have their
+    keys in the cache, and the clock when its first and last tokens came."""
+
+    rid: int
+    prompt: list
+    n_out: int
+    arrival: float = 0.0
+    generated: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    computed: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    preempted: int = 0
+
+    def length(self):
+        """Tokens whose keys the request needs: prompt and generated."""
+        return len(self.prompt) + len(self.generated)
+
+    def pending(self):
+        """Tokens to feed before its next token can be chosen."""
+        return self.length() - self.computed
+
+    def done(self):
+        return len(self.generated) >= self.n_out
+
+
+def output_lengths(rng, n, median, longest, sigma=1.0):
+    """``n`` output lengths from a log-normal distribution (long-tailed, as
+    the outputs of chat requests are) with the given ``median``, cut to
+    ``[1, longest]``: (n,) int numpy array."""
+    drawn = rng.lognormal(np.log(median), sigma, size=n)
+    return np.clip(np.round(drawn), 1, longest).astype(int)
+
+
+def request_stream(documents, n, rng, *, prompt_max, out_median, out_max, rate=None):
+    """``n`` requests whose prompts are the openings (at most ``prompt_max``
+    bytes) of documents drawn from ``documents`` (``bytes``), with
+    :func:`output_lengths`. ``rate`` (requests/s): Poisson arrivals (gaps
+    drawn from an exponential distribution); ``None``: all at time 0."""
+    if n > len(documents):
+        raise ValueError(f"{n} requests need {n} documents; the corpus has {len(documents)}")
+    chosen = rng.choice(len(documents), size=n, replace=False)
+    outs = output_lengths(rng, n, out_median, out_max)
+    arrivals = np.zeros(n) if rate is None else np.cumsum(rng.exponential(1 / rate, size=n))
+    return [Request(i, list(documents[d][:prompt_max]), int(o), float(a))
+            for i, (d, o, a) in enumerate(zip(chosen, outs, arrivals))]
+
+
+def fresh_requests(requests, arrivals=None):
+    """Copies of ``requests`` with nothing served, arriving at ``arrivals``
+    (seconds, one each; default: as they were)."""
+    arrivals = [r.arrival for r in requests] if arrivals is None else arrivals
+    return [Request(r.rid, r.prompt, r.n_out, float(a)) for r, a in zip(requests, arrivals)]
+
+
+# --- the paged KV cache ----------------------------------------------------------------
+
+
+class PagedKVCache:
+    """Keys and values of every layer in ``n_blocks`` blocks of
+    ``block_size`` rows: ``k``, ``v`` (layers, n_blocks * block_size, H_kv, D).
+    Free blocks wait on a free list; each request holds a block table, the
+    list of its blocks: its token at position ``p`` lives in row
+    ``table[p // block_size] * block_size + p % block_size``."""
+
+    def __init__(self, cfg, n_blocks, block_size, device, dtype):
+        shape = (cfg.n_layers, n_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.free = list(range(n_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self.tables = {}  # request id -> its blocks, in the order of its tokens
+
+    def reserve(self, rid, n_tokens):
+        """Grow request ``rid``'s table to hold ``n_tokens`` tokens. Returns
+        False, taking nothing, if the free list has too few blocks."""
+        table = self.tables.setdefault(rid, [])
+        need = -(-n_tokens // self.block_size) - len(table)
+        if need > len(self.free):
+            return False
+        table.extend(self.free.pop() for _ in range(max(need, 0)))
+        return True
+
+    def release(self, rid):
+        """Give request ``rid``'s blocks back to the free list."""
+        self.free.extend(reversed(self.tables.pop(rid, [])))
+
+    def slots(self, rid, positions):
+        """The rows that the keys of request ``rid`` at ``positions`` (a list)
+        are written to: (n,) int64."""
+        table, size = self.tables[rid], self.block_size
+        return [table[p // size] * size + p % size for p in positions]
+
+    def write(self, layer, k, v, rows):
+        """New keys and values (T, H_kv, D) into their rows (T,)."""
+        self.k[layer].index_copy_(0, rows, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, rows, v.to(self.v.dtype))
+
+    def check(self):
+        """Raise ``RuntimeError`` unless every block is free or in exactly
+        one table, once."""
+        owners = {}
+        for rid, table in [(None, self.free), *self.tables.items()]:
+            for b in table:
+                if b in owners:
+                    raise RuntimeError(f"block {b} is in {_holder(owners[b])} and in {_holder(rid)}")
+                owners[b] = rid
+        if len(owners) != self.n_blocks:
+            raise RuntimeError(f"{self.n_blocks - len(owners)} blocks are neither free nor held")
+
+    def mib(self):
+        """The cache's size, from its shapes, in MiB."""
+        return (self.k.nbytes + self.v.nbytes) / 2**20
+
+
+def _holder(rid):
+    return "the free list" if rid is None else f"the table of request {rid}"
+
+
+def block_table_tensor(cache, rids, device):
+    """The block tables of requests ``rids`` as one (B, max_blocks) int32
+    tensor, each row padded with zeros (never read: lengths bound it)."""
+    tables = [cache.tables[r] for r in rids]
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
+def paged_rows(block_table, kv_lengths, block_size):
+    """The cache rows of every key each sequence uses, sequence after
+    sequence: (sum(kv_lengths),) int64, from the block table (B, max_blocks)
+    and the keys in use (B,)."""
+    seq, pos = token_index(offsets_from_lengths(kv_lengths, block_table.device))
+    return block_table[seq, pos // block_size].long() * block_size + pos % block_size
+
+
+# --- attention through the block table ---------------------------------------------------
+
+
+@dataclass
+class PagedLayout:
+    """The layout of one step of a :class:`~ragged_toolkit.gpt.GPT` over a
+    :class:`PagedKVCache`: the step's new tokens packed, ``q_offsets``
+    (B + 1,), with their cache rows ``slots`` (T,) and absolute ``positions``
+    (T,); each sequence's keys in use ``kv_lengths`` (B,) and its
+    ``block_table`` (B, max_blocks). ``path`` names how attention reads the
+    keys (:data:`PAGED_PATHS`); what a path builds once per step is kept in
+    ``prepared`` for every layer."""
+
+    cache: PagedKVCache
+    q_offsets: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    kv_lengths: torch.Tensor
+    block_table: torch.Tensor
+    max_q: int
+    max_kv: int
+    path: str = "gathered"
+    backend: str | None = None
+    prepared: dict = field(default_factory=dict)
+
+    def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D) -> (T, H, D)
+        self.cache.write(layer, k, v, self.slots)
+        return PAGED_PATHS[self.path](q.to(self.cache.k.dtype), self, layer)
+
+
+def gathered_attention(q, step, layer):
+    """The keys in use gathered through the block table into a packed batch,
+    then ``ragged_attention``, causal (the new queries are each sequence's
+    last ones): q (T, H, D) -> (T, H, D)."""
+    if "rows" not in step.prepared:  # once per step, for every layer
+        step.prepared["rows"] = paged_rows(step.block_table, step.kv_lengths, step.cache.block_size)
+        step.prepared["kv_offsets"] = offsets_from_lengths(step.kv_lengths, q.device)
+    rows = step.prepared["rows"]
+    k, v = step.cache.k[layer].index_select(0, rows), step.cache.v[layer].index_select(0, rows)
+    return ragged_attention(q, k, v, step.q_offsets, step.prepared["kv_offsets"], is_causal=True,
+                            backend=step.backend)
+
+
+def paged_block_mask(step, device):
+    """A FlexAttention ``BlockMask`` over the whole cache: a query (padded to
+    :func:`~ragged_toolkit.attention.flex.flex_rows`) sees a row if its
+    sequence owns the row through the block table, at a position up to its own."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n_rows, n_q = step.cache.k.shape[1], flex_rows(len(step.positions))
+    rows = paged_rows(step.block_table, step.kv_lengths, step.cache.block_size)
+    seq, pos = token_index(offsets_from_lengths(step.kv_lengths, device))
+    owner = torch.full((n_rows,), -1, device=device).index_put_((rows,), seq)
+    row_pos = torch.zeros(n_rows, dtype=torch.long, device=device).index_put_((rows,), pos)
+    q_seq = F.pad(token_index(step.q_offsets)[0], (0, n_q - len(step.positions)), value=-2)
+    q_pos = F.pad(step.positions, (0, n_q - len(step.positions)))
+
+    def paged_causal(b, h, q_idx, kv_idx):
+        return (owner[kv_idx] == q_seq[q_idx]) & (row_pos[kv_idx] <= q_pos[q_idx])
+
+    return create_block_mask(paged_causal, None, None, n_q, n_rows, device=device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def flex_paged_attention(q, step, layer):
+    """FlexAttention reading the cache in place, with :func:`paged_block_mask`:
+    the new queries as one padded sequence against every row of the cache,
+    q (T, H, D) -> (T, H, D)."""
+    if "mask" not in step.prepared:
+        step.prepared["mask"] = paged_block_mask(step, q.device)
+    mask = step.prepared["mask"]
+    qf = F.pad(q, (0, 0, 0, 0, 0, mask.seq_lengths[0] - len(q))).transpose(0, 1)[None]  # (1, H, n_q, D)
+    kf, vf = (t[layer].transpose(0, 1)[None] for t in (step.cache.k, step.cache.v))  # (1, H_kv, rows, D)
+    out = compiled_flex_attention(qf, kf, vf, block_mask=mask, enable_gqa=q.shape[1] != kf.shape[1])
+    return out[0, :, : len(q)].transpose(0, 1)
+
+
+def varlen_paged_attention(q, step, layer):
+    """``varlen_attn`` reading the cache in place through the block table
+    (FlashAttention's paged kernel, CUDA): q (T, H, D) -> (T, H, D)."""
+    cache = step.cache
+    k, v = (t[layer].view(cache.n_blocks, cache.block_size, *t.shape[2:]) for t in (cache.k, cache.v))
+    kv_offsets = offsets_from_lengths(step.kv_lengths, q.device).to(torch.int32)
+    return varlen_attn(q, k, v, step.q_offsets.to(torch.int32), kv_offsets, step.max_q, step.max_kv,
+                       window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[2],
+                       seqused_k=step.kv_lengths.to(torch.int32), block_table=step.block_table)
+
+
+#: How a :class:`PagedLayout` reads the cache: path name -> ``fn(q, step, layer)``.
+PAGED_PATHS = {"gathered": gathered_attention, "flex": flex_paged_attention, "varlen": varlen_paged_attention}
+
+
+def paged_varlen_support(device, dtype, block_size):
+    """None if ``varlen_attn`` can read a paged cache here, else why not."""
+    why = backend_support("varlen", device, dtype, is_causal=True, gqa=True)
+    if why:
+        return why
+    missing = {"block_table", "seqused_k", "window_size", "enable_gqa"} - varlen_keywords()
+    if missing:
+        return f"this release's varlen_attn has no {', '.join(sorted(missing))}"
+    if block_size % 256:
+        return f"FlashAttention's paged kernel needs blocks of a multiple of 256 rows, not {block_size}"
+    return None
+
+
+# --- one step of the engine ----------------------------------------------------------------
+
+
+def step_layout(cache, work, device, path, backend=None):
+    """The tokens (T,), their positions (T,) and the :class:`PagedLayout` of
+    one step that feeds each ``(request, n)`` of ``work`` its next ``n``
+    tokens (blocks already reserved). ``n = 0`` is an idle slot: one
+    padding token at the request's next position, whose key nothing reads."""
+    tokens, positions, slots, q_lengths, kv_lengths = [], [], [], [], []
+    for req, n in work:
+        start, m = req.computed, max(n, 1)
+        tokens += (req.prompt + req.generated)[start:start + n] if n else [0]
+        positions += range(start, start + m)
+        slots += cache.slots(req.rid, range(start, start + m))
+        q_lengths.append(m)
+        kv_lengths.append(start + m)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    layout = PagedLayout(cache, offsets_from_lengths(q_lengths, device), as_tensor(slots),
+                         as_tensor(positions), as_tensor(kv_lengths),
+                         block_table_tensor(cache, [r.rid for r, _ in work], device),
+                         max(q_lengths), max(kv_lengths), path, backend)
+    return as_tensor(tokens), layout.positions, layout
+
+
+@torch.no_grad()
+def forward_step(model, cache, work, path="gathered", backend=None):
+    """One forward pass over the packed tokens of ``work`` (a list of
+    ``(request, n)``); each request whose last needed token was fed gets its
+    next token, the greedy choice, and keeps the logits that chose it."""
+    tokens, positions, layout = step_layout(cache, work, cache.k.device, path, backend)
+    last = model(tokens, positions, layout)[layout.q_offsets[1:] - 1]  # (B, vocab)
+    choices = last.argmax(-1).tolist()
+    for i, (req, n) in enumerate(work):
+        req.computed += n
+        if n and req.pending() == 0:  # its whole history is in the cache: a new token
+            req.generated.append(choices[i])
+            req.logits.append(last[i].float())
+
+
+# --- the schedulers ------------------------------------------------------------------------
+
+
+def preempt(req, cache):
+    """Free a request's blocks; it will recompute its keys, from position 0
+    of ``prompt + generated``, when it is admitted again."""
+    cache.release(req.rid)
+    req.computed = 0
+    req.preempted += 1
+
+
+def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
+    """Continuous batching: the work of one step, a list of ``(request, n)``.
+    Running requests first, in admission order (one decode token each, or
+    their next prompt chunk); when the cache runs out of blocks, the most
+    recently admitted is preempted to the front of ``waiting``. Then, if
+    none was, requests that have arrived by ``now`` join while slots,
+    blocks and the step's token budget allow; a long prompt is cut into
+    chunks."""
+    work, budget, i, preempted = [], token_budget, 0, False
+    while i < len(running) and budget > 0:
+        req = running[i]
+        n = min(req.pending(), budget)
+        if cache.reserve(req.rid, req.computed + n):
+            work.append((req, n))
+            budget, i = budget - n, i + 1
+            continue
+        if len(running) == 1:
+            raise RuntimeError(f"request {req.rid} alone needs more than the cache's {cache.n_blocks} blocks")
+        victim = running.pop()  # the most recently admitted
+        preempt(victim, cache)
+        waiting.appendleft(victim)
+        preempted = True
+    while (not preempted and waiting and waiting[0].arrival <= now and len(running) < max_running
+           and budget > 0):
+        req = waiting[0]
+        n = min(req.pending(), budget)
+        if not cache.reserve(req.rid, n):
+            break
+        running.append(waiting.popleft())
+        work.append((req, n))
+        budget -= n
+    return work
+
+
+def plan_static(running, waiting, cache, now, *, batch_size, reserve, skip_finished=False):
+    """Static batching: when no batch runs, up to ``batch_size`` requests
+    that have arrived by ``now`` start together, their whole prompts in one
+    packed step, each with ``len(prompt) + reserve`` rows reserved up front.
+    Then each gets one token per step and none joins until all are done; a
+    finished request's slot idles, computing a padding token as a batched
+    ``generate`` (or a fixed-shape step) does, or nothing (``skip_finished``)."""
+    if not running:
+        while waiting and waiting[0].arrival <= now and len(running) < batch_size:
+            req = waiting.popleft()
+            if not cache.reserve(req.rid, len(req.prompt) + reserve):
+                raise RuntimeError(f"the cache has no room for a static batch of {batch_size}")
+            running.append(req)
+    return [(req, 0 if req.done() else req.pending()) for req in running
+            if not (skip_finished and req.done())]
+
+
+def retire_finished(running, cache):
+    """Continuous batching: finished requests leave at once, their blocks
+    back on the free list."""
+    for req in [r for r in running if r.done()]:
+        cache.release(req.rid)
+        running.remove(req)
+
+
+def retire_batch(running, cache):
+    """Static batching: the batch leaves when its last request is done."""
+    if all(r.done() for r in running):
+        retire_finished(running, cache)
+
+
+# --- the simulated server ------------------------------------------------------------------
+
+
+@dataclass
+class StepRecord:
+    """One step of a run: its measured seconds, the prompt (or recomputed)
+    and decode tokens it fed, the requests holding a slot and those waiting
+    (arrived, not admitted) after it, the cache rows in use and the blocks
+    held."""
+
+    seconds: float
+    prefill: int
+    decode: int
+    running: int
+    waiting: int
+    used_rows: int
+    held_blocks: int
+
+
+@dataclass
+class ServingRun:
+    """What a run of :func:`serve` did: its requests and its steps."""
+
+    requests: list
+    steps: list
+
+    def tokens_per_s(self):
+        """Generated tokens over the run's busy seconds."""
+        return sum(r.n_out for r in self.requests) / sum(s.seconds for s in self.steps)
+
+
+def record_step(seconds, work, running, waiting, cache, now):
+    """The :class:`StepRecord` of a step that fed ``work``, a list of
+    ``(request, n, whether it was a decode token)``."""
+    decode = sum(n for _, n, was_decode in work if was_decode)
+    arrived = sum(r.arrival <= now for r in waiting)
+    held = sum(map(len, cache.tables.values()))
+    return StepRecord(seconds, sum(n for _, n, _ in work) - decode, decode, len(running), arrived,
+                      sum(r.computed for r in running), held)
+
+
+def stamp_clock(requests, now):
+    """Note the clock on each request's first token and on its last."""
+    for req in requests:
+        if req.generated and req.first_token_s is None:
+            req.first_token_s = now
+        if req.done() and req.finish_s is None:
+            req.finish_s = now
+
+
+def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="gathered", backend=None,
+          check=False, observe=None):
+    """Serve ``requests`` on a simulated clock that advances by each step's
+    measured time (never sleeping: with nothing to run, it jumps to the next
+    arrival). A generator that yields after every step, so that runs can
+    take turns (:func:`take_turns`); returns a :class:`ServingRun`.
+    ``plan(running, waiting, cache, now)`` chooses each step's work and
+    ``retire_step(running, cache)`` ends it; ``check``: verify the cache's
+    blocks after every step; ``observe(step, running, cache)``: called
+    after every step."""
+    waiting, running, steps, now = deque(sorted(requests, key=lambda r: r.arrival)), [], [], 0.0
+    while waiting or running:
+        if not running and waiting[0].arrival > now:
+            now = waiting[0].arrival  # idle until the next request arrives
+        synchronize()
+        start = time.perf_counter()
+        work = plan(running, waiting, cache, now)
+        fed = [(req, n, bool(req.generated) and req.pending() == 1) for req, n in work]
+        forward_step(model, cache, work, path, backend)
+        retire_step(running, cache)
+        synchronize()
+        seconds = time.perf_counter() - start
+        now += seconds
+        stamp_clock([req for req, _ in work], now)
+        steps.append(record_step(seconds, fed, running, waiting, cache, now))
+        if check:
+            cache.check()
+        if observe is not None:
+            observe(len(steps) - 1, running, cache)
+        yield
+    return ServingRun(requests, steps)
+
+
+def take_turns(*runs):
+    """Advance generators of :func:`serve` one step each, in turn, until all
+    end, so that whatever else the machine does slows them alike. Returns
+    their :class:`ServingRun` s, in order."""
+    results, live = [None] * len(runs), dict(enumerate(runs))
+    while live:
+        for i, run in list(live.items()):
+            try:
+                next(run)
+            except StopIteration as end:
+                results[i] = end.value
+                del live[i]
+    return results
+
+
+# --- what a run measured, and its proof ------------------------------------------------------
+
+
+def slot_bound(run):
+    """What idle slots cost a static run: its slot-steps (slots times steps)
+    over the tokens it generated."""
+    slots = max(s.running for s in run.steps)
+    return slots * len(run.steps) / sum(r.n_out for r in run.requests)
+
+
+def latency_ms(requests):
+    """Percentiles 50 and 99 of the time to first token (from arrival) and
+    of the time per output token after the first, in ms:
+    ``{"ttft": (p50, p99), "tpot": (p50, p99)}``."""
+    ttft = [r.first_token_s - r.arrival for r in requests]
+    tpot = [(r.finish_s - r.first_token_s) / (r.n_out - 1) for r in requests if r.n_out > 1]
+    return {name: tuple(np.percentile(np.array(x) * 1e3, [50, 99])) for name, x in
+            (("ttft", ttft), ("tpot", tpot))}
+
+
+@torch.no_grad()
+def logits_alone(model, request):
+    """The logits that greedy decoding of ``request`` alone, with no cache,
+    computes for each of its generated tokens: one causal pass, padded
+    layout, over its prompt and the tokens it generated but the last
+    (teacher forcing). Returns (n_out, vocab)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(request.prompt + request.generated[:-1], device=device)[None]  # (1, S)
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    return model(ids, positions, Padded())[0, len(request.prompt) - 1:]
+
+
+def check_against_alone(reference, requests, tolerance):
+    """Prove every request's tokens are those of greedy decoding it alone,
+    with ``reference``, a float32 model: its logits at each generated
+    token (teacher-forced, :func:`logits_alone`) agree with the server's
+    within ``tolerance`` (``assert_close`` keywords), and each token is the
+    reference's greedy choice, or ties with it within ``tolerance["atol"]``.
+    By induction, the tokens are then those of decoding it alone. Raises
+    ``AssertionError`` naming the request; returns ``(largest logit
+    difference, ties)``."""
+    worst, ties = 0.0, 0
+    for req in requests:
+        assert req.done() and len(req.generated) == req.n_out, f"request {req.rid} did not finish"
+        ref = logits_alone(reference, req).float()  # (n_out, vocab)
+        got = torch.stack(req.logits).to(ref.device)
+        torch.testing.assert_close(got, ref, **tolerance,
+                                   msg=lambda m, r=req: f"request {r.rid}: logits differ from decoding it alone: {m}")
+        chosen = ref.gather(1, torch.tensor(req.generated, device=ref.device)[:, None])[:, 0]
+        gap = ref.max(-1).values - chosen  # 0 where the token is the reference's choice
+        bad = (gap > tolerance["atol"]).nonzero().flatten().tolist()
+        assert not bad, f"request {req.rid}: token {bad[0]} is not the greedy choice of decoding it alone"
+        ties += int((gap > 0).sum())
+        worst = max(worst, float((got - ref).abs().max()))
+    return worst, ties

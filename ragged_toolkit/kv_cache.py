@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .batches import token_index
+from .batches import offsets_from_lengths, token_index
 from .device import default_dtype
 from .gpt import Packed
 
@@ -91,7 +91,7 @@ def prefill_packed(model, prompts, offsets, cache, backend=None):
 
 @torch.no_grad()
 def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, backend=None, slots=None,
-                  start=None, step=None):
+                  start=None, step=None, return_logits=False):
     """``n_new`` greedy tokens per sequence from the prefill's last logits
     (B, vocab): each step feeds one token per sequence at its own position
     (``positions``, (B,), the prompt lengths). ``fixed_shape``: a
@@ -101,13 +101,15 @@ def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, b
     ``ragged_attention`` with ``backend``, over each sequence's rows in use.
     ``step(model, tokens, positions, layout)`` runs the model, for example
     ``torch.compile(call_model, dynamic=False)`` (default: :func:`call_model`).
-    Returns (B, n_new)."""
+    Returns the new tokens (B, n_new), and with ``return_logits`` the logits
+    that chose them, (B, n_new, vocab)."""
     step = call_model if step is None else step
     slots = positions if slots is None else slots
     one_each = torch.arange(len(positions) + 1, device=positions.device)  # one query per sequence
-    out = []
+    out, chose = [], []
     for i in range(n_new):
         out.append(logits.argmax(-1))  # (B,)
+        chose.append(logits)
         if i == n_new - 1:
             break
         if fixed_shape:
@@ -115,21 +117,38 @@ def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, b
         else:  # each token's row, and the keys its sequence then has
             layout = Packed(one_each, backend, cache, cache.row_offsets[:-1] + slots + i, slots + i + 1)
         logits = step(model, out[-1], positions + i, layout)
-    return torch.stack(out, 1)
+    return (torch.stack(out, 1), torch.stack(chose, 1)) if return_logits else torch.stack(out, 1)
 
 
 @torch.no_grad()
 def generate_packed(model, prompts, offsets, n_new, backend=None, *, fixed_shape=False, step=None,
-                    dtype=None):
+                    dtype=None, return_logits=False):
     """Greedy generation for packed prompts (T,) with offsets (B + 1,):
     :func:`prefill_packed` with ``backend``, then :func:`decode_greedy` with
     the same backend or, ``fixed_shape=True``, with :class:`CachedStep` steps.
     ``dtype`` (default: ``default_dtype`` of the prompts' device) other than
-    float32 runs under autocast. Returns the new tokens, (B, n_new)."""
+    float32 runs under autocast. Returns the new tokens, (B, n_new) (and with
+    ``return_logits`` the logits that chose them, (B, n_new, vocab))."""
     dtype = default_dtype(prompts.device) if dtype is None else dtype
     lengths = offsets.diff()
     cache = KVCache(model.cfg, len(lengths), int(lengths.max()) + n_new, prompts.device, dtype)
     with torch.autocast(prompts.device.type, dtype=dtype, enabled=dtype != torch.float32):
         logits = prefill_packed(model, prompts, offsets, cache, backend)
         return decode_greedy(model, logits, cache, lengths, n_new, fixed_shape=fixed_shape, backend=backend,
-                             step=step)
+                             step=step, return_logits=return_logits)
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, prompts, offsets, new_tokens, backend="loop"):
+    """The reference for a greedy generation: each prompt followed by the
+    tokens generated for it (``new_tokens``, (B, n_new)), run through the
+    model once, packed, with no cache. Returns the logits that chose each new
+    token, (B, n_new, vocab), in float32: a generation's own logits must
+    match them within the dtype's tolerance, however rounding breaks a near
+    tie (the next tokens are fed, not re-chosen)."""
+    lengths, n_new = offsets.diff(), new_tokens.shape[1]
+    pieces = [torch.cat([prompts[int(a):int(b)], t[:-1]]) for a, b, t in zip(offsets[:-1], offsets[1:], new_tokens)]
+    full = offsets_from_lengths(lengths + n_new - 1, prompts.device)
+    logits = model(torch.cat(pieces), token_index(full)[1], Packed(full, backend))  # (T, vocab)
+    rows = full[:-1, None] + lengths[:, None] - 1 + torch.arange(n_new, device=prompts.device)  # (B, n_new)
+    return logits[rows].float()

@@ -76,6 +76,18 @@ print(f"row offsets {row_offsets.tolist()}, kv_used {lengths.tolist()}: "
       f"{int(spare.sum())} spare rows never read")
 
 # %%
+# The same cache drawn row by row: the rows in use, the spare ones, and the
+# row each sequence's next token will write (its ``kv_used``, before it
+# grows by one).
+
+import matplotlib.pyplot as plt
+from ragged_toolkit.figures import FIGURE_STYLE, draw_kv_cache
+
+plt.rcParams.update(FIGURE_STYLE)
+draw_kv_cache(lengths, capacity, new=lengths)
+plt.show()
+
+# %%
 # The toolkit's ``KVCache`` holds such rows for every layer of a model, and
 # writes new keys into them (``write_rows``; ``write_columns`` is for a
 # padded batch):
@@ -105,7 +117,7 @@ SEED = 0
 if DEVICE == "cuda":
     MODEL = dict(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
                  ffn_hidden=2816, max_seq_len=4096)
-    PROMPTS, ZIPF_ALPHA, NEW_TOKENS, GEN_LENGTHS = 64, 1.1, 128, (32, 64, 128)
+    PROMPTS, ZIPF_ALPHA, NEW_TOKENS, GEN_LENGTHS = 64, 1.1, 64, (16, 64)
     RUN_TIME = 1.0
 else:  # real serving: width 4096 and up, 32+ layers, 64-256 sequences
     MODEL = dict(vocab_size=512, dim=128, n_layers=4, n_heads=8, n_kv_heads=2,
@@ -235,10 +247,9 @@ print(f"{NEW_TOKENS} steps x {PROMPTS} sequences: every cached step matches the 
 # the arithmetic) and the query-key pairs its attention scores; here it is
 # the work of the recomputation over the work of the cached generation.
 
-from ragged_toolkit.bound import pairs_scored
-from ragged_toolkit.kv_cache import generate_packed
+from ragged_toolkit.bound import pairs_scored, speedup_line
+from ragged_toolkit.kv_cache import generate_packed, teacher_forced_logits
 from ragged_toolkit.measure import measure, outside_noise
-from ragged_toolkit.bound import speedup_line
 
 
 @torch.no_grad()
@@ -272,11 +283,17 @@ def generate(model, n_new, cached, backend="loop"):
 per_token = 2 * sum(p.numel() for n, p in gqa_model.named_parameters()
                     if "embeddings" not in n)
 per_pair = gqa_cfg.n_layers * 4 * gqa_cfg.n_heads * gqa_cfg.head_dim
-# both write the same tokens (in bfloat16, rounding may flip a near tie)
-same = (generate(gqa_model, 4, False) == generate(gqa_model, 4, True)).float().mean()
-same = same.item()
-assert same >= (1.0 if DTYPE == torch.float32 else 0.9), \
-    f"with and without the cache: {same:.0%} of tokens agree"
+# The cached generation's logits, step by step, against the same tokens fed
+# to the model with no cache (teacher forcing): equal within the dtype's
+# tolerance, however rounding breaks a near tie; in float32, the same tokens.
+written, chose = generate_packed(gqa_model, prompts, prompt_offsets, 8, "loop", return_logits=True)
+forced = teacher_forced_logits(gqa_model, prompts, prompt_offsets, written)
+torch.testing.assert_close(chose.float(), forced, **tolerances(DTYPE))
+if DTYPE == torch.float32:
+    assert torch.equal(generate(gqa_model, 8, False), written), "with and without the cache, other tokens"
+tol = tolerances(DTYPE)
+print(f"8 cached steps: logits within atol {tol['atol']:g}, rtol {tol['rtol']:g} of the teacher-forced "
+      "recomputation")
 throughput = {"cache": [], "no cache": []}
 for n_new in GEN_LENGTHS:
     times = measure({"no cache": lambda: generate(gqa_model, n_new, False),
@@ -304,10 +321,6 @@ for n_new in GEN_LENGTHS:
 # for costs the bound, which counts FLOPs only, does not see (its growing
 # tensors are allocated and copied at every step).
 
-import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
-
-plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
 x = np.arange(len(GEN_LENGTHS))
 ax.bar(x - 0.2, throughput["cache"], 0.4, label="KV cache")
@@ -318,53 +331,14 @@ ax.set(xlabel="new tokens per sequence", ylabel="new tokens/s (median)",
 fig.legend(loc="outside lower center", ncol=2)
 plt.show()
 
-# sphinx_gallery_thumbnail_number = 1
+# sphinx_gallery_thumbnail_number = 2
 
 # %%
-# Where a cached step's time goes
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Where the fraction is well below 1, the reason is in one decoding step: a
-# handful of tokens through every layer. The profile below is of one step in
-# the middle of generation (one token per sequence, each at its own
-# position, written into the cache), timed first and then profiled at its
-# steady state, every figure per step. It splits the step's wall time into
-# the operators' own time (the kernels and their dispatch) and the rest:
-# Python, building the step's layout, and the bookkeeping between operators.
-
-from ragged_toolkit.profiles import where_time_goes
-
-step_cache = KVCache(gqa_cfg, PROMPTS, int(prompt_lengths.max()) + NEW_TOKENS, DEVICE,
-                     DTYPE)
-mid = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)  # each sequence's position
-step_token = prompts[prompt_offsets[1:] - 1]  # any token per sequence will do
-
-
-def decode_step(backend="loop"):
-    with torch.no_grad():
-        layout = Packed(one_each, backend, step_cache, step_cache.row_offsets[:-1] + mid,
-                        mid + 1)  # the step's rows, and the keys each sequence uses
-        return gqa_model(step_token, mid, layout)
-
-
-step_time = measure({"decode step": decode_step}, min_run_time=RUN_TIME, profile=False)
-step = where_time_goes(decode_step, timing=step_time["decode step"])
-print(step)
-rest = step.median_ms - step.self_ms  # the profiler inflates self_ms: rest is a floor
-print(f"per step: {step.median_ms:.2f} ms timed, {step.events:.0f} operators; their own "
-      f"time under the profiler {step.self_ms:.2f} ms\n  ({1e3 * step.self_ms / step.events:.1f}"
-      f" us each); Python and bookkeeping outside them: at least {max(rest, 0):.2f} ms")
-print(f"the step's useful arithmetic: {PROMPTS * per_token / 1e6:.1f} MFLOP of projections "
-      f"for {PROMPTS} tokens")
-
-# %%
-# How to read it: a step whose operators each take microseconds, whatever
-# their size, for little arithmetic each, is bound by how many operators it
-# runs and by the Python between them, not by its work; the recomputation
-# runs about as many operators per step on many more tokens, so its fixed
-# costs weigh less. The work bound counts FLOPs only, so the cached side
-# reaches less of it the more its steps are bound by operator count; a
-# wider model, or a GPU running the same operators, gives each operator
-# more work for the same fixed cost.
+# A cached step runs one token per sequence through every layer: many small
+# operators, each with a fixed cost (Python, dispatch, bookkeeping), for
+# little arithmetic; :doc:`measuring_ragged_batches` shows how to profile a
+# step to see it. The work bound counts FLOPs only, so the cached side
+# reaches less of it the more its steps are bound by operator count.
 #
 # Cutting the step's overhead
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -375,16 +349,15 @@ print(f"the step's useful arithmetic: {PROMPTS * per_token / 1e6:.1f} MFLOP of p
 # ``CachedStep`` writes each sequence's new keys at its slot, a tensor, and
 # one SDPA call scores every slot of the cache, masked where not in use. Its
 # shapes never change, so ``torch.compile(dynamic=False)`` compiles it once
-# for the whole generation. The same rule as everywhere chooses between
-# eager and compiled (within the noise: eager, the site's default).
+# for the whole generation. It scores every slot, those not yet in use too:
+# more arithmetic than the bound counts, for no per-step bookkeeping. The
+# same rule as everywhere chooses eager or compiled (within the noise: eager).
 #
 # .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: CachedStep
 
-from ragged_toolkit.kv_cache import call_model, decode_greedy, prefill_packed
-from ragged_toolkit.measure import choose
-from ragged_toolkit.measure import print_timings
-from torch._dynamo.utils import counters
+from ragged_toolkit.kv_cache import call_model
+from ragged_toolkit.measure import choose, compile_counter, print_timings
 
 compiled_step = torch.compile(call_model, dynamic=False)
 lengths_dev = prompt_lengths.to(DEVICE)
@@ -392,25 +365,22 @@ n_new = GEN_LENGTHS[-1]
 
 
 @torch.no_grad()
-def generate_fixed(step=None):
+def generate_fixed(step=None, return_logits=False):
     """Packed prefill, then ``n_new - 1`` fixed-shape steps."""
-    with torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32):
-        capacity = int(prompt_lengths.max()) + n_new
-        cache = KVCache(gqa_cfg, PROMPTS, capacity, DEVICE, DTYPE)
-        logits = prefill_packed(gqa_model, prompts, prompt_offsets, cache, "loop")
-        return decode_greedy(gqa_model, logits, cache, lengths_dev, n_new, step=step)
+    return generate_packed(gqa_model, prompts, prompt_offsets, n_new, "loop", fixed_shape=True, step=step,
+                           return_logits=return_logits)
 
 
-graphs = counters["stats"]["unique_graphs"]
-reference = generate(gqa_model, n_new, True)
-for name, step_fn in (("eager", None), ("compiled", compiled_step)):
-    same = (generate_fixed(step_fn) == reference).float().mean().item()
-    assert same >= (1.0 if DTYPE == torch.float32 else 0.9), \
-        f"the fixed-shape step ({name}) agrees with generate_packed on {same:.0%}"
-print(f"fixed-shape steps write generate_packed's tokens; compiled: "
-      f"{counters['stats']['unique_graphs'] - graphs} graph(s) for {n_new - 1} steps")
+with compile_counter() as compiled:
+    for name, step_fn in (("eager", None), ("compiled", compiled_step)):
+        written, chose = generate_fixed(step_fn, return_logits=True)
+        forced = teacher_forced_logits(gqa_model, prompts, prompt_offsets, written)
+        torch.testing.assert_close(chose.float(), forced, **tolerances(DTYPE),
+                                   msg=lambda m, name=name: f"the fixed-shape step ({name}): {m}")
+print("fixed-shape steps, eager and compiled: logits within the tolerance of the teacher-forced "
+      f"recomputation;\ncompiled: {compiled.graphs} graph(s) for {n_new - 1} steps, {compiled.breaks} graph breaks")
+no_cache = times["no cache"]  # the last length above: n_new tokens
 times = measure({
-    "no cache": lambda: generate(gqa_model, n_new, False),
     "cache, packed step": lambda: generate(gqa_model, n_new, True),
     "cache, fixed-shape step": generate_fixed,
     "cache, fixed-shape step, compiled": lambda: generate_fixed(compiled_step),
@@ -421,17 +391,9 @@ fixed = choose({"eager": times["cache, fixed-shape step"],
                "fixed-shape step")
 best = times["cache, fixed-shape step" + (", compiled" if fixed == "compiled" else "")]
 bound = work_recomputed / work_cached
-print(speedup_line(f"KV cache, {n_new:3d} new tokens, packed step", times["no cache"],
-                   times["cache, packed step"], bound))
-print(speedup_line(f"KV cache, {n_new:3d} new tokens, fixed-shape step",
-                   times["no cache"], best, bound))
-
-# %%
-# The fixed-shape step scores every slot of the cache, the ones not yet in
-# use too, so it does more arithmetic than the work bound counts; what it
-# saves is the per-step bookkeeping and, with the loop backend, one call per
-# sequence and layer. Its line says how much of the bound that recovers
-# here.
+print(speedup_line(f"KV cache, {n_new:3d} new tokens, packed step", no_cache, times["cache, packed step"],
+                   bound))
+print(speedup_line(f"KV cache, {n_new:3d} new tokens, fixed-shape step", no_cache, best, bound))
 
 # %%
 # Cache memory: allocated and used
@@ -440,10 +402,9 @@ print(speedup_line(f"KV cache, {n_new:3d} new tokens, fixed-shape step",
 # figures below are computed from the shapes of its buffers, not measured.
 # Of its ``B x capacity`` token slots, ``sum(lengths)`` hold data: few right
 # after the prefill, more at each step. A cache that gives each sequence
-# only the room it can use, ``prompt + new tokens`` (paged or packed), would
-# allocate ``sum(prompt + new)`` slots, the *exact room*; with
-# ``varlen_attn``'s ``block_table`` or a FlexAttention mask over pages,
-# attention reads such a cache directly.
+# only the room it can use, ``prompt + new tokens``, would allocate
+# ``sum(prompt + new)`` slots, the *exact room*; a paged cache comes close
+# without knowing the lengths in advance (:doc:`serving_continuous_batching`).
 
 import math
 
@@ -470,17 +431,6 @@ assert math.isclose(ratio, gqa_cfg.n_heads / gqa_cfg.n_kv_heads)
 print(f"MHA / GQA cache: {ratio:.1f}x "
       f"(n_heads / n_kv_heads = {gqa_cfg.n_heads // gqa_cfg.n_kv_heads})")
 
-fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
-for color, (name, (allocated, used, exact)) in zip(("C0", "C3"), memory.items()):
-    ax.plot(np.arange(NEW_TOKENS + 1), used / 2**20, color=color, label=f"{name}, used")
-    ax.axhline(allocated / 2**20, color=color, ls="--", label=f"{name}, allocated")
-    ax.axhline(exact / 2**20, color=color, ls=":", label=f"{name}, exact room")
-ax.set(xlabel="decoding step", ylabel="KV cache (MiB), from shapes", ylim=(0, None),
-       title=f"Cache size computed from shapes, {MODEL['n_layers']} layers, "
-             f"{str(DTYPE).removeprefix('torch.')}")
-fig.legend(loc="outside lower center", ncol=3)
-plt.show()
-
 # %%
 # Decoding attention: measure, then choose
 # ----------------------------------------
@@ -496,10 +446,9 @@ plt.show()
 
 import textwrap
 
-from ragged_toolkit.attention.compare import compare_backends
-from ragged_toolkit.measure import Timing, choose, compile_counter
 from ragged_toolkit.attention import default_backend
-from ragged_toolkit.measure import print_timings
+from ragged_toolkit.attention.compare import compare_backends
+from ragged_toolkit.measure import Timing
 
 capacity = int(prompt_lengths.max()) + NEW_TOKENS
 used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)
@@ -519,12 +468,9 @@ print(f"torch.compile, the flex backend: {flex_compiled}")
 # That table times one step's attention with its per-batch bookkeeping
 # already done. While generating, the lengths change at every step, so
 # whatever a backend prepares per batch (gather indices, a block mask) is
-# prepared again at every step, once for all layers; the choice is made on
-# whole generations, for the two backends with the fastest steps above and
-# the default. As on every page, ``choose`` takes the lowest median only if
-# its interquartile range does not overlap that of the second fastest; otherwise it
-# says "within noise" and takes the default, ``default_backend`` (the
-# per-sequence loop on a CPU), the decoding default on every page.
+# prepared again at every step; the choice is made on whole generations,
+# for the two backends with the fastest steps above and the default,
+# ``default_backend``, by the rule of :doc:`measuring_ragged_batches`.
 
 DEFAULT = default_backend(DEVICE, DTYPE)
 ran = sorted((n for n, r in decode_results.items() if isinstance(r, Timing)),
@@ -643,27 +589,8 @@ else:
 # %%
 # Nested tensors do not take the GQA route: SDPA on nested inputs cannot
 # share key/value heads, and ``backend_support`` says so, which is why the
-# ``sdpa_njt`` rows above are missing for GQA. The call is tried here, so that
-# the page notices when a release fixes it.
-
-
-def njt(x):  # (T, H, D) packed -> (B, H, j, D) nested
-    return torch.nested.nested_tensor_from_jagged(x, prompt_offsets).transpose(1, 2)
-
-
-q_p = torch.randn(len(prompts), gqa_cfg.n_heads, gqa_cfg.head_dim, device=DEVICE,
-                  dtype=DTYPE)
-kv_p = torch.randn(len(prompts), gqa_cfg.n_kv_heads, gqa_cfg.head_dim, device=DEVICE,
-                   dtype=DTYPE)
-try:
-    F.scaled_dot_product_attention(njt(q_p), njt(kv_p), njt(kv_p), enable_gqa=True)
-    print("SDPA on nested tensors with enable_gqa=True: runs in this build")
-except (RuntimeError, NotImplementedError) as err:
-    message = str(err).strip().splitlines()[0].split(". ")[0]  # its first sentence
-    print(textwrap.fill(f"SDPA on nested tensors with enable_gqa=True: "
-                        f"{type(err).__name__}: {message}", 90, subsequent_indent="  "))
-
-# %%
+# ``sdpa_njt`` rows above are missing for GQA.
+#
 # varlen attention
 # ----------------
 # ``torch.nn.attention.varlen.varlen_attn`` is the variable-length kernel of
@@ -680,19 +607,14 @@ import inspect
 from ragged_toolkit.attention import backend_support
 from ragged_toolkit.attention.varlen import varlen_attn, varlen_keywords
 
-if varlen_attn is None:
-    print("this PyTorch has no torch.nn.attention.varlen")
-else:
-    keywords = varlen_keywords()
-    parameters = ", ".join(inspect.signature(varlen_attn).parameters)
-    print(textwrap.fill(f"varlen_attn({parameters})", 90, subsequent_indent="    "))
-    print("causal through: "
-          + ("window_size=(-1, 0)" if "window_size" in keywords else "is_causal=True"))
-    missing = "not supported: the toolkit "
-    print("grouped-query attention: " + ("enable_gqa=True" if "enable_gqa" in keywords
-                                         else missing + "repeats the heads"))
-    print("keys in use per sequence: " + ("seqused_k" if "seqused_k" in keywords
-                                          else missing + "gathers the rows in use"))
+keywords = varlen_keywords()  # empty where this PyTorch has no varlen_attn
+if varlen_attn is not None:
+    print(textwrap.fill(f"varlen_attn({', '.join(inspect.signature(varlen_attn).parameters)})", 90,
+                        subsequent_indent="    "))
+for what, keyword, instead in (("causal through", "window_size", "is_causal=True"),
+                               ("grouped-query attention", "enable_gqa", "the toolkit repeats the heads"),
+                               ("keys in use per sequence", "seqused_k", "the toolkit gathers the rows in use")):
+    print(f"{what}: {keyword if keyword in keywords else 'not in this release: ' + instead}")
 why = backend_support("varlen", DEVICE, DTYPE, is_causal=True, gqa=True)
 print(textwrap.fill(f"varlen_attn on this device: {why or 'runs'}; the decoding backend "
                     f"chosen here: {DECODE_BACKEND}", 90, subsequent_indent="  "))

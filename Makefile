@@ -27,7 +27,7 @@ help:
 	@echo "make test                      run the test suite (builds the site once)"
 	@echo "make serve [PORT=8000]         serve _build/html on http://localhost:PORT"
 	@echo "make check-versions            run every page under the oldest, pinned and newest PyTorch"
-	@echo "make gpu-check                 on a CUDA machine: every page as a plain script, one line each"
+	@echo "make gpu-check                 on a CUDA machine: preflight, every page quick, full size as time allows"
 	@echo "make clean                     remove every build output"
 
 venv: $(STAMP)
@@ -86,8 +86,9 @@ check-versions:
 .PHONY: gpu-check
 
 # On a bare CUDA machine (PyTorch, numpy and matplotlib; no Sphinx, no
-# network): every page as a plain script at its CUDA sizes, outputs in
-# gpu-check/, one summary line per page. Uses the machine's own python, not
-# the virtual environment. Stops at once, naming CUDA, where there is none.
+# network): preflight, every page in quick mode, then full size while it fits
+# the limit; outputs and summary.json in gpu-check/. Uses the machine's own
+# python, not the virtual environment. Stops at once, naming CUDA, where there
+# is none. Without make: python scripts/gpu_check.py --out gpu-check --limit 330
 gpu-check:
-	$(PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+	$(PYTHON) scripts/gpu_check.py --out gpu-check --limit 330 $(GPU_CHECK_ARGS)

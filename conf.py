@@ -56,6 +56,7 @@ extensions = [
     "gallery_layout",  # before Sphinx-Gallery: pages of deleted tutorials out, pages of changed modules stale
     "page_parts",  # landing cards, the build stamp, Colab/GitHub/toolkit links; no empty code blocks
     "downloads",  # the toolkit's wheel; the .py, notebook and zip a reader downloads run alone
+    "gpu_results",  # the page gpu_results.rst: a recorded GPU run (gpu-results/), apart from this build's figures
 ]
 templates_path = ["_templates"]
 exclude_patterns = [

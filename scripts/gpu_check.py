@@ -1,64 +1,165 @@
-"""Run every tutorial as a plain script on a CUDA GPU, and summarize.
+"""The GPU check: every tutorial as a plain script on a CUDA GPU, in stages
+that fit one lease of a GPU machine; and the record of a run for the site.
 
 For a bare GPU machine with only PyTorch, numpy and matplotlib (no Sphinx,
-no network): each page in ``tutorials/`` runs at its CUDA sizes, in reading
-order, in its own folder under ``--out`` (its printed output is kept there as
-``output.txt``, and each figure it shows as ``figure_N.png``). One line per page says whether it
-passed, how long it took, and the fractions of the work bound it printed;
-the exit status is 1 if any page failed, 2 if there is no CUDA GPU.
+no network, no ``make``)::
 
-    python scripts/gpu_check.py                  # every page
-    python scripts/gpu_check.py --pages gpt      # pages whose name matches
+    python scripts/gpu_check.py --out gpu-check --limit 330            # a run
+    python scripts/gpu_check.py --out gpu-check --limit 330 --dry-run  # its plan only
+    python scripts/gpu_check.py record gpu-check --commit SHA          # into gpu-results/
 
-``--allow-cpu`` runs the same on a machine without CUDA (for testing this
-script; the pages then pick their CPU sizes).
+A run has three stages; each prints a line as each of its steps finishes and
+rewrites ``summary.json``, so a run cut off from outside still leaves what
+it found:
+
+1. ``preflight`` (at most 60 s): the torch, CUDA, cuDNN and triton versions,
+   ``varlen_attn``'s signature, the SDPA kernel a ``bfloat16`` causal call
+   picks, whether a tiny ``torch.compile`` and a tiny compiled
+   ``flex_attention`` build, and the cost of cuDNN attention's first call
+   for each of a few shapes.
+2. ``quick``: every page (``tutorial_sources``, in ``READING_ORDER``) with
+   ``TUTORIALS_QUICK=1``, each under its own limit (``--page-limit``).
+3. ``full``: full size for the pages that passed in quick mode, in the order
+   of :data:`FULL_SIZE_FIRST` and then the others, each group longest-known
+   last (``.github/tutorial-durations.json``); a page starts only if its
+   recorded duration fits what is left of ``--limit``.
+
+Every stage keeps within ``--limit`` (the whole run, in seconds): a page
+runs at most until it is reached, and one still running then is stopped
+and counted as cut, not failed. A page past its own limit is stopped with
+every process it started, and fails, named; what it printed is kept. Every
+page compiles into one cache, ``compile-cache/`` under ``--out``. Under
+``--out``: ``summary.json``, ``preflight.txt``, and for each page and mode
+``PAGE/MODE/output.txt`` (its standard output and error), ``figure_N.png``
+(each figure it shows) and ``peak.json`` (the peak memory of its process).
 
 A page that imports a package this Python lacks beyond PyTorch, numpy and
-matplotlib (``transformers`` for ``hf_packed_training``) is not run: its line
-says SKIP, names the package and how to bring it in, and the total counts
-it; a skip fails nothing.
+matplotlib (``transformers`` for ``hf_packed_training``) is not run: its
+line says SKIP, names the package and how to bring it in; a skip fails
+nothing. Exit status: 1 if the preflight or a page failed, 2 if PyTorch sees
+no CUDA GPU (``--allow-cpu`` runs all the same, to test this script: the
+pages then pick their CPU sizes).
+
+``record OUTDIR`` copies a run's summary, the key lines of each page and its
+figures into ``gpu-results/`` (``--into``), the record the site's page "GPU
+results" shows (``sphinxext/gpu_results.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import datetime
+import hashlib
 import importlib.util
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
 from gallery_layout import reading_order_key, tutorial_sources  # noqa: E402  (standard library only)
 
-BUDGET_S = 8 * 60  # the whole check, on one H200
+# Full size (stage 3): these pages first (the decision page and the building
+# blocks), then every other page; within each group the order is longest-
+# known last, from the durations file (a page with none comes last).
+FULL_SIZE_FIRST = ["which_attention_path", "transformer_building_blocks"]
+DURATIONS = Path(".github") / "tutorial-durations.json"  # in the site's folder, written by scripts/shards.py
+UNKNOWN_FULL_S = 120.0  # the full-size estimate of a page with no recorded duration
+
+DEFAULT_LIMIT_S = 330.0  # the whole run: a first run of about 6 minutes with the start-up
+PREFLIGHT_LIMIT_S = 60.0
+PAGE_LIMIT_S = 120.0  # each page in quick mode
+MIN_START_S = 10.0  # no page starts with less than this left of the overall limit
+GRACE_S = 5.0  # after SIGTERM, before SIGKILL
+STAGES = ("preflight", "quick", "full")
+RESULTS = ROOT / "gpu-results"  # where `record` writes; sphinxext/gpu_results.py reads it (RESULTS_DIR)
+RECORD_FILE = "summary.json"
+
 FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")
 TRAINING = re.compile(r"^(?:\w+ )?training: ragged .*$", re.M)  # "hf training: ragged ..." too
 # the data-parallel page: one line per wrapper and launch (gloo on the CPU, NCCL per GPU)
 DATA_PARALLEL = re.compile(r"^data-parallel step: world size (\d+), gradient max difference "
                            r"to one process (\S+)$", re.M)
+# The key lines of a page's output, by kind, in the summary and on the site.
+KEY_LINES = {
+    "speedup": re.compile(r"^.*\bspeedup \d.*$", re.M),
+    "training": TRAINING,
+    "serving": re.compile(r"^\s*(?:[\w-]+ )*serving\b.*\d.*$", re.M | re.I),
+    # the timings (median, IQR, peak) with the attention kernels that ran in
+    # brackets, a label wrapped onto a line of its own, and lines naming them
+    "kernels": re.compile(r"^(?:.*\bms \(IQR\b.*|.*MiB\b.*\[[^\]]+\][ \t]*|[ \t]+\[[^\]]+\][ \t]*"
+                          r"|.*\bkernels\b.*)$", re.M),
+    "data_parallel": re.compile(r"^data-parallel step: .*$", re.M),
+}
 
 
-def cuda_status() -> tuple[bool, str]:
-    """Whether this Python's PyTorch sees a CUDA GPU, and a line that says so."""
-    probe = ("import torch; ok = torch.cuda.is_available(); "
-             "print(ok, torch.__version__, torch.version.cuda, torch.cuda.get_device_name() if ok else '')")
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+# --- the machine ---------------------------------------------------------------------
+
+# What the run's summary and the record say of the machine, read in a Python
+# of its own (importing torch here would hold memory for the whole run).
+PROBE = """\
+import importlib.metadata as md, json, platform, torch
+ok = torch.cuda.is_available()
+info = {"cuda_available": ok, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if ok else None, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(0) if ok else None}
+for name in ("triton", "transformers", "numpy", "matplotlib"):
+    try:
+        info[name] = md.version(name)
+    except md.PackageNotFoundError:
+        info[name] = None
+print(json.dumps(info))
+"""
+
+
+def probe_environment() -> tuple[dict | None, str]:
+    """The machine's versions and device (None where PyTorch does not import),
+    and the reason when it does not."""
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True)
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+
+
+def cuda_status(info: dict | None = None, reason: str = "") -> tuple[bool, str]:
+    """Whether this Python's PyTorch sees a CUDA GPU, and a line that says so."""
+    if info is None and not reason:
+        info, reason = probe_environment()
+    if info is None:
         return False, (f"gpu-check needs PyTorch with CUDA, and PyTorch does not import in {sys.executable} "
-                       f"({last}); run it with the Python that has it: make gpu-check PYTHON=...")
-    ok, version, cuda, *name = proc.stdout.split(maxsplit=3)
-    if ok != "True":
-        build = "a CPU-only build" if cuda == "None" else f"a CUDA {cuda} build"
-        return False, (f"no CUDA GPU is visible (torch.cuda.is_available() is False; PyTorch {version}, "
+                       f"({reason}); run it with the Python that has it")
+    if not info["cuda_available"]:
+        build = "a CPU-only build" if info["cuda"] is None else f"a CUDA {info['cuda']} build"
+        return False, (f"no CUDA GPU is visible (torch.cuda.is_available() is False; PyTorch {info['torch']}, "
                        f"{build}): gpu-check needs a machine with an NVIDIA GPU and a CUDA build of PyTorch")
-    return True, f"PyTorch {version}, CUDA {cuda}, {' '.join(name).strip()}"
+    return True, f"PyTorch {info['torch']}, CUDA {info['cuda']}, {info['device']}"
+
+
+def git_commit() -> tuple[str | None, bool]:
+    """The checkout's commit and whether tracked files differ from it; None
+    where there is no git or no repository (a copied tree)."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True)
+    except OSError:
+        return None, False
+    if head.returncode != 0:
+        return None, False
+    return head.stdout.strip(), bool(dirty.stdout.strip())
+
+
+def source_md5(path: Path) -> str:
+    """As Sphinx-Gallery hashes a source (text, any line ending)."""
+    return hashlib.md5(path.read_text(encoding="utf-8").encode("utf-8")).hexdigest()
 
 
 # Packages some pages import beyond the bare GPU machine's torch, numpy and
@@ -79,15 +180,58 @@ def missing_packages(path: Path) -> list[str]:
     return sorted(name for name in imported & set(OPTIONAL) if importlib.util.find_spec(name) is None)
 
 
-def summarize(stem: str, ok: bool, seconds: float, output: str) -> str:
-    """The one-line summary of a page: status, time, the fractions it printed."""
+# --- what a page printed -------------------------------------------------------------
+
+def key_lines(output: str) -> dict[str, list[str]]:
+    """The key lines of a page's output, by kind (:data:`KEY_LINES`)."""
+    return {kind: [m.group(0).rstrip() for m in rx.finditer(output)] for kind, rx in KEY_LINES.items()}
+
+
+def ordered_key_lines(output: str) -> list[str]:
+    """The key lines in the order the page printed them; before an indented
+    one, the line it sits under ("inference (causal, forward):")."""
+    keep = {line for lines in key_lines(output).values() for line in lines}
+    lines = [ln.rstrip() for ln in output.splitlines()]
+
+    def indent(line):
+        return len(line) - len(line.lstrip())
+
+    chosen = set()
+    for i, line in enumerate(lines):
+        if line in keep:
+            chosen.add(i)
+            header = next((j for j in range(i - 1, -1, -1)
+                           if lines[j].strip() and indent(lines[j]) < indent(line)), None)
+            if header is not None:
+                chosen.add(header)
+    return [lines[i] for i in sorted(chosen)]
+
+
+def peak_text(peak: dict | None) -> str:
+    """"peak 812.4 MiB CUDA" (allocated) or "peak 1320.0 MiB RSS" (CPU)."""
+    if not peak:
+        return ""
+    if peak.get("cuda_mib") is not None:
+        return f"peak {peak['cuda_mib']:.1f} MiB CUDA"
+    return f"peak {peak['rss_mib']:.1f} MiB RSS" if peak.get("rss_mib") is not None else ""
+
+
+def summarize(stem: str, ok: bool, seconds: float, output: str, *, mode: str = "",
+              peak: dict | None = None, status: str | None = None) -> str:
+    """The one-line summary of a page: status, mode, time, peak memory, the
+    fractions of the work bound, the training and serving lines it printed."""
+    status = status or ("PASS" if ok else "FAIL")
+    line = f"{status:4s} {stem:40s}" + (f" {mode:5s}" if mode else "") + f" {seconds:7.1f} s"
+    if peak_text(peak):
+        line += f"  {peak_text(peak)}"
     fractions = FRACTION.findall(output)
-    line = f"{'PASS' if ok else 'FAIL'} {stem:40s} {seconds:7.1f} s"
     if fractions:
         line += "  fractions of bound: " + ", ".join(fractions)
     training = TRAINING.search(output)
     if training:
         line += f"  | {training.group(0)}"
+    for serving in KEY_LINES["serving"].findall(output):
+        line += f"  | {serving.strip()}"
     steps = DATA_PARALLEL.findall(output)
     if steps:
         line += "  | data-parallel gradients: " + ", ".join(f"world size {w} {d}" for w, d in steps)
@@ -97,10 +241,15 @@ def summarize(stem: str, ok: bool, seconds: float, output: str) -> str:
     return line
 
 
+# --- running a page ------------------------------------------------------------------
+
 # Runs a page as __main__ with matplotlib's show() saving each open figure
-# into the current folder, numbered in order, instead of drawing it.
+# into the current folder, numbered in order, instead of drawing it; writes
+# the peak memory of its process to peak.json at its end, also when it is
+# stopped with SIGTERM. The CUDA peak survives the pages' own
+# reset_peak_memory_stats (measure() resets it before each profile).
 RUNNER = """\
-import runpy, sys
+import json, os, resource, runpy, signal, sys
 import matplotlib
 matplotlib.use("agg")
 import matplotlib.pyplot as plt
@@ -112,72 +261,537 @@ def show(*args, **kwargs):
         plt.figure(number).savefig(f"figure_{shown}.png", dpi=100)
     plt.close("all")
 plt.show = show
+cuda_peak = 0
+def note_cuda_peak():
+    global cuda_peak
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        cuda_peak = max(cuda_peak, torch.cuda.max_memory_allocated())
+try:
+    import torch
+    _reset = torch.cuda.reset_peak_memory_stats
+    def reset_peak_memory_stats(device=None):
+        note_cuda_peak()
+        _reset(device)
+    torch.cuda.reset_peak_memory_stats = torch.cuda.memory.reset_peak_memory_stats = reset_peak_memory_stats
+except ImportError:
+    torch = None
+def stop(signum, frame):
+    raise SystemExit(f"stopped by signal {signum}")
+signal.signal(signal.SIGTERM, stop)
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    note_cuda_peak()
+    cuda = torch is not None and torch.cuda.is_initialized()
+    with open("peak.json", "w") as f:
+        json.dump({"cuda_mib": round(cuda_peak / 2**20, 1) if cuda else None,
+                   "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}, f)
 """
 
 
-def run_page(path: Path, out: Path, timeout: float, env: dict) -> tuple[bool, float, str]:
-    folder = out / path.stem
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the page's process group (the page and everything it
+    started), SIGKILL to what is left after ``GRACE_S``."""
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # the page ended: end what it left behind
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+
+
+def run_script(argv: list[str], folder: Path, limit: float, env: dict, log_name: str) -> tuple[int | None, float]:
+    """Run ``argv`` in ``folder`` in a process group of its own, standard
+    output and error into ``folder/log_name`` as they come; past ``limit``
+    seconds the group is stopped. Returns (exit status, None when stopped;
+    seconds)."""
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    with open(folder / log_name, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        _stop_group(proc)  # also after a normal end: no process of a page outlives it
+    return returncode, time.perf_counter() - start
+
+
+class PageRun(NamedTuple):
+    passed: bool
+    seconds: float
+    output: str  # what it printed, standard output and error as they came
+    stopped: bool  # past its limit
+
+
+def run_page(path: Path, folder: Path, limit: float, env: dict, *, why: str = "its limit") -> PageRun:
+    """Run one page in ``folder``, stopped past ``limit`` seconds (``why``:
+    whose limit, for the line that says so)."""
+    for old in [*folder.glob("figure_*.png"), folder / "peak.json"]:
+        old.unlink(missing_ok=True)  # a second run into the same folder
+    returncode, seconds = run_script([sys.executable, "-c", RUNNER, str(path)], folder, limit, env, "output.txt")
+    if returncode is None:
+        with open(folder / "output.txt", "a", encoding="utf-8") as log:
+            log.write(f"\ngpu-check: {path.stem} stopped after {limit:.0f} s ({why})\n")
+    output = (folder / "output.txt").read_text(encoding="utf-8", errors="replace")
+    return PageRun(returncode == 0, seconds, output, returncode is None)
+
+
+def figures(folder: Path) -> list[str]:
+    return sorted((p.name for p in folder.glob("figure_*.png")), key=lambda n: int(re.sub(r"\D", "", n) or 0))
+
+
+# --- the preflight -------------------------------------------------------------------
+
+# Each probe prints one line as it finishes; a probe that fails prints
+# "FAILED" and the run goes on (exit status 1 at the end).
+PREFLIGHT = r"""
+import inspect, os, sys, time
+import torch
+failed = []
+def probe(name, fn):
+    start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-c", RUNNER, str(path)], cwd=folder, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-        ok, output = proc.returncode == 0, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as err:
-        ok = False
-        output = ((err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
-                  + f"\nstopped after {timeout:.0f} s (the page's time limit)")
-    seconds = time.perf_counter() - start
-    (folder / "output.txt").write_text(output, encoding="utf-8")
-    return ok, seconds, output
+        line = fn()
+    except Exception as err:  # noqa: BLE001 - a probe reports, it does not stop the others
+        failed.append(name)
+        line = f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    print(f"{name}: {line} [{time.perf_counter() - start:.1f} s]", flush=True)
+
+cuda = torch.cuda.is_available()
+device = "cuda" if cuda else "cpu"
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+
+def versions():
+    import importlib.metadata as md
+    def v(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "not installed"
+    cudnn = torch.backends.cudnn.version() if cuda else None
+    return (f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {cudnn}, triton {v('triton')}, "
+            f"transformers {v('transformers')}, Python {sys.version.split()[0]}")
+probe("versions", versions)
+
+def gpu():
+    if not cuda:
+        return "no CUDA GPU (CPU run)"
+    p = torch.cuda.get_device_properties(0)
+    return f"{p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB"
+probe("device", gpu)
+
+def varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as err:
+        return f"not in this PyTorch ({err})"
+    params = [p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+              for p in inspect.signature(varlen_attn).parameters.values()]
+    star = next((i for i, p in enumerate(inspect.signature(varlen_attn).parameters.values())
+                 if p.kind == p.KEYWORD_ONLY), None)
+    if star is not None:
+        params.insert(star, "*")
+    return f"varlen_attn({', '.join(params)})"
+probe("varlen_attn", varlen)
+
+def sdpa_kernel():
+    from torch.profiler import ProfilerActivity, profile
+    q = torch.randn(2, 8, 1024, 64, device=device, dtype=torch.bfloat16)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        sync()
+    ops = sorted({e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
+                  or e.name.startswith("aten::_flash") or e.name.startswith("aten::_efficient")
+                  or e.name.startswith("aten::_cudnn")})
+    return f"bfloat16, causal, (2, 8, 1024, 64): {', '.join(ops) or 'no SDPA op seen'}"
+probe("SDPA kernel", sdpa_kernel)
+
+def tiny_compile():
+    f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)
+    x = torch.randn(256, device=device)
+    start = time.perf_counter()
+    torch.testing.assert_close(f(x), torch.nn.functional.gelu(x) * 2 + 1)
+    sync()
+    return f"a tiny function compiled and ran in {time.perf_counter() - start:.1f} s"
+probe("torch.compile", tiny_compile)
+
+def tiny_flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, 256, 256, device=device)
+    q = torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    start = time.perf_counter()
+    out = torch.compile(flex_attention)(q, q, q, block_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    sync()
+    return f"a causal block mask, compiled and checked against SDPA in {time.perf_counter() - start:.1f} s"
+probe("flex_attention", tiny_flex)
+
+def cudnn_first_calls():
+    if not cuda:
+        return "no CUDA GPU: not measured"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    costs = []
+    for shape in ((1, 8, 128, 64), (4, 8, 512, 64), (2, 8, 2048, 64)):
+        q = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+        times = []
+        try:  # not fatal: SDPA falls back to another kernel where cuDNN's cannot run
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                for _ in range(2):
+                    sync()
+                    start = time.perf_counter()
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+                    sync()
+                    times.append(time.perf_counter() - start)
+        except RuntimeError as err:
+            costs.append(f"{tuple(shape)} not available ({str(err).splitlines()[0][:120]})")
+            continue
+        costs.append(f"{tuple(shape)} first {times[0]:.2f} s, then {1e3 * times[1]:.2f} ms")
+    return "; ".join(costs)
+probe("cuDNN first call", cudnn_first_calls)
+
+print(f"preflight: {'FAILED: ' + ', '.join(failed) if failed else 'every probe ran'}", flush=True)
+sys.exit(1 if failed else 0)
+"""
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="folder for the pages' outputs")
-    ap.add_argument("--pages", default="", help="run only pages whose file name matches this regex")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds one page may take")
-    ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
-    args = ap.parse_args(argv)
+def run_preflight(out: Path, limit: float, env: dict) -> dict:
+    returncode, seconds = run_script([sys.executable, "-c", PREFLIGHT], out, limit, env, "preflight.txt")
+    text = (out / "preflight.txt").read_text(encoding="utf-8", errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if returncode is None:
+        lines.append(f"preflight: stopped after {limit:.0f} s (its limit): the probes after the last line "
+                     "did not finish")
+        with open(out / "preflight.txt", "a", encoding="utf-8") as log:
+            log.write(lines[-1] + "\n")
+    status = "pass" if returncode == 0 else "cut" if returncode is None else "fail"
+    return {"status": status, "seconds": round(seconds, 1), "limit_s": round(limit, 1), "lines": lines}
 
-    ok, status = cuda_status()
+
+# --- the plan ------------------------------------------------------------------------
+
+def load_durations(src_dir: Path) -> dict[str, float]:
+    path = Path(src_dir) / DURATIONS
+    if not path.exists():
+        return {}
+    return {stem: float(rec["seconds"]) for stem, rec in json.loads(path.read_text()).get("tutorials", {}).items()
+            if "seconds" in rec}
+
+
+def full_size_order(stems: list[str], durations: dict[str, float]) -> list[str]:
+    """:data:`FULL_SIZE_FIRST`, then the other pages; each group longest-known
+    last (a page with no recorded duration after those with one)."""
+    def key(stem):
+        return (stem not in FULL_SIZE_FIRST, stem not in durations, durations.get(stem, 0.0),
+                reading_order_key(stem))
+    return sorted(stems, key=key)
+
+
+def pages_of(src_dir: Path, pattern: str) -> list[Path]:
+    return sorted((p for p in tutorial_sources(src_dir) if re.search(pattern, p.stem)),
+                  key=lambda p: reading_order_key(p.stem))
+
+
+def page_env(out: Path, quick: bool) -> dict:
+    """The pages' environment: the toolkit importable, one compile cache
+    under ``out`` for every page, quick mode or none."""
+    cache = (out / "compile-cache").resolve()
+    env = {**os.environ, "MPLBACKEND": "agg", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    env.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's "USDT ... profiler_start" lines
+    env.pop("TUTORIALS_QUICK", None)
+    if quick:
+        env["TUTORIALS_QUICK"] = "1"
+    return env
+
+
+def print_plan(args, pages: list[Path], durations: dict[str, float], status: str) -> None:
+    out = args.out
+    print(f"gpu-check plan (dry run: nothing runs); {status}")
+    print(f"overall limit {args.limit:.0f} s; every page compiles into {out / 'compile-cache'} "
+          "(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
+    files = "output.txt, figure_N.png, peak.json"
+    number = 0
+    if "preflight" in args.stages:
+        number += 1
+        print(f"stage {number}, preflight: limit {min(PREFLIGHT_LIMIT_S, args.limit):.0f} s -> {out / 'preflight.txt'}")
+    if "quick" in args.stages:
+        number += 1
+        print(f"stage {number}, quick (TUTORIALS_QUICK=1), every page in reading order, each until its limit "
+              "or the overall limit:")
+        for path in pages:
+            skip = missing_packages(path)
+            print(f"  {path.stem:40s} quick limit {args.page_limit:4.0f} s -> {out / path.stem / 'quick'}/{{{files}}}"
+                  + (f"  (skipped: needs {', '.join(skip)})" if skip else ""))
+    if "full" in args.stages:
+        number += 1
+        print(f"stage {number}, full size, in this order, each page that passed in quick mode while its "
+              "recorded duration fits what is left:")
+        for stem in full_size_order([p.stem for p in pages if not missing_packages(p)], durations):
+            known = f"recorded {durations[stem]:5.1f} s" if stem in durations else \
+                f"no recorded duration (taken as {UNKNOWN_FULL_S:.0f} s)"
+            print(f"  {stem:40s} full  {known}{'  (preferred)' if stem in FULL_SIZE_FIRST else ''} -> "
+                  f"{out / stem / 'full'}/{{{files}}}")
+    print(f"summary -> {out / 'summary.json'} (rewritten after every step)")
+
+
+# --- a run ---------------------------------------------------------------------------
+
+class Run:
+    """The state of one run: the clock against ``--limit``, and the summary,
+    rewritten after every step."""
+
+    def __init__(self, args, info: dict | None, status: str, start: float):
+        self.args, self.out, self.start = args, args.out, start
+        commit, dirty = (args.commit, False) if args.commit else git_commit()
+        self.summary = {"status": status, "started": datetime.datetime.now(datetime.timezone.utc)
+                        .isoformat(timespec="seconds"), "commit": commit, "commit_dirty": dirty,
+                        "environment": info or {}, "limit_s": args.limit, "stages": list(args.stages),
+                        "preflight": None, "pages": [], "seconds": 0.0, "totals": {}}
+
+    def left(self) -> float:
+        return self.args.limit - (time.monotonic() - self.start)
+
+    def save(self) -> None:
+        self.summary["seconds"] = round(time.monotonic() - self.start, 1)
+        self.summary["totals"] = totals(self.summary["pages"])
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+
+    def add(self, entry: dict) -> None:
+        print(entry["summary"], flush=True)
+        self.summary["pages"].append(entry)
+        self.save()
+
+    def not_run(self, path: Path, mode: str, reason: str) -> None:
+        line = f"---- {path.stem:40s} {mode:5s} not run: {reason}"
+        self.add({"page": path.stem, "mode": mode, "status": "not run", "passed": None, "reason": reason,
+                  "seconds": 0.0, "md5": source_md5(path), "summary": line})
+
+    def page(self, path: Path, mode: str, own_limit: float | None) -> dict:
+        """Run one page until ``own_limit`` (None: none of its own) or the
+        overall limit, whichever comes first."""
+        left = self.left()
+        overall = own_limit is None or left < own_limit
+        limit = left if overall else own_limit
+        why = "the overall limit of the run" if overall else f"its limit in {mode} mode"
+        folder = self.out / path.stem / mode
+        ran = run_page(path, folder, limit, page_env(self.out, mode == "quick"), why=why)
+        status = "pass" if ran.passed else "cut" if ran.stopped and overall else "fail"
+        peak = json.loads((folder / "peak.json").read_text()) if (folder / "peak.json").exists() else None
+        entry = {"page": path.stem, "mode": mode, "status": status,
+                 "passed": True if ran.passed else (None if status == "cut" else False),
+                 "seconds": round(ran.seconds, 1), "limit_s": round(limit, 1),
+                 "fractions": [float(f) for f in FRACTION.findall(ran.output)], **key_lines(ran.output),
+                 "key_lines": ordered_key_lines(ran.output), "peak_mib": peak, "figures": figures(folder),
+                 "folder": f"{path.stem}/{mode}", "md5": source_md5(path),
+                 "summary": summarize(path.stem, ran.passed, ran.seconds, ran.output, mode=mode, peak=peak,
+                                      status="CUT" if status == "cut" else None)}
+        if not ran.passed:
+            entry["reason"] = ([ln for ln in ran.output.strip().splitlines() if ln.strip()][-1:]
+                               or ["(no output)"])[0]
+        self.add(entry)
+        return entry
+
+
+def totals(entries: list[dict]) -> dict:
+    out = {}
+    for mode in ("quick", "full"):
+        rows = [e for e in entries if e["mode"] == mode]
+        if rows:
+            out[mode] = {status: sum(e["status"] == status for e in rows)
+                         for status in ("pass", "fail", "cut", "skip", "not run")}
+    return out
+
+
+def total_line(run: Run) -> str:
+    parts = []
+    for mode, counts in run.summary["totals"].items():
+        ran = counts["pass"] + counts["fail"] + counts["cut"]
+        text = f"{mode}: {counts['pass']} of {ran} pages passed"
+        text += "".join(f", {counts[s]} {label}" for s, label in
+                        (("fail", "failed"), ("cut", "cut at the overall limit"),
+                         ("skip", "skipped (a package missing)"), ("not run", "not run (no time left)"))
+                        if counts[s])
+        parts.append(text)
+    pre = run.summary["preflight"]
+    if pre:
+        parts.insert(0, f"preflight {'passed' if pre['status'] == 'pass' else pre['status'].upper()}")
+    return (f"gpu-check: {'; '.join(parts) or 'nothing ran'}; {run.summary['seconds']:.0f} s of the "
+            f"{run.args.limit:.0f} s limit")
+
+
+def check(args) -> int:
+    start = time.monotonic()  # the overall limit counts from here
+    info, reason = probe_environment()
+    ok, status = cuda_status(info, reason)
+    if args.dry_run:
+        pages = pages_of(args.source, args.pages)
+        print_plan(args, pages, load_durations(args.source), status)
+        return 0 if pages else 1
     if not ok and not args.allow_cpu:
         print(f"error: {status}", file=sys.stderr)
         return 2
-    print(f"gpu-check: {status}")
-    pages = sorted((p for p in tutorial_sources(ROOT) if re.search(args.pages, p.name)),
-                   key=lambda p: reading_order_key(p.stem))
+    pages = pages_of(args.source, args.pages)
     if not pages:
         print(f"error: no tutorial matches {args.pages!r}", file=sys.stderr)
         return 1
-    # the pages import the toolkit module that lies beside them
-    env = {**os.environ, "MPLBACKEND": "agg", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    results, total = [], time.perf_counter()
+    print(f"gpu-check: {status}; overall limit {args.limit:.0f} s", flush=True)
+    run = Run(args, info, status, start)
+    run.save()
+    if "preflight" in args.stages:
+        limit = min(PREFLIGHT_LIMIT_S, run.left())
+        print(f"== preflight (limit {limit:.0f} s)", flush=True)
+        pre = run_preflight(args.out, limit, page_env(args.out, quick=False))
+        for line in pre["lines"]:
+            print(f"   {line}")
+        run.summary["preflight"] = pre
+        run.save()
+    runnable = []
     for path in pages:
         missing = missing_packages(path)
         if missing:
             line = (f"SKIP {path.stem:40s} needs {', '.join(missing)}, not installed here: "
                     + "; ".join(OPTIONAL[m] for m in missing))
-            print(line, flush=True)
-            results.append({"page": path.stem, "passed": None, "skipped": f"needs {', '.join(missing)}",
-                            "seconds": 0.0, "fractions": [], "summary": line})
-            continue
-        passed, seconds, output = run_page(path, args.out, args.timeout, env)
-        line = summarize(path.stem, passed, seconds, output)
-        print(line, flush=True)
-        results.append({"page": path.stem, "passed": passed, "seconds": round(seconds, 1),
-                        "fractions": [float(f) for f in FRACTION.findall(output)], "summary": line})
-    elapsed = time.perf_counter() - total
-    skipped = sum(r["passed"] is None for r in results)
-    print(f"gpu-check: {sum(bool(r['passed']) for r in results)} of {len(results)} pages passed in {elapsed:.0f} s"
-          + (f", {skipped} skipped (a package missing)" if skipped else "")
-          + ("" if elapsed <= BUDGET_S else f" (over the {BUDGET_S // 60}-minute budget)"))
-    (args.out / "summary.json").write_text(json.dumps({"status": status, "seconds": round(elapsed, 1),
-                                                       "pages": results}, indent=1) + "\n")
-    return 0 if all(r["passed"] is not False for r in results) else 1
+            run.add({"page": path.stem, "mode": "quick" if "quick" in args.stages else "full", "status": "skip",
+                     "passed": None, "skipped": f"needs {', '.join(missing)}", "seconds": 0.0, "fractions": [],
+                     "md5": source_md5(path), "summary": line})
+        else:
+            runnable.append(path)
+    if "quick" in args.stages:
+        print(f"== quick mode, {len(runnable)} pages (limit {args.page_limit:.0f} s each)", flush=True)
+        passed = []
+        for path in runnable:
+            if run.left() < MIN_START_S:
+                run.not_run(path, "quick", f"{max(run.left(), 0):.0f} s left of the overall limit")
+            elif run.page(path, "quick", args.page_limit)["status"] == "pass":
+                passed.append(path)
+        runnable = passed
+    if "full" in args.stages:
+        durations = load_durations(args.source)
+        by_stem = {p.stem: p for p in runnable}
+        print(f"== full size, {len(by_stem)} pages while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
+        for stem in full_size_order(list(by_stem), durations):
+            estimate = durations.get(stem, UNKNOWN_FULL_S)
+            if run.left() < max(estimate, MIN_START_S):
+                known = "recorded" if stem in durations else "taken as"
+                run.not_run(by_stem[stem], "full", f"{known} {estimate:.0f} s, {max(run.left(), 0):.0f} s left "
+                            "of the overall limit")
+            else:
+                run.page(by_stem[stem], "full", None)
+    run.save()
+    print(total_line(run), flush=True)
+    failed = any(e["status"] == "fail" for e in run.summary["pages"])
+    return 1 if failed or (run.summary["preflight"] or {}).get("status") == "fail" else 0
+
+
+# --- the record ----------------------------------------------------------------------
+
+def record(out: Path, into: Path, commit: str | None = None, allow_cpu: bool = False) -> Path:
+    """Copy a run's summary, each page's key lines and the figures of its
+    best run (full size where it passed, else quick mode) from ``out`` into
+    ``into``, replacing the record there. Returns the record's path."""
+    summary = json.loads((out / "summary.json").read_text())
+    env = summary.get("environment") or {}
+    if not env.get("cuda_available") and not allow_cpu:
+        raise SystemExit(f"error: {out} is a run without a CUDA GPU (--allow-cpu): it is not recorded")
+    commit = commit or summary.get("commit")
+    if not commit:
+        raise SystemExit(f"error: {out}/summary.json names no commit (git was not there): "
+                         "say which with --commit SHA")
+    pages: dict[str, dict] = {}
+    for entry in summary["pages"]:
+        page = pages.setdefault(entry["page"], {"md5": entry.get("md5"), "runs": []})
+        run = {k: entry[k] for k in ("mode", "status", "seconds", "limit_s", "reason", "skipped") if k in entry}
+        run["peak_mib"] = entry.get("peak_mib")
+        run["key_lines"] = entry.get("key_lines", [])
+        page["runs"].append(run)
+    figures_dir = into / "figures"
+    if figures_dir.exists():
+        shutil.rmtree(figures_dir)
+    for stem, page in pages.items():
+        ran = {e["mode"]: e for e in summary["pages"] if e["page"] == stem and e.get("figures") is not None}
+        best = next((ran[m] for m in ("full", "quick") if m in ran and ran[m]["status"] == "pass"),
+                    next(iter(ran.values()), None))
+        page["figures"], page["figures_from"] = [], best["mode"] if best else None
+        for name in (best or {}).get("figures", []):
+            target = figures_dir / stem / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(out / best["folder"] / name, target)
+            page["figures"].append(target.relative_to(into).as_posix())
+    pre = summary.get("preflight") or {}
+    rec = {"about": "A GPU run of the pages as plain scripts (scripts/gpu_check.py), recorded with "
+                    "`python scripts/gpu_check.py record OUTDIR`; the page gpu_results shows it, apart from the "
+                    "figures the site's own build measured.",
+           "commit": commit, "commit_dirty": bool(summary.get("commit_dirty")),
+           "date": summary["started"][:10], "started": summary["started"],
+           "device": env.get("device") or "CPU", "versions": {k: env.get(k) for k in (
+               "torch", "cuda", "cudnn", "triton", "transformers", "numpy", "matplotlib", "python")},
+           "limit_s": summary.get("limit_s"), "seconds": summary.get("seconds"), "totals": summary.get("totals"),
+           "preflight": {"status": pre.get("status"), "lines": pre.get("lines", [])} if pre else None,
+           "pages": pages}
+    into.mkdir(parents=True, exist_ok=True)
+    (into / RECORD_FILE).write_text(json.dumps(rec, indent=1) + "\n")
+    return into / RECORD_FILE
+
+
+# --- the command line ----------------------------------------------------------------
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="folder for everything a run writes")
+    ap.add_argument("--limit", type=float, default=DEFAULT_LIMIT_S,
+                    help=f"seconds for the whole run (default {DEFAULT_LIMIT_S:.0f})")
+    ap.add_argument("--page-limit", type=float, default=PAGE_LIMIT_S,
+                    help=f"seconds one page may take in quick mode (default {PAGE_LIMIT_S:.0f})")
+    ap.add_argument("--pages", default="", help="run only the pages whose name matches (a substring or regex)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"which stages, comma-separated (default {','.join(STAGES)})")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (stages, limits, files); run nothing")
+    ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
+    ap.add_argument("--commit", help="the commit the pages are at, where this copy has no git")
+    ap.add_argument("--source", type=Path, default=ROOT, help="the site folder whose tutorials/ run (tests)")
+    args = ap.parse_args(argv)
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = set(args.stages) - set(STAGES)
+    if unknown:
+        ap.error(f"unknown stage(s) {sorted(unknown)}: choose from {', '.join(STAGES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["record"]:
+        ap = argparse.ArgumentParser(prog="gpu_check.py record",
+                                     description="record a GPU run for the site's page 'GPU results'")
+        ap.add_argument("outdir", type=Path, help="the --out folder of a run")
+        ap.add_argument("--into", type=Path, default=RESULTS, help="the record's folder (default gpu-results/)")
+        ap.add_argument("--commit", help="the commit the run was at, where its summary names none")
+        ap.add_argument("--allow-cpu", action="store_true", help="record a CPU run (tests only)")
+        args = ap.parse_args(argv[1:])
+        path = record(args.outdir, args.into, args.commit, args.allow_cpu)
+        print(f"recorded {args.outdir} into {path}")
+        return 0
+    return check(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from sphinx import addnodes
 from sphinx.errors import ExtensionError
 
 from downloads import wheel_path
+from gpu_results import stamp_paragraph
 from gallery_layout import GALLERY_OUT, GALLERY_SRC, reading_order_key, tutorial_sources, tutorial_stem
 
 CARDS = Path("_generated") / "cards.rst"
@@ -182,6 +183,7 @@ def decorate_page(app, doctree) -> None:
     note = nodes.admonition(classes=["build-stamp"])
     note += nodes.title(text="How this page was built")
     note += [nodes.paragraph(text=line) for line in stamp_text(src_dir, stem)]
+    note += stamp_paragraph(app.env, docname, stem)  # where its GPU figures are (sphinxext/gpu_results.py)
     footer = next((n for n in doctree.findall(nodes.container) if "sphx-glr-footer" in n["classes"]), None)
     if footer is None:
         next(iter(doctree.findall(nodes.section)), doctree).append(note)

@@ -31,7 +31,7 @@ SITE_FILES = [
     ".pyspelling.yml",
     "spelling_wordlist.txt",
 ]
-SITE_DIRS = ["sphinxext", "_static", "_templates", TOOLKIT]  # TOOLKIT: the package the pages import
+SITE_DIRS = ["sphinxext", "_static", "_templates", TOOLKIT, "gpu-results"]  # the package the pages import; a GPU run
 
 
 @dataclass

@@ -195,10 +195,11 @@ def test_gpu_check_skips_the_page_where_transformers_is_missing(tmp_path, monkey
     monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     assert gpu_check.missing_packages(PAGE) == ["transformers"]
-    assert gpu_check.main(["--allow-cpu", "--pages", STEM, "--out", str(tmp_path)]) == 0
+    assert gpu_check.main(["--allow-cpu", "--pages", STEM, "--out", str(tmp_path), "--stages", "quick,full"]) == 0
     out = capsys.readouterr().out
     assert f"SKIP {STEM}" in out and "needs transformers" in out and "1 skipped" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["pages"]) == 1, "a skipped page is listed once, not again at full size"
     assert summary["pages"][0]["passed"] is None and summary["pages"][0]["skipped"]
 
 

@@ -1,17 +1,14 @@
 """The site's toolkit, the package ``ragged_toolkit/``: one vocabulary (the
 pages import it and define none of its names), ``ragged_attention``'s
-contract on bad input and empty sequences, varlen keyword detection, the
-dtype switch, and the GPU check's CPU-side parts. The backends' parity with
-an independent float64 reference is in ``test_toolkit_parity.py``."""
+contract on bad input and empty sequences, varlen keyword detection and the
+dtype switch (the GPU check is tested in ``test_gpu_check.py``). The
+backends' parity with an independent float64 reference is in
+``test_toolkit_parity.py``."""
 
 from __future__ import annotations
 
 import ast
 import inspect
-import json
-import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -20,9 +17,6 @@ import torch
 from sitebuild import REPO, tutorial_sources
 from toolkit_api import FILES, MODULES, OWNER, defined_names
 from toolkit_api import tk as toolkit
-
-sys.path.insert(0, str(REPO / "scripts"))
-import gpu_check  # noqa: E402
 
 PAGES = tutorial_sources(REPO)
 
@@ -332,58 +326,6 @@ def test_the_work_bound_counts_what_each_side_computes(tk):
     # a merged mask computes the whole square: 2 * 9 = 18 against 7
     assert tk.work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True,
                          padded_causal=False) == pytest.approx(18 / 7)
-
-
-# --- the GPU check, on a machine without one ---------------------------------
-
-def test_gpu_check_stops_at_once_naming_cuda():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py")], capture_output=True,
-                          text=True, timeout=120)
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "CUDA" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
-
-
-def test_gpu_check_summary_lines():
-    output = ("forward: speedup 4.48x, work bound 5.19x, fraction of bound 0.86\n"
-              "training: ragged 10240 tokens/s, padded 3094 tokens/s, speedup 3.31x, work bound 3.91x, "
-              "fraction 0.85\n")
-    line = gpu_check.summarize("packed_gpt_training", True, 52.34, output)
-    assert line.startswith("PASS packed_gpt_training")
-    assert "52.3 s" in line and "fractions of bound: 0.86, 0.85" in line
-    assert "| training: ragged 10240 tokens/s" in line
-    failed = gpu_check.summarize("page", False, 1.0, "some output\nRuntimeError: boom\n")
-    assert failed.startswith("FAIL page") and failed.endswith("| RuntimeError: boom")
-
-
-def test_gpu_check_runs_a_page_and_keeps_its_output(tmp_path):
-    env = {**os.environ, "TUTORIALS_QUICK": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--allow-cpu",
-                           "--pages", "intro", "--out", str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert any(line.startswith("PASS ragged_batches_intro") for line in proc.stdout.splitlines())
-    assert "fractions of bound:" in proc.stdout
-    assert "nn.Linear" in (tmp_path / "ragged_batches_intro" / "output.txt").read_text()
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [p["page"] for p in summary["pages"]] == ["ragged_batches_intro"] and summary["pages"][0]["passed"]
-
-
-def test_gpu_check_keeps_each_figure_a_page_shows(tmp_path):
-    page = tmp_path / "figures.py"
-    page.write_text("import matplotlib.pyplot as plt\n"
-                    "plt.plot([1, 2]); plt.show()\n"
-                    "plt.subplots(); plt.subplots(); plt.show()\n"
-                    "print(__name__)\n")
-    ok, _, output = gpu_check.run_page(page, tmp_path / "out", 120, dict(os.environ))
-    assert ok, output
-    assert output.strip() == "__main__"
-    assert sorted(p.name for p in (tmp_path / "out" / "figures").glob("*.png")) == \
-        ["figure_1.png", "figure_2.png", "figure_3.png"]
-    page.write_text("raise SystemExit('boom')\n")
-    ok, _, output = gpu_check.run_page(page, tmp_path / "out", 120, dict(os.environ))
-    assert not ok and "boom" in output
 
 
 def _greedy_without_cache(tk, model, prompt, n_new):

@@ -1,0 +1,453 @@
+"""The GPU check (``scripts/gpu_check.py``) on a machine without a GPU: its
+plan (a dry run, and a run against a monkeypatched CUDA machine and clock),
+a page stopped past its limit, a real run of one page on the CPU, the record
+of a run, and the site's page "GPU results" with the stamp's link to it
+(``sphinxext/gpu_results.py``), built from a small recorded fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from pages import soup
+from sitebuild import FIXTURES, REPO, build, make_site
+
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "sphinxext"))
+import gpu_check  # noqa: E402
+import gpu_results  # noqa: E402
+
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+RECORDED = FIXTURES / "gpu_results"  # what `record` writes from fake_run(): the site test's record
+TINY = [FIXTURES / "tutorials" / "tiny_plot.py", FIXTURES / "tutorials" / "tiny_text.py"]
+H200 = {"cuda_available": True, "torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91300, "python": "3.12.3",
+        "device": "NVIDIA H200", "triton": "3.6.0", "transformers": "5.17.0", "numpy": "2.3.5",
+        "matplotlib": "3.10.8"}
+
+
+def page_source(folder: Path, stems_and_code: dict[str, str], durations: dict[str, float] | None = None) -> Path:
+    """A site folder whose ``tutorials/`` holds the given pages (and a
+    durations file), for ``--source``."""
+    (folder / "tutorials").mkdir(parents=True)
+    for stem, code in stems_and_code.items():
+        (folder / "tutorials" / f"{stem}.py").write_text(code)
+    if durations is not None:
+        (folder / ".github").mkdir()
+        (folder / ".github" / "tutorial-durations.json").write_text(json.dumps(
+            {"tutorials": {stem: {"seconds": s} for stem, s in durations.items()}}))
+    return folder
+
+
+# --- the plan --------------------------------------------------------------------------
+
+# Pages of a made-up site: two of the reading order, the two preferred at
+# full size, and two the reading order does not list (one with no recorded
+# duration). Durations: not in the order the pages are read.
+PLAN_PAGES = ["ragged_batches_intro", "transformer_building_blocks", "packed_gpt_training",
+              "which_attention_path", "zz_new_page", "aa_other_page"]
+PLAN_DURATIONS = {"ragged_batches_intro": 6.0, "transformer_building_blocks": 56.0, "packed_gpt_training": 79.0,
+                  "which_attention_path": 90.0, "aa_other_page": 30.0}
+# FULL_SIZE_FIRST, each longest-known last, then the others likewise, the unknown last
+PLAN_FULL = ["transformer_building_blocks", "which_attention_path", "ragged_batches_intro", "aa_other_page",
+             "packed_gpt_training", "zz_new_page"]
+PLAN_QUICK = ["ragged_batches_intro", "transformer_building_blocks", "packed_gpt_training",
+              "which_attention_path", "aa_other_page", "zz_new_page"]  # READING_ORDER, then by name
+
+
+def test_the_full_size_order_is_the_short_list_then_the_others_longest_known_last():
+    assert gpu_check.FULL_SIZE_FIRST == ["which_attention_path", "transformer_building_blocks"]
+    assert gpu_check.full_size_order(PLAN_PAGES, PLAN_DURATIONS) == PLAN_FULL
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
+    src = page_source(tmp_path / "site", {s: "raise SystemExit('a dry run ran me')\n" for s in PLAN_PAGES},
+                      PLAN_DURATIONS)
+    out = tmp_path / "gpu-check"
+    assert gpu_check.main(["--dry-run", "--source", str(src), "--out", str(out), "--limit", "330",
+                           "--page-limit", "90"]) == 0
+    text = capsys.readouterr().out
+    print(text)
+    lines = text.splitlines()
+    stages = [ln.split(",")[1].split(":")[0].strip() for ln in lines if ln.startswith("stage ")]
+    assert stages == ["preflight", "quick (TUTORIALS_QUICK=1)", "full size"], stages
+    assert "overall limit 330 s" in text and f"{out / 'compile-cache'}" in text
+    assert f"preflight: limit 60 s -> {out / 'preflight.txt'}" in text
+
+    def rows(mode):
+        return [ln.split()[0] for ln in lines if ln.startswith("  ") and ln.split()[1] == mode]
+
+    assert rows("quick") == PLAN_QUICK and rows("full") == PLAN_FULL
+    for stem in PLAN_PAGES:
+        quick = next(ln for ln in lines if ln.startswith(f"  {stem} ") and " quick " in ln)
+        assert "quick limit   90 s" in quick and f"-> {out / stem / 'quick'}/{{output.txt, figure_N.png" in quick
+        full = next(ln for ln in lines if ln.startswith(f"  {stem} ") and " full " in ln)
+        assert f"-> {out / stem / 'full'}/" in full
+        assert (f"recorded {PLAN_DURATIONS[stem]:5.1f} s" if stem in PLAN_DURATIONS else "no recorded duration") in full
+    assert f"summary -> {out / 'summary.json'}" in text
+    assert not out.exists(), "a dry run wrote files"
+
+
+def test_a_page_added_to_the_site_is_in_the_check():
+    stems = [p.stem for p in gpu_check.pages_of(REPO, "")]
+    assert stems == sorted((p.stem for p in gpu_check.tutorial_sources(REPO)), key=gpu_check.reading_order_key)
+    assert sorted(gpu_check.full_size_order(stems, gpu_check.load_durations(REPO))) == sorted(stems)
+
+
+class FakeMachine:
+    """A CUDA machine and a clock for ``main``: each page "takes" the seconds
+    given for it (or until its limit), and nothing runs."""
+
+    def __init__(self, monkeypatch, seconds: dict[tuple[str, str], float], preflight_s: float = 40.0):
+        self.now, self.calls, self.seconds = 0.0, [], seconds
+        clock = types.SimpleNamespace(monotonic=lambda: self.now, perf_counter=lambda: self.now)
+        monkeypatch.setattr(gpu_check, "time", clock)
+        monkeypatch.setattr(gpu_check, "probe_environment", lambda: (dict(H200), ""))
+        monkeypatch.setattr(gpu_check, "git_commit", lambda: ("f" * 40, False))
+        monkeypatch.setattr(gpu_check, "run_page", self.run_page)
+        monkeypatch.setattr(gpu_check, "run_preflight", self.run_preflight)
+        self.preflight_s = preflight_s
+
+    def run_preflight(self, out, limit, env):
+        self.calls.append(("preflight", "", limit, env))
+        self.now += self.preflight_s
+        return {"status": "pass", "seconds": self.preflight_s, "limit_s": limit, "lines": ["versions: fake"]}
+
+    def run_page(self, path, folder, limit, env, *, why):
+        mode = folder.name
+        self.calls.append((path.stem, mode, limit, env))
+        takes = self.seconds.get((path.stem, mode), 1.0)
+        self.now += min(takes, limit)
+        folder.mkdir(parents=True, exist_ok=True)
+        output = f"{path.stem}: speedup 2.00x, work bound 2.50x, fraction of bound 0.80\n"
+        if takes > limit:
+            output += f"gpu-check: {path.stem} stopped after {limit:.0f} s ({why})\n"
+        (folder / "output.txt").write_text(output)
+        (folder / "figure_1.png").write_bytes(b"png")
+        return gpu_check.PageRun(takes <= limit, min(takes, limit), output, takes > limit)
+
+
+def test_a_run_follows_the_plan_on_a_fake_cuda_machine(tmp_path, monkeypatch, capsys):
+    src = page_source(tmp_path / "site", {s: "" for s in PLAN_PAGES}, PLAN_DURATIONS)
+    out = tmp_path / "gpu-check"
+    # 40 s preflight; quick mode 20 s a page, but packed_gpt_training hangs
+    # past its 90 s; at full size building blocks take 60 s, the intro runs
+    # past what is left and is cut there.
+    machine = FakeMachine(monkeypatch, {**{(s, "quick"): 20.0 for s in PLAN_PAGES},
+                                        ("packed_gpt_training", "quick"): 1000.0,
+                                        ("transformer_building_blocks", "full"): 60.0,
+                                        ("ragged_batches_intro", "full"): 1000.0})
+    code = gpu_check.main(["--source", str(src), "--out", str(out), "--limit", "330", "--page-limit", "90"])
+    printed = capsys.readouterr().out
+    print(printed)
+    assert code == 1, "a page failed: exit status 1"
+    calls = [(stem, mode, limit) for stem, mode, limit, _ in machine.calls]
+    assert calls[0] == ("preflight", "", 60.0)
+    # quick mode from 40 s: 20 s a page, packed_gpt_training its 90 s
+    assert calls[1:7] == [(s, "quick", 90.0) for s in PLAN_QUICK]
+    # 40 + 5 * 20 + 90 = 230 s gone, 100 s left: building blocks (recorded 56 s)
+    # takes 60 s; which_attention_path (recorded 90 s) does not fit the 40 s
+    # left; the intro (6 s) does, and is cut at the overall limit
+    assert calls[7:] == [("transformer_building_blocks", "full", 100.0), ("ragged_batches_intro", "full", 40.0)]
+    summary = json.loads((out / "summary.json").read_text())
+    status = {(p["page"], p["mode"]): p["status"] for p in summary["pages"]}
+    assert status[("packed_gpt_training", "quick")] == "fail"
+    assert ("packed_gpt_training", "full") not in status, "a page that failed in quick mode ran at full size"
+    assert [(s, status[(s, "full")]) for s in PLAN_FULL if s != "packed_gpt_training"] == [
+        ("transformer_building_blocks", "pass"), ("which_attention_path", "not run"),
+        ("ragged_batches_intro", "cut"), ("aa_other_page", "not run"), ("zz_new_page", "not run")]
+    # one compile cache under --out for every page, quick mode only in stage 2
+    caches = {env["TORCHINDUCTOR_CACHE_DIR"] for *_, env in machine.calls} | \
+        {env["TRITON_CACHE_DIR"] for *_, env in machine.calls}
+    assert caches == {str((out / "compile-cache" / "inductor").resolve()),
+                      str((out / "compile-cache" / "triton").resolve())}
+    assert [env.get("TUTORIALS_QUICK") for s, mode, _, env in machine.calls if s != "preflight"] == \
+        ["1"] * 6 + [None] * 2
+    assert summary["environment"]["device"] == "NVIDIA H200" and summary["commit"] == "f" * 40
+    assert summary["totals"] == {"quick": {"pass": 5, "fail": 1, "cut": 0, "skip": 0, "not run": 0},
+                                 "full": {"pass": 1, "fail": 0, "cut": 1, "skip": 0, "not run": 3}}
+    failed = next(ln for ln in printed.splitlines() if ln.startswith("FAIL packed_gpt_training"))
+    assert "stopped after 90 s (its limit in quick mode)" in failed
+    assert printed.splitlines()[-1] == (
+        "gpu-check: preflight passed; quick: 5 of 6 pages passed, 1 failed; full: 1 of 2 pages passed, "
+        "1 cut at the overall limit, 3 not run (no time left); 330 s of the 330 s limit")
+
+
+def test_a_page_cut_at_the_overall_limit_is_named_and_not_failed(tmp_path, monkeypatch, capsys):
+    src = page_source(tmp_path / "site", {s: "" for s in PLAN_PAGES[:2]}, PLAN_DURATIONS)
+    out = tmp_path / "gpu-check"
+    machine = FakeMachine(monkeypatch, {("ragged_batches_intro", "quick"): 20.0,
+                                        ("transformer_building_blocks", "quick"): 20.0,
+                                        ("transformer_building_blocks", "full"): 1000.0})
+    code = gpu_check.main(["--source", str(src), "--out", str(out), "--limit", "150"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert machine.calls[-1][:3] == ("transformer_building_blocks", "full", 70.0)
+    cut = next(ln for ln in printed.splitlines() if ln.startswith("CUT  transformer_building_blocks"))
+    assert "stopped after 70 s (the overall limit of the run)" in cut
+    summary = json.loads((out / "summary.json").read_text())
+    cut = next(p for p in summary["pages"] if p["page"] == "transformer_building_blocks" and p["mode"] == "full")
+    assert cut["status"] == "cut" and cut["passed"] is None
+    assert summary["pages"][-1]["status"] == "not run", "the intro started with no time left"
+
+
+# --- real processes, on the CPU ----------------------------------------------------------
+
+HANGS = """\
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open("child.pid", "w").write(str(child.pid))
+print("started, and now hanging", flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie nobody reaped has ended
+
+
+def test_a_page_past_its_limit_is_stopped_named_and_the_others_go_on(tmp_path):
+    src = page_source(tmp_path / "site", {
+        "a_hangs": HANGS,
+        "b_passes": "print('layer: speedup 3.00x, work bound 4.00x, fraction of bound 0.75')\n"})
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--source", str(src), "--out", str(out),
+                           "--stages", "quick", "--page-limit", "5"], capture_output=True, text=True,
+                          timeout=300)  # a hang guard only: the page's limit is 5 s
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    failed = next(ln for ln in lines if ln.startswith("FAIL a_hangs"))
+    assert failed.endswith("| gpu-check: a_hangs stopped after 5 s (its limit in quick mode)"), failed
+    assert any(ln.startswith("PASS b_passes") and "fractions of bound: 0.75" in ln for ln in lines), lines
+    kept = (out / "a_hangs" / "quick" / "output.txt").read_text()
+    assert "started, and now hanging" in kept, "what the page printed before it was stopped is lost"
+    child = int((out / "a_hangs" / "quick" / "child.pid").read_text())
+    assert not _alive(child), "a process the stopped page started is still running"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(p["page"], p["status"]) for p in summary["pages"]] == [("a_hangs", "fail"), ("b_passes", "pass")]
+    assert summary["pages"][1]["speedup"] == ["layer: speedup 3.00x, work bound 4.00x, fraction of bound 0.75"]
+
+
+def test_gpu_check_stops_at_once_naming_cuda():
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "CUDA" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
+
+
+def test_gpu_check_summary_lines():
+    output = ("forward: speedup 4.48x, work bound 5.19x, fraction of bound 0.86\n"
+              "training: ragged 10240 tokens/s, padded 3094 tokens/s, speedup 3.31x, work bound 3.91x, "
+              "fraction 0.85\n"
+              "serving: 64 requests, 5120 tokens/s continuous against 2048 tokens/s static\n"
+              "  loop     3.44 ms (IQR   0.37)  peak     2.2 MiB  [flash varlen x48]\n")
+    line = gpu_check.summarize("packed_gpt_training", True, 52.34, output, mode="quick",
+                               peak={"cuda_mib": 812.44, "rss_mib": 2000.0})
+    assert line.startswith("PASS packed_gpt_training") and " quick " in line
+    assert "52.3 s" in line and "peak 812.4 MiB CUDA" in line and "fractions of bound: 0.86, 0.85" in line
+    assert "| training: ragged 10240 tokens/s" in line and "| serving: 64 requests" in line
+    failed = gpu_check.summarize("page", False, 1.0, "some output\nRuntimeError: boom\n")
+    assert failed.startswith("FAIL page") and failed.endswith("| RuntimeError: boom")
+    keys = gpu_check.key_lines(output)
+    assert keys["speedup"] == output.splitlines()[:2] and keys["training"] == [output.splitlines()[1]]
+    assert keys["serving"] == [output.splitlines()[2]] and keys["kernels"] == [output.splitlines()[3].rstrip()]
+
+
+def test_key_lines_keep_the_line_an_indented_one_sits_under():
+    output = ("48 sequences\ninference (causal, forward):\n  varlen   not available: needs CUDA\n"
+              "  flex     15.03 ms (IQR   1.10)  peak     7.7 MiB\n               [compiled graph]\n"
+              "decision: loop\n    kernels: CPU flash x48\nGQA: loop\n    kernels: CPU flash x48\n")
+    assert gpu_check.ordered_key_lines(output) == [
+        "inference (causal, forward):", "  flex     15.03 ms (IQR   1.10)  peak     7.7 MiB",
+        "               [compiled graph]", "decision: loop", "    kernels: CPU flash x48", "GQA: loop",
+        "    kernels: CPU flash x48"]
+
+
+def test_gpu_check_runs_a_page_and_keeps_its_output(tmp_path):
+    """Every stage on the CPU, for one page: what a run writes."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--pages", "intro", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)  # a hang guard only
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [ln for ln in lines if ln.startswith("== ")][0].startswith("== preflight")
+    for probe in ("versions: torch", "varlen_attn:", "SDPA kernel: bfloat16, causal", "torch.compile:",
+                  "flex_attention:", "cuDNN first call:"):
+        assert any(ln.strip().startswith(probe) for ln in lines), probe
+    for mode in ("quick", "full"):
+        assert any(ln.startswith("PASS ragged_batches_intro") and f" {mode} " in ln and "fractions of bound:" in ln
+                   for ln in lines), mode
+        folder = tmp_path / "ragged_batches_intro" / mode
+        assert "nn.Linear" in (folder / "output.txt").read_text()
+        assert (folder / "figure_1.png").is_file() and json.loads((folder / "peak.json").read_text())["rss_mib"] > 0
+    assert (tmp_path / "preflight.txt").read_text().rstrip().endswith("preflight: every probe ran")
+    assert any((tmp_path / "compile-cache" / "inductor").iterdir()), "the compile cache is not under --out"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(p["page"], p["mode"], p["status"]) for p in summary["pages"]] == \
+        [("ragged_batches_intro", "quick", "pass"), ("ragged_batches_intro", "full", "pass")]
+    assert summary["preflight"]["status"] == "pass" and summary["environment"]["torch"] == torch.__version__
+    assert summary["pages"][0]["speedup"][0].startswith("nn.Linear: speedup")
+    assert summary["pages"][0]["figures"] == ["figure_1.png"]
+
+
+def test_gpu_check_keeps_each_figure_a_page_shows(tmp_path):
+    page = tmp_path / "figures.py"
+    page.write_text("import matplotlib.pyplot as plt\n"
+                    "plt.plot([1, 2]); plt.show()\n"
+                    "plt.subplots(); plt.subplots(); plt.show()\n"
+                    "print(__name__)\n")
+    folder = tmp_path / "out" / "figures"
+    ran = gpu_check.run_page(page, folder, 120, dict(os.environ))
+    assert ran.passed and not ran.stopped, ran.output
+    assert ran.output.strip() == "__main__"
+    assert gpu_check.figures(folder) == ["figure_1.png", "figure_2.png", "figure_3.png"]
+    assert json.loads((folder / "peak.json").read_text())["cuda_mib"] is None
+    page.write_text("raise SystemExit('boom')\n")
+    ran = gpu_check.run_page(page, folder, 120, dict(os.environ))
+    assert not ran.passed and "boom" in ran.output and not gpu_check.figures(folder)
+
+
+# --- the record ----------------------------------------------------------------------------
+
+def fake_run(out: Path) -> Path:
+    """The --out folder of a made-up H200 run of the two tiny pages:
+    ``tiny_plot`` passed in quick mode and at full size (with a figure),
+    ``tiny_text`` passed in quick mode and did not fit at full size. Each
+    page's MD5 is made up (an earlier version of it)."""
+    out.mkdir(parents=True)
+    figure = RECORDED / "figures" / "tiny_plot" / "figure_1.png"
+    for mode in ("quick", "full"):
+        (out / "tiny_plot" / mode).mkdir(parents=True)
+        shutil.copy2(figure, out / "tiny_plot" / mode / "figure_1.png")
+    plot_lines = ["tiny: speedup 2.10x, work bound 2.50x, fraction of bound 0.84",
+                  "  packed   0.41 ms (IQR   0.01)  peak    12.5 MiB  [flash varlen]"]
+
+    def entry(page, mode, seconds, key, figures, md5):
+        return {"page": page, "mode": mode, "status": "pass", "passed": True, "seconds": seconds, "limit_s": 120.0,
+                "speedup": key[:1], "kernels": key[1:], "key_lines": key,
+                "peak_mib": {"cuda_mib": 64.5, "rss_mib": 900.0}, "figures": figures, "folder": f"{page}/{mode}",
+                "md5": md5, "summary": f"PASS {page}"}
+
+    md5 = "1" * 32  # the site test makes it tiny_plot's own: a page the run saw as it is
+    summary = {"status": "PyTorch 2.11.0+cu130, CUDA 13.0, NVIDIA H200", "started": "2026-12-04T10:00:00+00:00",
+               "commit": "abc1234" + "0" * 33, "commit_dirty": False, "environment": H200, "limit_s": 330.0,
+               "seconds": 301.5,
+               "preflight": {"status": "pass", "seconds": 21.0, "limit_s": 60.0,
+                             "lines": ["versions: torch 2.11.0+cu130, CUDA 13.0, cuDNN 91300, triton 3.6.0",
+                                       "SDPA kernel: bfloat16, causal, (2, 8, 1024, 64): "
+                                       "aten::_scaled_dot_product_cudnn_attention"]},
+               "pages": [entry("tiny_plot", "quick", 3.2, plot_lines[:1], ["figure_1.png"], md5),
+                         entry("tiny_text", "quick", 2.0, [], [], "0" * 32),
+                         entry("tiny_plot", "full", 8.4, plot_lines, ["figure_1.png"], md5),
+                         {"page": "tiny_text", "mode": "full", "status": "not run", "passed": None,
+                          "reason": "recorded 130 s, 100 s left of the overall limit", "seconds": 0.0,
+                          "md5": "0" * 32, "summary": "---- tiny_text"}],
+               "totals": {"quick": {"pass": 2}, "full": {"pass": 1, "not run": 1}}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return out
+
+
+def test_record_round_trip(tmp_path):
+    out = fake_run(tmp_path / "gpu-check")
+    into = tmp_path / "gpu-results"
+    (into / "figures" / "gone_page").mkdir(parents=True)  # a figure of an earlier record
+    (into / "figures" / "gone_page" / "figure_1.png").write_bytes(b"old")
+    (into / "README.md").write_text("kept")
+    assert gpu_check.main(["record", str(out), "--into", str(into)]) == 0
+    rec = json.loads((into / "summary.json").read_text())
+    assert (rec["commit"], rec["date"], rec["device"]) == ("abc1234" + "0" * 33, "2026-12-04", "NVIDIA H200")
+    assert rec["versions"] == {k: H200[k] for k in ("torch", "cuda", "cudnn", "triton", "transformers", "numpy",
+                                                    "matplotlib", "python")}
+    plot = rec["pages"]["tiny_plot"]
+    assert [r["mode"] for r in plot["runs"]] == ["quick", "full"] and plot["figures_from"] == "full"
+    assert plot["runs"][1]["key_lines"][1].endswith("[flash varlen]")
+    assert plot["runs"][1]["peak_mib"] == {"cuda_mib": 64.5, "rss_mib": 900.0}
+    assert plot["figures"] == ["figures/tiny_plot/figure_1.png"]
+    assert (into / plot["figures"][0]).read_bytes() == (out / "tiny_plot" / "full" / "figure_1.png").read_bytes()
+    assert rec["pages"]["tiny_text"]["runs"][1]["status"] == "not run"
+    assert not (into / "figures" / "gone_page").exists() and (into / "README.md").read_text() == "kept"
+    # the committed fixture is what `record` writes from this run
+    assert rec == json.loads((RECORDED / "summary.json").read_text())
+    # no commit, no record; a CPU run is no GPU record
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "commit": None}))
+    with pytest.raises(SystemExit, match="--commit"):
+        gpu_check.main(["record", str(out), "--into", str(tmp_path / "again")])
+    assert gpu_check.main(["record", str(out), "--into", str(tmp_path / "again"), "--commit", "1" * 40]) == 0
+    (out / "summary.json").write_text(json.dumps({**summary, "environment": {**H200, "cuda_available": False}}))
+    with pytest.raises(SystemExit, match="without a CUDA GPU"):
+        gpu_check.main(["record", str(out), "--into", str(tmp_path / "cpu")])
+
+
+# --- the page "GPU results" --------------------------------------------------------------
+
+def _results(site: Path):
+    return soup(site / "_build" / "html" / "gpu_results.html").select_one("article")
+
+
+def _section(page, stem: str):
+    """The section of ``stem`` on the results page, found by its label."""
+    return page.find(id=f"gpu-results-{stem.replace('_', '-')}").find_parent("section")
+
+
+def _stamp(site: Path, stem: str):
+    return soup(site / "_build" / "html" / "auto_tutorials" / f"{stem}.html").select_one(".build-stamp")
+
+
+def test_results_page_and_stamp_links_from_a_recorded_fixture(tmp_path):
+    site = make_site(tmp_path / "site", tutorials=TINY)
+    shutil.rmtree(site / "gpu-results")
+    shutil.copytree(RECORDED, site / "gpu-results")
+    record = json.loads((site / "gpu-results" / "summary.json").read_text())
+    record["pages"]["tiny_plot"]["md5"] = gpu_results.source_md5(site / "tutorials" / "tiny_plot.py")
+    (site / "gpu-results" / "summary.json").write_text(json.dumps(record))
+    result = build(site, "-D", "plot_gallery=0")
+    assert result.returncode == 0, result.log[-5000:]
+    page = _results(site)
+    text = page.get_text(" ", strip=True)
+    heading = "Measured on an NVIDIA H200 with PyTorch 2.11.0+cu130 at commit abc1234, 2026-12-04"
+    assert heading in [h.get_text(strip=True).rstrip("#") for h in page.select("h2")], text
+    assert "Not the figures on the tutorial pages" in text and "No GPU run" not in text
+    assert "cuDNN 91300" in text and "aten::_scaled_dot_product_cudnn_attention" in text
+    blocks = [pre.get_text() for pre in _section(page, "tiny_plot").select("pre")]
+    assert any("tiny: speedup 2.10x" in b and "[flash varlen]" in b for b in blocks), blocks
+    images = _section(page, "tiny_plot").select("img")
+    assert len(images) == 1 and (site / "_build" / "html" / images[0]["src"]).is_file()
+    assert "peak CUDA memory allocated 64.5 MiB" in _section(page, "tiny_plot").get_text(" ", strip=True)
+    text_page = _section(page, "tiny_text").get_text(" ", strip=True)
+    assert "changed since this run" in text_page and "not run (recorded 130 s" in text_page
+    # each stamp links to its page's section; one page changed since the run
+    stamp = _stamp(site, "tiny_plot")
+    assert f"GPU figures for this page, apart from this build's: {heading}; see GPU results" in \
+        stamp.get_text(" ", strip=True).replace(" ;", ";")
+    assert [a["href"] for a in stamp.select("a")] == ["../gpu_results.html#gpu-results-tiny-plot"]
+    assert "(an earlier version of this page)" in _stamp(site, "tiny_text").get_text(" ", strip=True)
+
+    # no record: the page says so, and so does every stamp, linked to it
+    shutil.rmtree(site / "gpu-results")
+    result = build(site, "-D", "plot_gallery=0")
+    assert result.returncode == 0, result.log[-5000:]
+    paragraphs = [p.get_text(strip=True) for p in _results(site).select("p")]
+    assert paragraphs[0] == gpu_results.NONE_YET == "No GPU run has been recorded yet."
+    assert not _results(site).select("img") and "Measured on" not in _results(site).get_text()
+    for stem in ("tiny_plot", "tiny_text"):
+        stamp = _stamp(site, stem)
+        assert "No GPU run of this page has been recorded yet: see GPU results" in stamp.get_text(" ", strip=True)
+        assert [a["href"] for a in stamp.select("a")] == ["../gpu_results.html#gpu-results"]
+
+
+def test_the_article_before_a_device_name():
+    assert gpu_results._a("NVIDIA H200") == "an" and gpu_results._a("Tesla T4") == "a"
+    assert gpu_results._a("AMD Instinct MI300X") == "an" and gpu_results._a("GeForce RTX 4090") == "a"

@@ -106,6 +106,9 @@ def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, g
         return "SDPA on nested tensors cannot share key/value heads (enable_gqa)"
     if name == "sdpa_njt" and is_causal and not cuda:
         return "on CPU only the math path of SDPA takes nested tensors, and it refuses is_causal"
+    if name == "sdpa_njt" and is_causal and needs_grad and dtype == torch.float32:
+        return ("no CUDA kernel takes nested float32 with gradients and is_causal: flash needs 16 bits, "
+                "memory-efficient refuses nested inputs that need grad, math refuses is_causal")
     if name == "flex" and needs_grad and not cuda:
         return "FlexAttention has no backward on CPU"
     return None

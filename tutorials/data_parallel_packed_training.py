@@ -90,18 +90,15 @@ quiet_known_notes()
 # is a token. Docstrings are as ragged as web documents: a line for a small
 # function, pages for a module.
 
-import time
 
 import numpy as np
 from ragged_toolkit.data import docstring_corpus, pack_documents
 
-start = time.perf_counter()
 documents, source = docstring_corpus(min_chars=MIN_CHARS, limit=CORPUS_DOCS)
-read_s = time.perf_counter() - start
 lengths = np.array([len(d) for d in documents])
 print(f"corpus: {len(documents)} documents from {source}, lengths min {lengths.min()}, "
       f"median {int(np.median(lengths))}, max {lengths.max()}")
-print(f"read in {read_s:.1f} s; the first one: {documents[0][:70].decode()!r}")
+print(f"the first one: {documents[0][:70].decode()!r}")
 assert len(documents) >= 1000, f"only {len(documents)} documents of {MIN_CHARS}+ chars"
 tokens, offsets = pack_documents(documents, max_len=CONTEXT)  # (T,), (B + 1,)
 print(f"{len(tokens):,} tokens; {(lengths > CONTEXT).sum()} documents cut at {CONTEXT}")
@@ -246,12 +243,19 @@ print(f"the budget cuts {cut} documents (one target each); carrying them instead
 assert imbalance(steps_budget) == 1.0, "a token budget gives every rank the same tokens"
 
 # %%
-# The tokens each rank holds in the first steps, both ways:
+# How the budget cuts the stream: the first micro-batches, each document its
+# color, each cut inside a document marked.
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_toolkit.figures import FIGURE_STYLE, draw_token_budget
 
 plt.rcParams.update(FIGURE_STYLE)
+draw_token_budget(offsets.diff()[:40].tolist(), BUDGET, micro_batches=6)
+plt.show()
+
+# %%
+# The tokens each rank holds in the first steps, both ways:
+
 fig, ax = plt.subplots(figsize=(8, 3.6))
 shown = min(20, len(steps_docs))
 for r, marker in zip(range(WORLD), "os"):
@@ -367,47 +371,41 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # %%
 # Two ranks, launched as a reader launches them
 # ---------------------------------------------
-# Each rank runs the same script, ``worker.py``, which calls the toolkit's
-# ``data_parallel_worker``; ``torch.distributed.run`` (``torchrun``) starts
-# the ranks and sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. The job
-# (sizes, the initial weights, each rank's micro-batches) is written into a
-# temporary folder with the worker script and the toolkit's own source, so
-# the ranks import the same module that this page runs, also from a
-# downloaded script or notebook. Each rank reports into a file of its own;
-# this page prints the reports in rank order, so nothing interleaves. The
-# command, and its twin on a CUDA machine, where each rank takes a GPU and
-# the ranks talk over NCCL:
+# Each rank wraps its own copy of the model. With DDP, every rank holds the
+# whole model and the gradients are averaged over the ranks during the
+# backward of the last micro-batch: ``no_sync`` keeps the others local.
+# With FSDP2, ``fully_shard`` on every block and then on the model leaves
+# each rank a shard of every weight (``full_tensor()`` gathers one), and
+# ``set_requires_gradient_sync`` plays the part of ``no_sync``. The mesh is
+# named, not guessed: ranks on the CPU build it on the CPU.
+#
+# .. literalinclude:: ../ragged_toolkit/data_parallel.py
+#    :pyobject: wrap_model
+#
+# Each rank runs the same script, which calls the toolkit's
+# ``data_parallel_worker``: the gradient check under DDP, under FSDP2, and
+# once more under DDP with the count not reduced, the mistake; then timed
+# training steps under DDP, both ways of filling a micro-batch, with AdamW.
+# ``torch.distributed.run`` (``torchrun``) starts the ranks; the page writes
+# the job into a temporary folder and reads each rank's report back
+# (``run_data_parallel``). The command, and its twin on a CUDA machine,
+# where each rank takes a GPU and the ranks talk over NCCL:
 #
 # * ``python -m torch.distributed.run --standalone --nproc-per-node=2 worker.py FOLDER``
 # * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
-#
-# .. literalinclude:: ../ragged_toolkit/data_parallel.py
-#    :pyobject: run_data_parallel
-#
-# The ranks run the gradient check under DDP, under FSDP2 (``fully_shard``
-# on every block, then on the model: each rank holds half of every weight,
-# and ``full_tensor()`` gathers the gradients), and once more under DDP with
-# the count not reduced, the mistake; then timed training steps under
-# DDP, both ways of filling a micro-batch, with AdamW.
-
-import shlex
 
 from ragged_toolkit.attention import backend_support
-from ragged_toolkit.data_parallel import (
-    check_same_gradients, data_parallel_command, run_data_parallel,
-)
+from ragged_toolkit.data_parallel import check_same_gradients, run_data_parallel
 
 
 def train_backend(device, dtype):
-    fused = backend_support("varlen", device, dtype, is_causal=True, needs_grad=True,
-                            gqa=True)
+    fused = backend_support("varlen", device, dtype, is_causal=True, needs_grad=True, gqa=True)
     return "varlen" if fused is None else "loop"
 
 
 RUNS = [{"name": "DDP", "wrap": "ddp", "reduce_count": True},
         {"name": "FSDP2", "wrap": "fsdp", "reduce_count": True},
         {"name": "DDP, count not reduced", "wrap": "ddp", "reduce_count": False}]
-print("$", shlex.join(["python", *data_parallel_command(WORLD)[1:]]))
 
 
 def launch(backend, nproc, device, time_dtype):
@@ -420,113 +418,68 @@ def launch(backend, nproc, device, time_dtype):
     job = {"backend": backend, "config": MODEL, "dtype": str(time_dtype).split(".")[-1],
            "lr": LR, "grad_runs": RUNS, "grad_backend": "loop",
            "time_backend": train_backend(device, time_dtype)}
-    start = time.perf_counter()
     reports, grads = run_data_parallel(job, data, nproc)
-    print(f"{nproc} rank(s) over {backend} on {reports[0]['device'].split(':')[0]}: "
-          f"ran in {time.perf_counter() - start:.0f} s")
+    print(f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]}:")
     for run in RUNS[:2]:
         gap = check_same_gradients(grads[run["name"]], reference, GRAD_TOL)
         print(f"{run['name']}:")
-        print(f"data-parallel step: world size {nproc}, gradient max difference "
-              f"to one process {gap:.1e}")
+        print(f"data-parallel step: world size {nproc}, gradient max difference to one process {gap:.1e}")
     return reports, grads
 
 
 reports, grads = launch("gloo", WORLD, "cpu", CPU_DTYPE)
-if DEVICE == "cuda":  # one rank per GPU over NCCL (each rank needs a micro-batch)
-    nccl_reports, _ = launch("nccl", min(torch.cuda.device_count(), len(micro)), "cuda",
-                             DTYPE)
+GPUS = torch.cuda.device_count() if DEVICE == "cuda" else 0
+if GPUS > 1:  # one rank per GPU over NCCL (each rank needs a micro-batch)
+    nccl_reports, _ = launch("nccl", min(GPUS, len(micro)), "cuda", DTYPE)
+elif GPUS == 1:
+    print("one GPU: NCCL would run one rank, whose collectives do nothing; no data-parallel figure for the GPU")
 
 # %%
 # Without the ``all_reduce`` of the count, each rank divides by its own
 # number of targets, and the same check fails:
 
-wrong = shows_failure(check_same_gradients, grads["DDP, count not reduced"], reference,
-                      GRAD_TOL)
-print(wrapped(wrong))
+print(wrapped(shows_failure(check_same_gradients, grads["DDP, count not reduced"], reference, GRAD_TOL)))
 
 # %%
 # What the ranks measured
 # -----------------------
 # Every rank timed each step between two barriers; a step ends for all
 # ranks when the slowest has sent its gradients. Tokens per second count a
-# rank's own tokens; the aggregate counts every rank's.
+# rank's own tokens; the aggregate counts every rank's. Two ranks on a
+# machine with two CPU cores add no compute: they share the cores one
+# process has, so what the CPU build measures is correctness (the
+# gradients), the imbalance and the compile counts; with a GPU per rank,
+# the same script measures data-parallel throughput (the NCCL lines, where
+# the build machine has more than one GPU).
 #
-# .. note::
-#
-#    Two ranks on a machine with two CPU cores add no compute: they share
-#    the cores and the memory one process has, and add the exchange of
-#    gradients. Where the two ranks below beat one process on the same
-#    cores, that is what the process left unused (a small model's operations
-#    keep a second thread only partly busy, and other work on the machine
-#    stalls threads that wait for each other), not a data-parallel
-#    speedup. What this page measures on a CPU is correctness (the
-#    gradients), the imbalance and the compile counts; the step times show
-#    the imbalance in seconds. With a GPU per rank, each rank brings its own
-#    compute, and the same script runs one rank per GPU (the NCCL lines,
-#    where the build machine has GPUs).
+# The step times differ by more than the imbalance: the budget's micro-batches
+# also cut documents, and a cut document is two shorter sequences, with
+# fewer attention pairs than the whole; and a few timed steps have a spread.
+# The figures printed below account for each.
+
+from ragged_toolkit.bound import pairs_scored
 
 
 def summary(reports, label):
-    """Print each scheme's step time and speeds; return the aggregate speeds."""
+    """Each scheme's step times, speeds, attention pairs and imbalance."""
     print(label)
-    aggregate = {}
     for scheme in schemes:
         per_rank = [r["timing"][scheme] for r in reports]
-        step_s = np.max([t["seconds"][WARMUP_STEPS:] for t in per_rank], axis=0)
+        step_ms = 1e3 * np.max([t["seconds"][WARMUP_STEPS:] for t in per_rank], axis=0)
+        q1, median, q3 = np.percentile(step_ms, [25, 50, 75])
         total = sum(sum(t["tokens"][WARMUP_STEPS:]) for t in per_rank)
-        speeds = [sum(t["tokens"][WARMUP_STEPS:]) / sum(t["seconds"][WARMUP_STEPS:])
-                  for t in per_rank]
-        ranks = ", ".join(f"rank {r} {v:,.0f}" for r, v in enumerate(speeds))
-        aggregate[scheme] = total / step_s.sum()
-        print(f"  {scheme:15s}: step time median {1e3 * np.median(step_s):6.1f} ms; "
-              f"tokens/s {ranks}; aggregate {aggregate[scheme]:,.0f}")
-    return aggregate
+        timed = deal(schemes[scheme], world=len(reports))[WARMUP_STEPS:WARMUP_STEPS + STEPS]
+        pairs = np.mean([sum(pairs_scored(o.diff(), o.diff(), True) for rank in step for _, o in rank)
+                         for step in timed])
+        print(f"  {scheme:15s}: step median {median:6.1f} ms (IQR {q1:.1f}-{q3:.1f}, {len(step_ms)} steps), "
+              f"aggregate {total / step_ms.sum() * 1e3:,.0f} tokens/s")
+        print(f"  {'':15s}  imbalance {imbalance(timed):.2f}, attention pairs per step {pairs:,.0f}, "
+              f"tokens per step {total / len(step_ms):,.0f}")
 
 
-label = f"{WORLD} ranks over gloo, {STEPS} timed steps after {WARMUP_STEPS}:"
-aggregate = summary(reports, label)
-if DEVICE == "cuda":
-    summary(nccl_reports, f"{len(nccl_reports)} rank(s) over NCCL:")
-
-# %%
-# The same training steps in this one process, on rank 0's token-budget
-# micro-batches, with one thread (one core, as each rank has) and with
-# every core:
-
-import copy
-import os
-
-from ragged_toolkit.data_parallel import data_parallel_step
-
-
-def one_process(threads, steps):
-    """Tokens per second of ``steps`` in this process, the first left out."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    alone = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(alone.parameters(), lr=LR)
-    seconds, counted = [], 0
-    for i, batches in enumerate(steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        data_parallel_step(alone, batches, dtype=CPU_DTYPE)
-        optimizer.step()
-        if i:  # the first step warms up
-            seconds.append(time.perf_counter() - start)
-            counted += sum(len(t) for t, _ in batches)
-    torch.set_num_threads(before)
-    return counted / sum(seconds)
-
-
-cores = os.cpu_count()
-alone_steps = [step[0] for step in steps_budget[:3]]  # one to warm up, two timed
-one = {threads: one_process(threads, alone_steps) for threads in sorted({1, cores})}
-print("one process: " + ", ".join(f"{n} thread(s) {v:,.0f} tokens/s"
-                                  for n, v in one.items()))
-gloo = aggregate["token budget"]
-print(f"{WORLD} ranks, one thread each: {gloo:,.0f} tokens/s, {gloo / one[1]:.2f}x one "
-      f"process on one thread, {gloo / max(one.values()):.2f}x the faster of the two")
+summary(reports, f"{WORLD} ranks over gloo, {STEPS} timed steps after {WARMUP_STEPS}:")
+if GPUS > 1:
+    summary(nccl_reports, f"{len(nccl_reports)} ranks over NCCL:")
 
 # %%
 # Conclusion

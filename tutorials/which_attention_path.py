@@ -34,7 +34,7 @@ a decision guide printed from those measurements.
 # sphinx_gallery_tags = ["decision guide", "SDPA", "FlexAttention", "varlen attention", "benchmarks"]
 
 # %%
-# Five jobs, seven paths, one measurement
+# Five jobs, eight paths, one measurement
 # ---------------------------------------
 # The answer to "which attention path?" is a measurement, not a rule: it
 # depends on the device, the dtype, the lengths and the job. This page runs
@@ -49,8 +49,10 @@ a decision guide printed from those measurements.
 # * **score_mod**: inference with a custom score function, the distance
 #   penalty of ALiBi.
 #
-# Each goes through the six backends of ``ragged_attention`` and through
-# the baseline, attention on tensors padded from the start. Every number
+# Each goes through the six backends of ``ragged_attention``, through the
+# baseline, attention on tensors padded from the start, and through one
+# packed row with a block-diagonal mask (what ``transformers`` runs on a
+# packed row without a cache). Every number
 # printed passed its correctness check first, and every conclusion is
 # printed from the numbers, so it holds for the device named below.
 
@@ -137,8 +139,8 @@ with compile_counter() as flex_compiled:  # what the flex backend compiles
 print(f"torch.compile, the flex backend: {flex_compiled}")
 
 # %%
-# The baseline: padded tensors
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The baseline, and one row with a mask
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The ``padded`` backend pads packed tensors inside the call, which costs it
 # a gather and a scatter that a model written for padded batches never pays:
 # its tensors are padded from the start. So the baseline of every job is
@@ -151,7 +153,7 @@ import textwrap
 
 import torch.nn.functional as F
 from ragged_toolkit.attention.reference import reference_attention
-from ragged_toolkit.batches import from_padded, to_padded
+from ragged_toolkit.batches import from_padded, to_padded, token_index
 from ragged_toolkit.measure import Timing, measure
 from ragged_toolkit.device import tolerances
 
@@ -192,6 +194,38 @@ def baseline_gqa():
                                               enable_gqa=True)
 
 
+# One row with a mask: the whole batch as one sequence (1, H, T, D) and a
+# (T, T) block-diagonal causal mask, what ``transformers`` builds from the
+# position_ids of a packed row when no cache is made. One dense call, every
+# pair of the row scored, those across sequences masked.
+seq_id = token_index(offsets)[0]
+position = torch.arange(T, device=DEVICE)
+row_mask = (seq_id[:, None] == seq_id) & (position[:, None] >= position)  # (T, T)
+qr, kr, vr = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
+qr_train, kr_train, vr_train = (t.detach().requires_grad_() for t in (qr, kr, vr))
+grad_r = grad_packed.transpose(0, 1)[None]
+
+
+def row_inference():
+    with torch.no_grad():
+        return F.scaled_dot_product_attention(qr, kr, vr, attn_mask=row_mask)
+
+
+def row_training():
+    out = F.scaled_dot_product_attention(qr_train, kr_train, vr_train, attn_mask=row_mask)
+    return torch.autograd.grad(out, (qr_train, kr_train, vr_train), grad_r)
+
+
+def row_gqa():
+    with torch.no_grad():
+        return F.scaled_dot_product_attention(qr, kr[:, :KV_HEADS], vr[:, :KV_HEADS], attn_mask=row_mask,
+                                              enable_gqa=True)
+
+
+def unrow(out):  # (1, H, T, D) -> (T, H, D), float32
+    return out[0].transpose(0, 1).float()
+
+
 def unpad(out):  # (B, H, S, D) -> packed (T, H, D), float32 for the comparison
     return from_padded(out.transpose(1, 2), offsets).float()
 
@@ -224,12 +258,22 @@ reference_grads = torch.autograd.grad(
 for name, g, r in zip("qkv", baseline_training(), reference_grads):
     torch.testing.assert_close(unpad(g), r, **tol,
                                msg=lambda m, name=name: f"padded tensors, d{name}: {m}")
-baselines = measure({"inference": baseline_inference, "training": baseline_training,
-                     "decoding": baseline_decoding, "GQA": baseline_gqa},
-                    min_run_time=RUN_TIME)
-for job, t in baselines.items():
-    table[job]["padded tensors"] = t
-    show(f"{job:10s} padded tensors", t)
+torch.testing.assert_close(unrow(row_inference()), causal_reference, **tol)
+torch.testing.assert_close(unrow(row_gqa()), reference_attention(q, k_gqa, v_gqa, offsets, is_causal=True),
+                           **tol)
+for name, g, r in zip("qkv", row_training(), reference_grads):
+    torch.testing.assert_close(unrow(g), r, **tol, msg=lambda m, name=name: f"one row + mask, d{name}: {m}")
+baselines = measure({("inference", "padded tensors"): baseline_inference,
+                     ("training", "padded tensors"): baseline_training,
+                     ("decoding", "padded tensors"): baseline_decoding,
+                     ("GQA", "padded tensors"): baseline_gqa,
+                     ("inference", "one row + mask"): row_inference,
+                     ("training", "one row + mask"): row_training,
+                     ("GQA", "one row + mask"): row_gqa}, min_run_time=RUN_TIME)
+table["decoding"]["one row + mask"] = "a cache with spare rows needs kv_used, not one row"
+for (job, path), t in baselines.items():
+    table[job][path] = t
+    show(f"{job:10s} {path}", t)
 
 # %%
 # A custom score function
@@ -243,12 +287,10 @@ for job, t in baselines.items():
 # float32 reference with the bias built explicitly.
 
 from ragged_toolkit.attention import BACKENDS
-from ragged_toolkit.batches import token_index
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 slopes = torch.exp2(-8.0 * torch.arange(1, HEADS + 1, device=DEVICE) / HEADS)  # (H,)
-seq_id = token_index(offsets)[0]
 
 
 def alibi_penalty(score, b, h, q_idx, kv_idx):  # q_idx, kv_idx: packed positions
@@ -313,6 +355,7 @@ with compile_counter() as compiled:
     times = measure(runs, min_run_time=RUN_TIME)
 print(f"torch.compile of the ALiBi kernel: {compiled}")
 table["score_mod"] = {
+    "one row + mask": "possible with a bias over the whole row; not written here",
     "varlen": "no score function or bias argument",
     "sdpa_njt": "SDPA on nested tensors takes no mask or bias",
     "bucketed": "possible with a bias per bucket; not written here",
@@ -320,7 +363,7 @@ table["score_mod"] = {
     **times,
 }
 print("score_mod (ALiBi, causal, forward):")
-for name in BACKENDS + ("padded tensors",):
+for name in BACKENDS + ("padded tensors", "one row + mask"):
     show(f"  {name:14s}", table["score_mod"][name])
 
 # %%
@@ -346,7 +389,7 @@ BOUND = {job: work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True)
 BOUND["score_mod"] = work_bound(lengths, per_token=0.0, per_pair=1.0, causal=False)
 BOUND["decoding"] = work_bound(ones, lengths, per_token=0.0, per_pair=1.0)
 JOBS = list(table)
-ROWS = ("padded tensors",) + BACKENDS
+ROWS = ("padded tensors", "one row + mask") + BACKENDS
 
 
 def timing(name, job):  # a path's Timing for a job, or None where it did not run
@@ -456,44 +499,9 @@ for job in JOBS:
                             subsequent_indent="        "))
 
 # %%
-# Where the time goes
-# ~~~~~~~~~~~~~~~~~~~
-# A path that does only the real work still pays per call, per sequence or
-# per block. The profiles of two jobs, inference and the score function,
-# for the padded baseline and for the path chosen for each, show what each
-# spent its time on. Each profile describes the call timed above: it runs
-# after warm-up calls, with the threads the timing used, over enough calls
-# for a fifth of a second, and prints every figure per call, beside the
-# timed median. The profiler's own overhead, measured on a loop of trivial
-# operators and multiplied by the operators the call records, accounts for
-# most of the gap between the two.
-
-from ragged_toolkit.attention import ragged_attention
-from ragged_toolkit.profiles import where_time_goes
-
-best = chosen["inference"]
-
-
-def chosen_inference():
-    with torch.no_grad():
-        return ragged_attention(q, k, v, offsets, is_causal=True, backend=best)
-
-
-print("inference, padded tensors:")
-print(where_time_goes(baseline_inference, timing=table["inference"]["padded tensors"]))
-if best != "padded tensors":
-    print(f"inference, the path chosen ({best}):")
-    print(where_time_goes(chosen_inference, timing=table["inference"][best]))
-best = chosen["score_mod"]
-print("score_mod, padded tensors:")
-print(where_time_goes(score_mod_padded, timing=times["padded tensors"]))
-if best != "padded tensors":
-    print(f"score_mod, the path chosen ({best}):")
-    print(where_time_goes(runs[best], timing=times[best]))
-
-# %%
-# How to read it. The ranking holds for this device, this dtype and these
-# lengths: re-run the page (or ``compare_backends`` on your own batch) on the
+# How to read it. Why a path wins or loses shows in a profile of its call
+# (:doc:`measuring_ragged_batches` shows how). The ranking holds for this
+# device, this dtype and these lengths: re-run the page (or ``compare_backends`` on your own batch) on the
 # machine you will train or serve on. A few things hold everywhere, because
 # they follow from what each path computes rather than from a measurement:
 #
@@ -502,7 +510,10 @@ if best != "padded tensors":
 # * the per-sequence loop does exactly the real work but pays one call per
 #   sequence, so it suits few long sequences better than many short ones;
 # * FlexAttention is the only path here that takes an arbitrary score
-#   function, and on CPU it has no backward (in PyTorch 2.11 to 2.15);
+#   function; whether it has a backward on this device, ``backend_support``
+#   says (the training column above: not on a CPU in this build's release);
+# * one row with a mask scores every pair of the row, so its cost grows with
+#   the square of the batch's tokens, not with the sum of its sequences';
 # * ``varlen_attn`` needs CUDA and a half-precision dtype, and reads a KV
 #   cache with spare room directly (``seqused_k``) where its release has it.
 #

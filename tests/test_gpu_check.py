@@ -95,12 +95,6 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
     assert not out.exists(), "a dry run wrote files"
 
 
-def test_a_page_added_to_the_site_is_in_the_check():
-    stems = [p.stem for p in gpu_check.pages_of(REPO, "")]
-    assert stems == sorted((p.stem for p in gpu_check.tutorial_sources(REPO)), key=gpu_check.reading_order_key)
-    assert sorted(gpu_check.full_size_order(stems, gpu_check.load_durations(REPO))) == sorted(stems)
-
-
 class FakeMachine:
     """A CUDA machine and a clock for ``main``: each page "takes" the seconds
     given for it (or until its limit), and nothing runs."""
@@ -183,19 +177,23 @@ def test_a_run_follows_the_plan_on_a_fake_cuda_machine(tmp_path, monkeypatch, ca
 def test_a_page_cut_at_the_overall_limit_is_named_and_not_failed(tmp_path, monkeypatch, capsys):
     src = page_source(tmp_path / "site", {s: "" for s in PLAN_PAGES[:2]}, PLAN_DURATIONS)
     out = tmp_path / "gpu-check"
+    # 40 s preflight: the intro starts with 110 s left of 150, less than the
+    # page limit of 120 s; it takes 20 s, and the building blocks start with
+    # 90 s left, and run past them
     machine = FakeMachine(monkeypatch, {("ragged_batches_intro", "quick"): 20.0,
-                                        ("transformer_building_blocks", "quick"): 20.0,
-                                        ("transformer_building_blocks", "full"): 1000.0})
-    code = gpu_check.main(["--source", str(src), "--out", str(out), "--limit", "150"])
+                                        ("transformer_building_blocks", "quick"): 1000.0})
+    code = gpu_check.main(["--source", str(src), "--out", str(out), "--limit", "150", "--page-limit", "120"])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert machine.calls[-1][:3] == ("transformer_building_blocks", "full", 70.0)
+    assert [c[:3] for c in machine.calls[1:]] == [("ragged_batches_intro", "quick", 110.0),
+                                                   ("transformer_building_blocks", "quick", 90.0)]
     cut = next(ln for ln in printed.splitlines() if ln.startswith("CUT  transformer_building_blocks"))
-    assert "stopped after 70 s (the overall limit of the run)" in cut
+    assert "stopped after 90 s (the overall limit of the run)" in cut
     summary = json.loads((out / "summary.json").read_text())
-    cut = next(p for p in summary["pages"] if p["page"] == "transformer_building_blocks" and p["mode"] == "full")
+    cut = next(p for p in summary["pages"] if p["page"] == "transformer_building_blocks")
     assert cut["status"] == "cut" and cut["passed"] is None
-    assert summary["pages"][-1]["status"] == "not run", "the intro started with no time left"
+    assert [(p["page"], p["mode"], p["status"]) for p in summary["pages"][2:]] == [
+        ("ragged_batches_intro", "full", "not run")], "a page ran at full size with no time left"
 
 
 # --- real processes, on the CPU ----------------------------------------------------------

@@ -199,6 +199,8 @@ class FlexRows:
 
     @classmethod
     def from_offsets(cls, offsets, row_len):
+        """The layout of a batch of ``N * row_len`` tokens whose offsets mark
+        every document, and every row start."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         document = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=offsets.device),

@@ -158,10 +158,12 @@ quiet_known_notes()
 # arguments that include the model's ``position_ids`` and whatever the batch
 # brought, such as ``cu_seq_lens_q``. It returns ``(B, T, H, D)``. The
 # function below reads the boundaries from those keyword arguments, views
-# the tensors as packed ``(B * T, H, D)``, and calls ``ragged_attention``,
-# which repeats no key/value head. The backend is the toolkit's default
-# where it takes grouped-query attention with gradients: ``varlen`` on a
-# CUDA GPU in ``bfloat16`` (``varlen_attn``, the
+# the tensors as packed ``(B * T, H, D)``, and calls ``ragged_attention``
+# with the key/value heads as the model made them (the loop backend shares
+# them through SDPA's ``enable_gqa``; ``varlen_attn`` takes ``enable_gqa``
+# where its release has it, and gets them repeated where not). The backend
+# is the toolkit's default where it takes grouped-query attention with
+# gradients: ``varlen`` on a CUDA GPU in ``bfloat16`` (``varlen_attn``, the
 # variable-length kernel of FlashAttention), the per-sequence loop on CPU.
 #
 # The model builds its mask with the function ``AttentionMaskInterface``
@@ -185,7 +187,7 @@ BACKEND = next(name for name in (default_backend(DEVICE, DTYPE), "bucketed", "lo
 def interface_changed(what):
     return RuntimeError(f"{HF} has changed its attention interface: {what}. This page needs "
                         "attention functions called as (module, query (B, H, T, D), key, value, "
-                        "attention_mask, **kwargs), as transformers 4.54 to 5.24 call them")
+                        "attention_mask, **kwargs), as the release this page was written for calls them")
 
 
 expected = ["module", "query", "key", "value", "attention_mask"]
@@ -390,10 +392,11 @@ plt.show()
 # sphinx_gallery_thumbnail_number = 1
 
 # %%
-# The lines above are this release's. Where ``use_cache`` is on, the model
-# makes a cache for the forward pass, and the releases this page was checked
-# with (4.54 to 5.24) look for restarts in ``position_ids`` only when there
-# is no cache: with one, ``sdpa`` attends across the whole row. Without one
+# The lines above are this release's (printed at the top of the page). Where
+# ``use_cache`` is on, the model makes a cache for the forward pass, and this
+# release looks for restarts in ``position_ids`` only when there is no cache
+# (the lines above show whether): with one, ``sdpa`` attends across the
+# whole row. Without one
 # they turn the restarts into a ``(1, 1, T, T)`` boolean mask over the
 # packed row, which keeps documents apart, at the price of a mask that grows
 # with the square of the row, every query scored against every key of it.
@@ -453,9 +456,7 @@ print(f"gradients of all {len(pairs)} parameter tensors agree "
 # synchronized clock; throughput counts *real* tokens (the padded trainer
 # gets no credit for padding) after the first ``WARMUP_STEPS``.
 
-import time
-
-from ragged_toolkit.device import synchronize
+from ragged_toolkit.measure import StepTimer
 
 
 def verdict(use_cache):
@@ -473,32 +474,49 @@ runs = {}
 for name, (attention, form, use_cache, label) in TRAINERS.items():
     model = with_attention(attention).train()
     runs[name] = dict(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                      form=form, use_cache=use_cache, label=label, seconds=[], losses=[])
-for step_batches in batches:
+                      form=form, use_cache=use_cache, label=label, timer=StepTimer(), losses=[])
+if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape untimed
     for run in runs.values():
-        start = time.perf_counter()
+        spare = copy.deepcopy(run["model"])
         with autocast():
-            loss = run["model"](**step_batches[run["form"]], use_cache=run["use_cache"]).loss
-        run["optimizer"].zero_grad(set_to_none=True)
-        loss.backward()
-        run["optimizer"].step()
-        synchronize()
-        run["seconds"].append(time.perf_counter() - start)
+            for step_batches in batches:
+                spare(**step_batches[run["form"]], use_cache=run["use_cache"]).loss.backward()
+        del spare
+for packed_i, padded_i in batches:
+    for run in runs.values():
+        with run["timer"].step(int(packed_i["input_ids"].numel())):  # real tokens, on every side
+            with autocast():
+                loss = run["model"](**(packed_i, padded_i)[run["form"]], use_cache=run["use_cache"]).loss
+            run["optimizer"].zero_grad(set_to_none=True)
+            loss.backward()
+            run["optimizer"].step()
         run["losses"].append(loss.item())
 
-timed_tokens = sum(int(p["input_ids"].numel()) for p, _ in batches[WARMUP_STEPS:])
 for name, run in runs.items():
-    run["tokens/s"] = timed_tokens / sum(run["seconds"][WARMUP_STEPS:])
+    run["tokens/s"] = run["timer"].tokens_per_s(WARMUP_STEPS)
     print(f"{name:18s} {run['tokens/s']:7,.0f} tokens/s, loss {run['losses'][0]:.3f} -> "
           f"{run['losses'][-1]:.3f}, {run['label']}")
 
 # %%
-# The padded and the ragged trainer compute the same thing, so their losses
-# may differ only by rounding, at every step:
+# The padded and the ragged trainer compute the same thing (the first step's
+# loss and gradients were checked above), so their losses differ only by
+# rounding. In float32 that stays below 1e-3 at every step. In a 16-bit
+# dtype the rounding of one step changes the weights of the next, and the
+# difference grows over the run: the page then checks the first step's
+# losses within the dtype's tolerance and the means of the last five steps
+# within 5%.
 
-gap = max(abs(a - b) / b for a, b in zip(runs["ragged"]["losses"], runs["padded"]["losses"]))
-assert gap < (1e-3 if DTYPE == torch.float32 else 0.02), f"the losses drift apart: {gap:.1e}"
-print(f"ragged and padded losses agree at every step (largest relative difference {gap:.1e})")
+ragged_losses, padded_losses = np.array(runs["ragged"]["losses"]), np.array(runs["padded"]["losses"])
+if DTYPE == torch.float32:
+    gap = np.max(np.abs(ragged_losses - padded_losses) / padded_losses)
+    assert gap < 1e-3, f"the losses drift apart: {gap:.1e}"
+    print(f"ragged and padded losses agree at every step (largest relative difference {gap:.1e})")
+else:
+    torch.testing.assert_close(torch.tensor(ragged_losses[0]), torch.tensor(padded_losses[0]), **tolerance)
+    last = abs(ragged_losses[-5:].mean() - padded_losses[-5:].mean()) / padded_losses[-5:].mean()
+    assert last < 0.05, f"the last five losses differ by {last:.1%} on average"
+    print(f"first step: losses {ragged_losses[0]:.4f} and {padded_losses[0]:.4f}; last five steps: means "
+          f"{ragged_losses[-5:].mean():.4f} and {padded_losses[-5:].mean():.4f} ({last:.1%} apart)")
 
 # %%
 # The work bound of this run

@@ -1,14 +1,10 @@
-"""Serving ragged requests: a stream of requests, a paged KV cache (fixed-size
-blocks, a free list, a block table per request), the layout a :class:`~ragged_toolkit.gpt.GPT`
-attends through it with, and two schedulers on one engine: static batches
-and continuous batching with chunked prefill and preemption by recomputation.
-
-One step feeds each scheduled request the next tokens it has not computed
-yet: a prompt chunk, a whole prompt, or the one token it generated last. A
-request's keys are those of ``prompt + generated``; ``computed`` of them are
-in the cache. So prefill, chunked prefill, decoding and the recomputation
-of a preempted request are one operation.
-"""
+"""Serving ragged requests: a request stream, a paged KV cache (blocks, a free
+list, a block table per request), the layout through which a
+:class:`~ragged_toolkit.gpt.GPT` attends to it, and two schedulers on one
+engine: static batches, and continuous batching with chunked prefill and
+preemption. A step feeds each request its next tokens (a prompt chunk, or
+the token it generated last): prefill, decoding and recomputation are one
+operation."""
 
 import time
 from collections import deque
@@ -25,17 +21,17 @@ from .batches import offsets_from_lengths, token_index
 from .device import synchronize
 from .gpt import Padded
 
-# --- the request stream --------------------------------------------------------------
+# --- the request stream ------------------------------------------------------------------
 
 
 @dataclass
 class Request:
-    """One request: its prompt (token ids), how many tokens it must generate
-    (fixed, as benchmarks fix it by ignoring the end-of-sequence token) and
-    when it arrives, in seconds of the simulated clock. The rest is the
-    state a server keeps: what it generated, with the logits that chose each
-    token ((vocab,) each), how many of ``prompt + generated`` have their
-    keys in the cache, and the clock when its first and last tokens came."""
+    """A prompt (token ids), how many tokens to generate (fixed, as serving
+    benchmarks fix it by ignoring the end-of-sequence token) and the arrival
+    time in seconds of the simulated clock; then what a server keeps: the
+    tokens generated with the logits (vocab,) that chose each, how many of
+    ``prompt + generated`` have their keys in the cache, the clock at the
+    first and last tokens, and how often it was preempted."""
 
     rid: int
     prompt: list
@@ -57,29 +53,33 @@ class Request:
         return self.length() - self.computed
 
     def done(self):
+        """Whether it generated all its tokens."""
         return len(self.generated) >= self.n_out
 
 
 def output_lengths(rng, n, median, longest, sigma=1.0):
     """``n`` output lengths from a log-normal distribution (long-tailed, as
-    the outputs of chat requests are) with the given ``median``, cut to
-    ``[1, longest]``: (n,) int numpy array."""
+    chat outputs are) of the given ``median``, cut to ``[1, longest]``: (n,)."""
     drawn = rng.lognormal(np.log(median), sigma, size=n)
     return np.clip(np.round(drawn), 1, longest).astype(int)
 
 
-def request_stream(documents, n, rng, *, prompt_max, out_median, out_max, rate=None):
-    """``n`` requests whose prompts are the openings (at most ``prompt_max``
-    bytes) of documents drawn from ``documents`` (``bytes``), with
-    :func:`output_lengths`. ``rate`` (requests/s): Poisson arrivals (gaps
-    drawn from an exponential distribution); ``None``: all at time 0."""
+def request_stream(documents, n, rng, *, prompt_max, out_median, out_max):
+    """``n`` requests, all waiting at time 0: prompts are the openings, at
+    most ``prompt_max`` tokens, of distinct documents drawn from
+    ``documents`` (``bytes``, a token per byte); :func:`output_lengths`."""
     if n > len(documents):
         raise ValueError(f"{n} requests need {n} documents; the corpus has {len(documents)}")
     chosen = rng.choice(len(documents), size=n, replace=False)
     outs = output_lengths(rng, n, out_median, out_max)
-    arrivals = np.zeros(n) if rate is None else np.cumsum(rng.exponential(1 / rate, size=n))
-    return [Request(i, list(documents[d][:prompt_max]), int(o), float(a))
-            for i, (d, o, a) in enumerate(zip(chosen, outs, arrivals))]
+    return [Request(i, list(documents[d][:prompt_max]), int(o))
+            for i, (d, o) in enumerate(zip(chosen, outs))]
+
+
+def poisson_arrivals(rng, n, rate):
+    """Arrival times (n,), in seconds, of ``n`` requests at ``rate``
+    requests/s on average: a Poisson process, its gaps exponential."""
+    return np.cumsum(rng.exponential(1 / rate, size=n))
 
 
 def fresh_requests(requests, arrivals=None):
@@ -89,14 +89,14 @@ def fresh_requests(requests, arrivals=None):
     return [Request(r.rid, r.prompt, r.n_out, float(a)) for r, a in zip(requests, arrivals)]
 
 
-# --- the paged KV cache ----------------------------------------------------------------
+# --- the paged KV cache ------------------------------------------------------------------
 
 
 class PagedKVCache:
     """Keys and values of every layer in ``n_blocks`` blocks of
     ``block_size`` rows: ``k``, ``v`` (layers, n_blocks * block_size, H_kv, D).
-    Free blocks wait on a free list; each request holds a block table, the
-    list of its blocks: its token at position ``p`` lives in row
+    Free blocks wait on a free list; a request holds a block table, the list
+    of its blocks: its token at position ``p`` lives in row
     ``table[p // block_size] * block_size + p % block_size``."""
 
     def __init__(self, cfg, n_blocks, block_size, device, dtype):
@@ -110,11 +110,11 @@ class PagedKVCache:
     def reserve(self, rid, n_tokens):
         """Grow request ``rid``'s table to hold ``n_tokens`` tokens. Returns
         False, taking nothing, if the free list has too few blocks."""
-        table = self.tables.setdefault(rid, [])
+        table = self.tables.get(rid, [])
         need = -(-n_tokens // self.block_size) - len(table)
         if need > len(self.free):
             return False
-        table.extend(self.free.pop() for _ in range(max(need, 0)))
+        self.tables[rid] = table + [self.free.pop() for _ in range(max(need, 0))]
         return True
 
     def release(self, rid):
@@ -122,8 +122,7 @@ class PagedKVCache:
         self.free.extend(reversed(self.tables.pop(rid, [])))
 
     def slots(self, rid, positions):
-        """The rows that the keys of request ``rid`` at ``positions`` (a list)
-        are written to: (n,) int64."""
+        """The rows the keys of request ``rid`` at ``positions`` go to (a list)."""
         table, size = self.tables[rid], self.block_size
         return [table[p // size] * size + p % size for p in positions]
 
@@ -133,37 +132,34 @@ class PagedKVCache:
         self.v[layer].index_copy_(0, rows, v.to(self.v.dtype))
 
     def check(self):
-        """Raise ``RuntimeError`` unless every block is free or in exactly
-        one table, once."""
-        owners = {}
-        for rid, table in [(None, self.free), *self.tables.items()]:
+        """Raise ``RuntimeError`` unless each block is free or in one table, once."""
+        owner = {}
+        for rid, table in [("the free list", self.free), *self.tables.items()]:
+            holder = rid if isinstance(rid, str) else f"the table of request {rid}"
             for b in table:
-                if b in owners:
-                    raise RuntimeError(f"block {b} is in {_holder(owners[b])} and in {_holder(rid)}")
-                owners[b] = rid
-        if len(owners) != self.n_blocks:
-            raise RuntimeError(f"{self.n_blocks - len(owners)} blocks are neither free nor held")
+                if b in owner:
+                    raise RuntimeError(f"block {b} is in {owner[b]} and in {holder}")
+                owner[b] = holder
+        if len(owner) != self.n_blocks:
+            raise RuntimeError(f"{self.n_blocks - len(owner)} blocks are neither free nor held")
 
     def mib(self):
         """The cache's size, from its shapes, in MiB."""
         return (self.k.nbytes + self.v.nbytes) / 2**20
 
 
-def _holder(rid):
-    return "the free list" if rid is None else f"the table of request {rid}"
-
-
 def block_table_tensor(cache, rids, device):
-    """The block tables of requests ``rids`` as one (B, max_blocks) int32
-    tensor, each row padded with zeros (never read: lengths bound it)."""
+    """The block tables of requests ``rids``: (B, max_blocks) int32, each
+    row padded with zeros (never read: the lengths bound every read)."""
     tables = [cache.tables[r] for r in rids]
     width = max(map(len, tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                        device=device)
 
 
 def paged_rows(block_table, kv_lengths, block_size):
     """The cache rows of every key each sequence uses, sequence after
-    sequence: (sum(kv_lengths),) int64, from the block table (B, max_blocks)
+    sequence, (sum(kv_lengths),) int64, from the block table (B, max_blocks)
     and the keys in use (B,)."""
     seq, pos = token_index(offsets_from_lengths(kv_lengths, block_table.device))
     return block_table[seq, pos // block_size].long() * block_size + pos % block_size
@@ -174,13 +170,12 @@ def paged_rows(block_table, kv_lengths, block_size):
 
 @dataclass
 class PagedLayout:
-    """The layout of one step of a :class:`~ragged_toolkit.gpt.GPT` over a
-    :class:`PagedKVCache`: the step's new tokens packed, ``q_offsets``
-    (B + 1,), with their cache rows ``slots`` (T,) and absolute ``positions``
-    (T,); each sequence's keys in use ``kv_lengths`` (B,) and its
-    ``block_table`` (B, max_blocks). ``path`` names how attention reads the
-    keys (:data:`PAGED_PATHS`); what a path builds once per step is kept in
-    ``prepared`` for every layer."""
+    """A step of a :class:`~ragged_toolkit.gpt.GPT` over a
+    :class:`PagedKVCache`: the new tokens packed with ``q_offsets`` (B + 1,),
+    their rows ``slots`` (T,) and ``positions`` (T,); each sequence's keys in
+    use ``kv_lengths`` (B,) and ``block_table`` (B, max_blocks), and the
+    longest of each. ``path`` says how attention reads the keys
+    (:data:`PAGED_PATHS`); ``prepared`` keeps what it builds once per step."""
 
     cache: PagedKVCache
     q_offsets: torch.Tensor
@@ -196,13 +191,13 @@ class PagedLayout:
 
     def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D) -> (T, H, D)
         self.cache.write(layer, k, v, self.slots)
-        return PAGED_PATHS[self.path](q.to(self.cache.k.dtype), self, layer)
+        return PAGED_PATHS[self.path](q, self, layer)
 
 
 def gathered_attention(q, step, layer):
-    """The keys in use gathered through the block table into a packed batch,
-    then ``ragged_attention``, causal (the new queries are each sequence's
-    last ones): q (T, H, D) -> (T, H, D)."""
+    """The keys in use, gathered through the block table into a packed
+    batch, then ``ragged_attention``, causal (aligned bottom-right: the new
+    queries are each sequence's last): q (T, H, D) -> (T, H, D)."""
     if "rows" not in step.prepared:  # once per step, for every layer
         step.prepared["rows"] = paged_rows(step.block_table, step.kv_lengths, step.cache.block_size)
         step.prepared["kv_offsets"] = offsets_from_lengths(step.kv_lengths, q.device)
@@ -213,51 +208,54 @@ def gathered_attention(q, step, layer):
 
 
 def paged_block_mask(step, device):
-    """A FlexAttention ``BlockMask`` over the whole cache: a query (padded to
-    :func:`~ragged_toolkit.attention.flex.flex_rows`) sees a row if its
-    sequence owns the row through the block table, at a position up to its own."""
+    """A FlexAttention ``BlockMask`` of the new queries (padded to
+    :func:`~ragged_toolkit.attention.flex.flex_rows`) against every row of
+    the cache: a query sees a row that its sequence's block table names, at
+    a position up to its own."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    n_rows, n_q = step.cache.k.shape[1], flex_rows(len(step.positions))
+    n_rows, t_q = step.cache.k.shape[1], len(step.positions)
+    n_q = flex_rows(t_q)
     rows = paged_rows(step.block_table, step.kv_lengths, step.cache.block_size)
     seq, pos = token_index(offsets_from_lengths(step.kv_lengths, device))
     owner = torch.full((n_rows,), -1, device=device).index_put_((rows,), seq)
     row_pos = torch.zeros(n_rows, dtype=torch.long, device=device).index_put_((rows,), pos)
-    q_seq = F.pad(token_index(step.q_offsets)[0], (0, n_q - len(step.positions)), value=-2)
-    q_pos = F.pad(step.positions, (0, n_q - len(step.positions)))
+    q_seq = F.pad(token_index(step.q_offsets)[0], (0, n_q - t_q), value=-2)  # padding sees nothing
+    q_pos = F.pad(step.positions, (0, n_q - t_q))
 
     def paged_causal(b, h, q_idx, kv_idx):
         return (owner[kv_idx] == q_seq[q_idx]) & (row_pos[kv_idx] <= q_pos[q_idx])
 
-    return create_block_mask(paged_causal, None, None, n_q, n_rows, device=device, BLOCK_SIZE=FLEX_BLOCK)
+    return create_block_mask(paged_causal, None, None, n_q, n_rows, device=device,
+                             BLOCK_SIZE=FLEX_BLOCK)
 
 
 def flex_paged_attention(q, step, layer):
-    """FlexAttention reading the cache in place, with :func:`paged_block_mask`:
-    the new queries as one padded sequence against every row of the cache,
-    q (T, H, D) -> (T, H, D)."""
+    """FlexAttention reading the cache in place with :func:`paged_block_mask`,
+    the new queries as one padded sequence: q (T, H, D) -> (T, H, D)."""
     if "mask" not in step.prepared:
         step.prepared["mask"] = paged_block_mask(step, q.device)
     mask = step.prepared["mask"]
-    qf = F.pad(q, (0, 0, 0, 0, 0, mask.seq_lengths[0] - len(q))).transpose(0, 1)[None]  # (1, H, n_q, D)
-    kf, vf = (t[layer].transpose(0, 1)[None] for t in (step.cache.k, step.cache.v))  # (1, H_kv, rows, D)
-    out = compiled_flex_attention(qf, kf, vf, block_mask=mask, enable_gqa=q.shape[1] != kf.shape[1])
-    return out[0, :, : len(q)].transpose(0, 1)
+    qf = F.pad(q, (0, 0, 0, 0, 0, mask.seq_lengths[0] - len(q))).transpose(0, 1)[None]
+    kf, vf = (t[layer].transpose(0, 1)[None] for t in (step.cache.k, step.cache.v))
+    out = compiled_flex_attention(qf, kf, vf, block_mask=mask,  # (1, H, n_q, D), (1, H_kv, rows, D)
+                                  enable_gqa=q.shape[1] != kf.shape[1])
+    return out[0, :, :len(q)].transpose(0, 1)
 
 
 def varlen_paged_attention(q, step, layer):
-    """``varlen_attn`` reading the cache in place through the block table
-    (FlashAttention's paged kernel, CUDA): q (T, H, D) -> (T, H, D)."""
-    cache = step.cache
-    k, v = (t[layer].view(cache.n_blocks, cache.block_size, *t.shape[2:]) for t in (cache.k, cache.v))
-    kv_offsets = offsets_from_lengths(step.kv_lengths, q.device).to(torch.int32)
-    return varlen_attn(q, k, v, step.q_offsets.to(torch.int32), kv_offsets, step.max_q, step.max_kv,
-                       window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[2],
-                       seqused_k=step.kv_lengths.to(torch.int32), block_table=step.block_table)
+    """``varlen_attn`` reading the cache in place through ``block_table``
+    and ``seqused_k`` (FlashAttention's paged kernel): q (T, H, D) -> (T, H, D)."""
+    c, lengths = step.cache, step.kv_lengths.to(torch.int32)
+    k, v = (t[layer].view(c.n_blocks, c.block_size, *t.shape[2:]) for t in (c.k, c.v))  # pages
+    return varlen_attn(q, k, v, step.q_offsets.to(torch.int32), offsets_from_lengths(lengths).int(),
+                       step.max_q, step.max_kv, window_size=(-1, 0), seqused_k=lengths,
+                       enable_gqa=q.shape[1] != k.shape[2], block_table=step.block_table)
 
 
-#: How a :class:`PagedLayout` reads the cache: path name -> ``fn(q, step, layer)``.
-PAGED_PATHS = {"gathered": gathered_attention, "flex": flex_paged_attention, "varlen": varlen_paged_attention}
+#: How a :class:`PagedLayout` reads the cache: name -> ``fn(q, step, layer)``.
+PAGED_PATHS = {"gathered": gathered_attention, "flex": flex_paged_attention,
+               "varlen": varlen_paged_attention}
 
 
 def paged_varlen_support(device, dtype, block_size):
@@ -269,18 +267,18 @@ def paged_varlen_support(device, dtype, block_size):
     if missing:
         return f"this release's varlen_attn has no {', '.join(sorted(missing))}"
     if block_size % 256:
-        return f"FlashAttention's paged kernel needs blocks of a multiple of 256 rows, not {block_size}"
+        return f"blocks of {block_size} rows: FlashAttention's paged kernel needs a multiple of 256"
     return None
 
 
-# --- one step of the engine ----------------------------------------------------------------
+# --- one step of the engine --------------------------------------------------------------
 
 
-def step_layout(cache, work, device, path, backend=None):
-    """The tokens (T,), their positions (T,) and the :class:`PagedLayout` of
-    one step that feeds each ``(request, n)`` of ``work`` its next ``n``
-    tokens (blocks already reserved). ``n = 0`` is an idle slot: one
-    padding token at the request's next position, whose key nothing reads."""
+def build_step(cache, work, device, path="gathered", backend=None):
+    """The tokens (T,), positions (T,) and :class:`PagedLayout` of a step
+    that feeds each ``(request, n)`` of ``work`` its next ``n`` tokens, into
+    rows already reserved. ``n = 0``: an idle slot, one padding token at the
+    request's next position, whose key nothing reads."""
     tokens, positions, slots, q_lengths, kv_lengths = [], [], [], [], []
     for req, n in work:
         start, m = req.computed, max(n, 1)
@@ -299,38 +297,37 @@ def step_layout(cache, work, device, path, backend=None):
 
 @torch.no_grad()
 def forward_step(model, cache, work, path="gathered", backend=None):
-    """One forward pass over the packed tokens of ``work`` (a list of
-    ``(request, n)``); each request whose last needed token was fed gets its
-    next token, the greedy choice, and keeps the logits that chose it."""
-    tokens, positions, layout = step_layout(cache, work, cache.k.device, path, backend)
+    """One forward pass over the packed tokens of ``work``, a list of
+    ``(request, n)``; each request whose history is then all in the cache
+    gets its next token, the greedy choice, and keeps the logits that chose it."""
+    tokens, positions, layout = build_step(cache, work, cache.k.device, path, backend)
     last = model(tokens, positions, layout)[layout.q_offsets[1:] - 1]  # (B, vocab)
     choices = last.argmax(-1).tolist()
     for i, (req, n) in enumerate(work):
         req.computed += n
-        if n and req.pending() == 0:  # its whole history is in the cache: a new token
+        if n and req.pending() == 0:
             req.generated.append(choices[i])
             req.logits.append(last[i].float())
 
 
-# --- the schedulers ------------------------------------------------------------------------
+# --- the schedulers ----------------------------------------------------------------------
 
 
 def preempt(req, cache):
-    """Free a request's blocks; it will recompute its keys, from position 0
-    of ``prompt + generated``, when it is admitted again."""
+    """Free a request's blocks: when admitted again, it recomputes its keys
+    from position 0 of ``prompt + generated``."""
     cache.release(req.rid)
     req.computed = 0
     req.preempted += 1
 
 
 def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
-    """Continuous batching: the work of one step, a list of ``(request, n)``.
-    Running requests first, in admission order (one decode token each, or
-    their next prompt chunk); when the cache runs out of blocks, the most
-    recently admitted is preempted to the front of ``waiting``. Then, if
-    none was, requests that have arrived by ``now`` join while slots,
-    blocks and the step's token budget allow; a long prompt is cut into
-    chunks."""
+    """Continuous batching: one step's work, a list of ``(request, n)``.
+    Running requests first, in admission order (a decode token each, or
+    their next prompt chunk); when no block is free, the most recently
+    admitted is preempted to the front of ``waiting``. Then, if none was,
+    requests that have arrived by ``now`` join while slots, free blocks and
+    the step's token budget allow, a long prompt cut into chunks."""
     work, budget, i, preempted = [], token_budget, 0, False
     while i < len(running) and budget > 0:
         req = running[i]
@@ -340,16 +337,18 @@ def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
             budget, i = budget - n, i + 1
             continue
         if len(running) == 1:
-            raise RuntimeError(f"request {req.rid} alone needs more than the cache's {cache.n_blocks} blocks")
+            raise RuntimeError(f"request {req.rid} alone needs more than the cache's blocks")
         victim = running.pop()  # the most recently admitted
         preempt(victim, cache)
         waiting.appendleft(victim)
         preempted = True
-    while (not preempted and waiting and waiting[0].arrival <= now and len(running) < max_running
-           and budget > 0):
+    while not preempted and waiting and waiting[0].arrival <= now and len(running) < max_running \
+            and budget > 0:
         req = waiting[0]
         n = min(req.pending(), budget)
-        if not cache.reserve(req.rid, n):
+        if not cache.reserve(req.rid, req.computed + n):
+            if not running:
+                raise RuntimeError(f"request {req.rid} alone needs more than the cache's blocks")
             break
         running.append(waiting.popleft())
         work.append((req, n))
@@ -358,10 +357,10 @@ def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
 
 
 def plan_static(running, waiting, cache, now, *, batch_size, reserve, skip_finished=False):
-    """Static batching: when no batch runs, up to ``batch_size`` requests
+    """Static batching: with no batch running, up to ``batch_size`` requests
     that have arrived by ``now`` start together, their whole prompts in one
-    packed step, each with ``len(prompt) + reserve`` rows reserved up front.
-    Then each gets one token per step and none joins until all are done; a
+    packed step, ``len(prompt) + reserve`` rows each reserved up front. Then
+    each gets one token per step and none joins until all are done; a
     finished request's slot idles, computing a padding token as a batched
     ``generate`` (or a fixed-shape step) does, or nothing (``skip_finished``)."""
     if not running:
@@ -375,8 +374,7 @@ def plan_static(running, waiting, cache, now, *, batch_size, reserve, skip_finis
 
 
 def retire_finished(running, cache):
-    """Continuous batching: finished requests leave at once, their blocks
-    back on the free list."""
+    """Continuous batching: finished requests leave, their blocks freed."""
     for req in [r for r in running if r.done()]:
         cache.release(req.rid)
         running.remove(req)
@@ -384,19 +382,16 @@ def retire_finished(running, cache):
 
 def retire_batch(running, cache):
     """Static batching: the batch leaves when its last request is done."""
-    if all(r.done() for r in running):
-        retire_finished(running, cache)
+    return all(r.done() for r in running) and retire_finished(running, cache)
 
 
-# --- the simulated server ------------------------------------------------------------------
+# --- the simulated server ----------------------------------------------------------------
 
 
 @dataclass
 class StepRecord:
-    """One step of a run: its measured seconds, the prompt (or recomputed)
-    and decode tokens it fed, the requests holding a slot and those waiting
-    (arrived, not admitted) after it, the cache rows in use and the blocks
-    held."""
+    """A step's measured seconds, prompt (or recomputed) and decode tokens,
+    slots taken; after it, requests waiting (arrived), rows used, blocks held."""
 
     seconds: float
     prefill: int
@@ -419,14 +414,13 @@ class ServingRun:
         return sum(r.n_out for r in self.requests) / sum(s.seconds for s in self.steps)
 
 
-def record_step(seconds, work, running, waiting, cache, now):
-    """The :class:`StepRecord` of a step that fed ``work``, a list of
-    ``(request, n, whether it was a decode token)``."""
-    decode = sum(n for _, n, was_decode in work if was_decode)
+def record_step(seconds, fed, slots, running, waiting, cache, now):
+    """The :class:`StepRecord` of a step that fed ``fed``, a list of
+    ``(request, n, whether that was a decode token)``, in ``slots`` slots."""
+    decode = sum(n for _, n, was_decode in fed if was_decode)
     arrived = sum(r.arrival <= now for r in waiting)
-    held = sum(map(len, cache.tables.values()))
-    return StepRecord(seconds, sum(n for _, n, _ in work) - decode, decode, len(running), arrived,
-                      sum(r.computed for r in running), held)
+    return StepRecord(seconds, sum(n for _, n, _ in fed) - decode, decode, slots, arrived,
+                      sum(r.computed for r in running), sum(map(len, cache.tables.values())))
 
 
 def stamp_clock(requests, now):
@@ -438,31 +432,31 @@ def stamp_clock(requests, now):
             req.finish_s = now
 
 
-def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="gathered", backend=None,
-          check=False, observe=None):
+def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="gathered",
+          backend=None, check=False, observe=None):
     """Serve ``requests`` on a simulated clock that advances by each step's
-    measured time (never sleeping: with nothing to run, it jumps to the next
-    arrival). A generator that yields after every step, so that runs can
+    measured time, jumping to the next arrival when nothing runs, so that
+    nothing sleeps. A generator yielding after every step, so that runs can
     take turns (:func:`take_turns`); returns a :class:`ServingRun`.
-    ``plan(running, waiting, cache, now)`` chooses each step's work and
-    ``retire_step(running, cache)`` ends it; ``check``: verify the cache's
-    blocks after every step; ``observe(step, running, cache)``: called
-    after every step."""
+    ``plan(running, waiting, cache, now)`` picks a step's work and
+    ``retire_step(running, cache)`` ends it; ``check``: verify the blocks
+    after every step; ``observe(step, running, cache)``: called after each."""
     waiting, running, steps, now = deque(sorted(requests, key=lambda r: r.arrival)), [], [], 0.0
     while waiting or running:
         if not running and waiting[0].arrival > now:
-            now = waiting[0].arrival  # idle until the next request arrives
+            now = waiting[0].arrival
         synchronize()
         start = time.perf_counter()
         work = plan(running, waiting, cache, now)
         fed = [(req, n, bool(req.generated) and req.pending() == 1) for req, n in work]
+        slots = len(running)
         forward_step(model, cache, work, path, backend)
         retire_step(running, cache)
         synchronize()
         seconds = time.perf_counter() - start
         now += seconds
         stamp_clock([req for req, _ in work], now)
-        steps.append(record_step(seconds, fed, running, waiting, cache, now))
+        steps.append(record_step(seconds, fed, slots, running, waiting, cache, now))
         if check:
             cache.check()
         if observe is not None:
@@ -473,8 +467,8 @@ def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="ga
 
 def take_turns(*runs):
     """Advance generators of :func:`serve` one step each, in turn, until all
-    end, so that whatever else the machine does slows them alike. Returns
-    their :class:`ServingRun` s, in order."""
+    end, so that whatever else the machine does slows them alike; returns
+    their :class:`ServingRun` s."""
     results, live = [None] * len(runs), dict(enumerate(runs))
     while live:
         for i, run in list(live.items()):
@@ -486,32 +480,31 @@ def take_turns(*runs):
     return results
 
 
-# --- what a run measured, and its proof ------------------------------------------------------
+# --- what a run measured, and its proof --------------------------------------------------
 
 
 def slot_bound(run):
-    """What idle slots cost a static run: its slot-steps (slots times steps)
-    over the tokens it generated."""
+    """What idle slots cost a static run: slot-steps (its slots times its
+    steps) over the tokens it generated."""
     slots = max(s.running for s in run.steps)
     return slots * len(run.steps) / sum(r.n_out for r in run.requests)
 
 
 def latency_ms(requests):
-    """Percentiles 50 and 99 of the time to first token (from arrival) and
-    of the time per output token after the first, in ms:
+    """Percentiles 50 and 99, in ms, of the time to first token (from
+    arrival) and of the time per output token after the first:
     ``{"ttft": (p50, p99), "tpot": (p50, p99)}``."""
     ttft = [r.first_token_s - r.arrival for r in requests]
     tpot = [(r.finish_s - r.first_token_s) / (r.n_out - 1) for r in requests if r.n_out > 1]
-    return {name: tuple(np.percentile(np.array(x) * 1e3, [50, 99])) for name, x in
-            (("ttft", ttft), ("tpot", tpot))}
+    return {name: tuple(np.percentile(np.array(x) * 1e3, [50, 99]).tolist())
+            for name, x in (("ttft", ttft), ("tpot", tpot))}
 
 
 @torch.no_grad()
 def logits_alone(model, request):
-    """The logits that greedy decoding of ``request`` alone, with no cache,
-    computes for each of its generated tokens: one causal pass, padded
-    layout, over its prompt and the tokens it generated but the last
-    (teacher forcing). Returns (n_out, vocab)."""
+    """The logits with which greedy decoding of ``request`` alone, without a
+    cache, chooses each of its tokens: one causal pass, padded layout, over
+    its prompt and its tokens but the last (teacher forcing). (n_out, vocab)."""
     device = next(model.parameters()).device
     ids = torch.tensor(request.prompt + request.generated[:-1], device=device)[None]  # (1, S)
     positions = torch.arange(ids.shape[1], device=device)[None]
@@ -519,25 +512,24 @@ def logits_alone(model, request):
 
 
 def check_against_alone(reference, requests, tolerance):
-    """Prove every request's tokens are those of greedy decoding it alone,
-    with ``reference``, a float32 model: its logits at each generated
-    token (teacher-forced, :func:`logits_alone`) agree with the server's
-    within ``tolerance`` (``assert_close`` keywords), and each token is the
-    reference's greedy choice, or ties with it within ``tolerance["atol"]``.
-    By induction, the tokens are then those of decoding it alone. Raises
-    ``AssertionError`` naming the request; returns ``(largest logit
-    difference, ties)``."""
+    """Prove each request's tokens are those of greedy decoding it alone with
+    ``reference`` (a float32 model): the server's logits agree with
+    :func:`logits_alone` within ``tolerance`` (``assert_close`` keywords),
+    and each token is the reference's greedy choice or ties with it within
+    ``tolerance["atol"]``; by induction on the tokens, the request then
+    generated what decoding it alone generates. Raises ``AssertionError``
+    naming the request; returns ``(largest logit difference, ties)``."""
     worst, ties = 0.0, 0
     for req in requests:
         assert req.done() and len(req.generated) == req.n_out, f"request {req.rid} did not finish"
         ref = logits_alone(reference, req).float()  # (n_out, vocab)
         got = torch.stack(req.logits).to(ref.device)
-        torch.testing.assert_close(got, ref, **tolerance,
-                                   msg=lambda m, r=req: f"request {r.rid}: logits differ from decoding it alone: {m}")
+        torch.testing.assert_close(got, ref, **tolerance, msg=lambda m, r=req:
+                                   f"request {r.rid}: logits differ from decoding it alone: {m}")
         chosen = ref.gather(1, torch.tensor(req.generated, device=ref.device)[:, None])[:, 0]
         gap = ref.max(-1).values - chosen  # 0 where the token is the reference's choice
         bad = (gap > tolerance["atol"]).nonzero().flatten().tolist()
-        assert not bad, f"request {req.rid}: token {bad[0]} is not the greedy choice of decoding it alone"
+        assert not bad, f"request {req.rid}: token {bad[0]} is not the greedy choice of decoding alone"
         ties += int((gap > 0).sum())
         worst = max(worst, float((got - ref).abs().max()))
     return worst, ties

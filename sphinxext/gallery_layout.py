@@ -28,6 +28,7 @@ READING_ORDER = [
     "hf_packed_training",
     "data_parallel_packed_training",
     "ragged_decoding_kv_cache_gqa",
+    "serving_continuous_batching",
     "which_attention_path",
 ]
 

@@ -91,7 +91,7 @@ print(f"block table of requests 0 and 2 {table.tolist()}: their keys live in row
 # CPU sizes keep the page to about a minute on two cores; real servers run
 # models of billions of weights, hundreds of requests at once, prompts of
 # thousands of tokens and blocks of 16 rows (vLLM). On CUDA the blocks have
-# 256 rows, the smallest that FlashAttention's paged kernel takes.
+# 256 rows, the smallest that the paged kernel of FlashAttention takes.
 
 import numpy as np
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
@@ -105,12 +105,12 @@ SEED = 0
 if DEVICE == "cuda":
     MODEL = dict(vocab_size=256, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
                  ffn_hidden=2816, max_seq_len=2048)
-    REQUESTS, SLOTS, TOKEN_BUDGET, BLOCK = 256, 32, 512, 256
-    PROMPT_MAX, OUT_MEDIAN, OUT_MAX, CONTIGUOUS_SLOTS = 512, 96, 768, 16
+    REQUESTS, SLOTS, TOKEN_BUDGET, BLOCK = 128, 32, 512, 256
+    PROMPT_MAX, OUT_MEDIAN, OUT_MAX, CONTIGUOUS_SLOTS = 512, 96, 512, 16
 else:
     MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                  ffn_hidden=352, max_seq_len=512)
-    REQUESTS, SLOTS, TOKEN_BUDGET, BLOCK = 128, 16, 64, 16
+    REQUESTS, SLOTS, TOKEN_BUDGET, BLOCK = 192, 16, 64, 16
     PROMPT_MAX, OUT_MEDIAN, OUT_MAX, CONTIGUOUS_SLOTS = 48, 32, 192, 8
 if QUICK:
     MODEL.update(dim=64, ffn_hidden=176) if DEVICE == "cpu" else MODEL.update(n_layers=2)
@@ -191,7 +191,7 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 #   mask in which a query sees a row if its request owns the row, up to its
 #   own position;
 # * **varlen**: ``varlen_attn`` with ``block_table`` and ``seqused_k``
-#   (FlashAttention's paged kernel, CUDA only).
+#   (the paged kernel of FlashAttention, CUDA only).
 #
 # .. literalinclude:: ../ragged_toolkit/serving.py
 #    :pyobject: gathered_attention
@@ -201,55 +201,57 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 #
 # One step as the server builds it: ``SLOTS - 1`` requests decoding and a
 # newcomer's prompt chunk. Each path runs the whole model on it and must
-# give the logits of each request run alone, without a cache; then they
-# are timed, and ``choose`` takes the fastest only outside the noise, else
-# the default, the gathered path.
+# give, for every request, the logits of running it alone without a cache,
+# and the logits of the gathered path. Then they are timed (the first call,
+# which compiles, apart), and ``choose`` takes the fastest only outside the
+# noise, else the default, the gathered path.
 
+import functools
+import time
+
+from ragged_toolkit.device import synchronize, tolerances
 from ragged_toolkit.measure import choose, compile_counter, measure, print_timings
-from ragged_toolkit.serving import (Request, forward_step, fresh_requests, logits_alone,
-                                    paged_varlen_support, step_layout)
-from ragged_toolkit.device import tolerances
+from ragged_toolkit.serving import (Request, build_step, forward_step, fresh_requests,
+                                    logits_alone, paged_varlen_support)
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
-blocks_per_slot = -(-(PROMPT_MAX + OUT_MAX) // BLOCK)
+blocks_per_slot = -(-(PROMPT_MAX + OUT_MAX) // BLOCK)  # a full-length request's blocks
 bench_cache = PagedKVCache(cfg, SLOTS * blocks_per_slot, BLOCK, DEVICE, DTYPE)
 bench = fresh_requests(stream[:SLOTS])
 for req in bench:
     bench_cache.reserve(req.rid, len(req.prompt) + 1)
-forward_step(model, bench_cache, [(req, req.pending()) for req in bench[:-1]])  # prefill
-step_work = [(req, 1) for req in bench[:-1]] + [(bench[-1], len(bench[-1].prompt))]
-
-
-def next_logits(req):
-    """What decoding ``req`` alone, without a cache, computes for its next token."""
-    return logits_alone(reference, Request(req.rid, req.prompt, 0, generated=req.generated + [0]))[-1]
-
-
-expected = [next_logits(req) for req in bench]
-
-PATHS = {"gathered": None, "flex": None, "varlen": paged_varlen_support(DEVICE, DTYPE, BLOCK)}
-if DEVICE == "cpu":
-    PATHS["varlen"] = "needs CUDA (FlashAttention); on a CPU there is no varlen_attn"
+forward_step(model, bench_cache, [(req, req.pending()) for req in bench[:-1]])  # their prefill
+chunk = min(len(bench[-1].prompt), TOKEN_BUDGET - (SLOTS - 1))
+step_work = [(req, 1) for req in bench[:-1]] + [(bench[-1], chunk)]
+# decoding each alone: the logits after the tokens it has once this step has run
+expected = [logits_alone(reference, Request(0, (r.prompt + r.generated)[:r.computed + n], 0,
+                                            generated=[0]))[-1] for r, n in step_work]
 
 
 def step_logits(path):
-    tokens, positions, layout = step_layout(bench_cache, step_work, DEVICE, path)
+    tokens, positions, layout = build_step(bench_cache, step_work, DEVICE, path)
     with torch.no_grad():
-        return model(tokens, positions, layout)[layout.q_offsets[1:] - 1]  # (B, vocab)
+        return model(tokens, positions, layout)[layout.q_offsets[1:] - 1].float()  # (B, vocab)
 
 
+PATHS = {"gathered": None, "flex": None, "varlen": paged_varlen_support(DEVICE, DTYPE, BLOCK)}
+first_call_s, logits_of = {}, {}
 with compile_counter() as compiled:
     for path in [p for p, why in PATHS.items() if why is None]:
-        got = step_logits(path).float()
-        for req, logits, want in zip(bench, got, expected):
-            note = " (pytorch/pytorch#194167: paged split-KV left rows unwritten)" * (path == "varlen")
-            torch.testing.assert_close(logits, want, **PROOF_TOLERANCE, msg=lambda m, p=path, r=req:
-                                       f"{p}: request {r.rid} differs from decoding it alone{note}: {m}")
-        PATHS[path] = lambda path=path: step_logits(path)
+        synchronize()
+        start = time.perf_counter()
+        logits_of[path] = step_logits(path)
+        synchronize()
+        first_call_s[path] = time.perf_counter() - start
+        note = " (paged split-KV has had this bug: pytorch/pytorch#194167)" if path == "varlen" else ""
+        for want, what in ((torch.stack(expected), "decoding alone"), (logits_of["gathered"], "gathered")):
+            torch.testing.assert_close(logits_of[path], want, **PROOF_TOLERANCE, msg=lambda m:
+                                       f"{path}{note}: step logits differ from {what}: {m}")
+        PATHS[path] = functools.partial(step_logits, path)
 timings = measure({p: fn for p, fn in PATHS.items() if callable(fn)}, min_run_time=RUN_TIME)
 print_timings({p: timings.get(p, why) for p, why in PATHS.items()})
-print(f"torch.compile: {compiled}; flex's first call (compiling) took "
-      f"{timings['flex'].first_call_s:.1f} s")
+print("first calls: " + ", ".join(f"{p} {s:.2f} s" for p, s in first_call_s.items())
+      + f"; torch.compile: {compiled}")
 PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 
 # %%
@@ -272,7 +274,7 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # budget cut into chunks. When a running request needs a block and none is
 # free, the most recently admitted request is *preempted*: its blocks go back
 # to the free list, and it waits at the front of the queue to recompute its
-# keys (vLLM's default; swapping them to host memory is the alternative).
+# keys (the default of vLLM; swapping them to host memory is the alternative).
 #
 # .. literalinclude:: ../ragged_toolkit/serving.py
 #    :pyobject: plan_continuous
@@ -299,8 +301,6 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # .. literalinclude:: ../ragged_toolkit/serving.py
 #    :pyobject: serve
 
-import functools
-
 from ragged_toolkit.serving import plan_continuous, plan_static, retire_batch, serve, take_turns
 
 serving_blocks = SLOTS * blocks_per_slot  # the same cache for both: SLOTS full-length requests
@@ -324,9 +324,9 @@ def run(plan, requests, n_blocks=serving_blocks, **kw):
 # All requests arrive at time 0 (offline throughput). Three runs take turns:
 # continuous batching, static batching, and static batching that skips the
 # finished requests' slots instead of computing them. The *slot bound* is
-# what the static scheduler's idle slots cost: its slot-steps over the tokens
-# it generated, the speedup a continuous scheduler with as many slots would
-# reach if every step cost the same and had a full batch.
+# what the idle slots of the static scheduler cost: its slot-steps over the
+# tokens it generated, the speedup a continuous scheduler with as many slots
+# would reach if every step cost the same and had a full batch.
 
 from ragged_toolkit.serving import slot_bound
 
@@ -374,7 +374,8 @@ ax1.bar(x, decode, width=1.0, color="C0", label="decode tokens")
 ax1.bar(x, [s.prefill for s in steps], bottom=decode, width=1.0, color="C1",
         label="prompt tokens")
 ax1.axhline(TOKEN_BUDGET, color="k", ls=":", label="token budget")
-ax1.set(ylabel="tokens in the step", title=f"Continuous batching, {REQUESTS} requests at once")
+ax1.set(ylabel="tokens in the step", ylim=(0, 1.45 * TOKEN_BUDGET),
+        title=f"Continuous batching, {REQUESTS} requests at once")
 ax1.legend(loc="upper right", ncol=3)
 ax2.step(x, [s.running for s in steps], where="mid", color="C2", label="running")
 ax2.step(x, [s.waiting for s in steps], where="mid", color="C3", label="waiting")
@@ -388,13 +389,13 @@ plt.show()
 # Online, requests arrive one by one, Poisson-distributed, at ``LOAD`` times
 # the rate continuous batching served them offline, the same requests for
 # both schedulers. Two latencies matter to a user: the *time to first token*
-# (from arrival: queueing and prefill) and the *time per output token* after
+# (from arrival: queuing and prefill) and the *time per output token* after
 # it (how fast the answer streams).
 
-from ragged_toolkit.serving import latency_ms
+from ragged_toolkit.serving import latency_ms, poisson_arrivals
 
 rate = LOAD * REQUESTS / sum(s.seconds for s in steps)
-arrivals = np.cumsum(np.random.default_rng(SEED + 1).exponential(1 / rate, REQUESTS))
+arrivals = poisson_arrivals(np.random.default_rng(SEED + 1), REQUESTS, rate)
 arriving = fresh_requests(stream, arrivals)
 online = dict(zip(("continuous", "static"), take_turns(run(continuous, arriving),
                                                       run(static, arriving))))
@@ -461,10 +462,11 @@ print(f"{preempted} preemptions of {sum(r.preempted > 0 for r in paged_run.reque
 # waited (the cache, not the queue, held them back); the MiB are computed
 # from the cache's shapes. The rows a paged request holds beyond its tokens
 # are those of its last block; a contiguous cache holds each request's
-# longest possible length. The cache at its fullest step, and the block
-# tables of four of its requests:
+# longest possible length. The cache at the step with the most requests
+# running (and a block free), and the block tables of four of them:
 
-step = max(snapshots, key=lambda i: len(snapshots[i][0]))
+with_free = [i for i in snapshots if snapshots[i][2]] or list(snapshots)  # a free block to show
+step = max(with_free, key=lambda i: len(snapshots[i][0]))
 tables, used, free = snapshots[step]
 shown = sorted(tables, key=lambda r: -len(tables[r]))[:4]
 per_row = 20
@@ -479,8 +481,9 @@ for b in range(memory_blocks):
         ax1.text(b % per_row + 0.46, b // per_row + 0.43, str(tables[rid].index(b)),
                  ha="center", va="center", color="white")
 ax1.set(xlim=(0, per_row), ylim=(-(-memory_blocks // per_row), 0), xticks=[], yticks=[],
-        title=f"Step {step}: {memory_blocks} blocks of {BLOCK} rows; colors: four requests "
-              f"(logical block in each), gray: {len(tables) - len(shown)} others, white: free")
+        title=f"The cache at step {step}: {memory_blocks} blocks of {BLOCK} rows\nfour requests "
+              f"(the logical block in each), {len(tables) - len(shown)} others (gray), "
+              f"{len(free)} free (white)")
 for i, rid in enumerate(shown):
     for j, b in enumerate(tables[rid]):
         ax2.add_patch(plt.Rectangle((j, i), 0.92, 0.86, color=f"C{i}"))
@@ -522,8 +525,10 @@ for served in runs:
     assert len(served.requests) == REQUESTS and all(r.done() for r in served.requests)
     difference, tied = check_against_alone(reference, served.requests, PROOF_TOLERANCE)
     worst, ties = max(worst, difference), ties + tied
-print(f"{len(runs)} runs of {REQUESTS} requests, {DTYPE}: largest logit difference to decoding "
-      f"alone {worst:.1e}; {ties} tokens tied within the tolerance")
+criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
+print(f"{len(runs)} runs of {REQUESTS} requests in {DTYPE}: every logit within {criterion} of "
+      f"decoding alone\n(largest difference {worst:.1e}); {ties} tokens not the reference's "
+      f"first choice but tied with it within atol")
 print(f"requests: {REQUESTS}/{REQUESTS} finished, each equal to decoding it alone; "
       f"preempted {preempted}")
 
@@ -543,7 +548,8 @@ print(f"requests: {REQUESTS}/{REQUESTS} finished, each equal to decoding it alon
 # The lines above say, for this device and these sizes, how much of the
 # slot bound continuous batching reached, how many more requests the paged
 # cache held than a contiguous one in the same memory, and what each
-# scheduler did to latency; the proof says that none of it changed a token.
+# scheduler did to latency; the proof says that none of it changed what a
+# request computes.
 #
 # References
 # ----------
@@ -557,4 +563,4 @@ print(f"requests: {REQUESTS}/{REQUESTS} finished, each equal to decoding it alon
 # * attention-gym's paged attention with FlexAttention:
 #   https://github.com/meta-pytorch/attention-gym
 # * ``varlen_attn``: https://docs.pytorch.org/docs/stable/nn.attention.varlen.html
-# * nano-vllm: https://github.com/GeeeekExplorer/nano-vllm
+# * ``nano-vllm``: https://github.com/GeeeekExplorer/nano-vllm

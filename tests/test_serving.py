@@ -1,0 +1,235 @@
+"""``ragged_toolkit.serving``: the paged cache's free list and block tables,
+the schedulers, and the proof against decoding each request alone, which
+must catch three planted bugs: a block table read one block off, a freed
+block still in use, and a preempted request that resumes at the wrong
+position."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from ragged_toolkit import serving
+from ragged_toolkit.device import tolerances
+from ragged_toolkit.gpt import GPT, GPTConfig
+from ragged_toolkit.serving import (PagedKVCache, Request, block_table_tensor, check_against_alone,
+                                    fresh_requests, latency_ms, paged_rows, plan_continuous,
+                                    plan_static, request_stream, retire_batch, serve, slot_bound,
+                                    take_turns)
+
+CFG = GPTConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=256)
+FLOAT32 = tolerances(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(CFG).eval()
+
+
+@pytest.fixture(scope="module")
+def stream():
+    rng = np.random.default_rng(0)
+    documents = [bytes(rng.integers(32, 127, size=int(n)).tolist()) for n in rng.integers(3, 40, 40)]
+    return request_stream(documents, 24, rng, prompt_max=24, out_median=8, out_max=40)
+
+
+def serve_all(model, requests, plan, n_blocks, block_size=4, check=True, **kw):
+    cache = PagedKVCache(CFG, n_blocks, block_size, "cpu", torch.float32)
+    result, = take_turns(serve(model, fresh_requests(requests), cache, plan, check=check, **kw))
+    return result
+
+
+def continuous(max_running=8, token_budget=16):
+    return functools.partial(plan_continuous, max_running=max_running, token_budget=token_budget)
+
+
+# --- the paged cache ---------------------------------------------------------------
+
+
+def test_blocks_come_from_the_free_list_and_go_back():
+    cache = PagedKVCache(CFG, 6, 4, "cpu", torch.float32)
+    assert cache.reserve(0, 6) and cache.reserve(1, 9)
+    assert cache.tables == {0: [0, 1], 1: [2, 3, 4]} and cache.free == [5]
+    assert not cache.reserve(2, 8), "two blocks were granted from a free list of one"
+    assert 2 not in cache.tables or cache.tables[2] == [] and cache.free == [5]
+    cache.release(0)
+    assert cache.reserve(2, 8) and cache.tables[2] == [0, 1]
+    cache.check()
+    assert cache.slots(1, [0, 3, 4, 8]) == [8, 11, 12, 16]
+
+
+def test_the_check_names_a_block_held_twice_or_lost():
+    cache = PagedKVCache(CFG, 4, 4, "cpu", torch.float32)
+    cache.reserve(0, 8)
+    cache.free.append(cache.tables[0][1])  # block 1: free and held
+    with pytest.raises(RuntimeError, match="block 1 is in the free list and in the table of request 0"):
+        cache.check()
+    cache.free.remove(1)
+    cache.tables[0].pop()  # block 1: neither
+    with pytest.raises(RuntimeError, match="1 blocks are neither free nor held"):
+        cache.check()
+
+
+def test_paged_rows_read_each_key_through_its_block_table():
+    cache = PagedKVCache(CFG, 8, 4, "cpu", torch.float32)
+    for rid, n in ((0, 3), (1, 9), (2, 5)):
+        cache.reserve(rid, n)
+    table = block_table_tensor(cache, [2, 1], "cpu")
+    assert table.dtype == torch.int32 and table.tolist() == [[4, 5, 0], [1, 2, 3]]
+    rows = paged_rows(table, torch.tensor([5, 9]), 4)
+    assert rows.tolist() == [16, 17, 18, 19, 20] + [4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert rows.tolist() == cache.slots(2, range(5)) + cache.slots(1, range(9))
+
+
+# --- the schedulers, proved against decoding each request alone ---------------------------
+
+
+def test_continuous_batching_preempts_and_equals_decoding_alone(model, stream):
+    run = serve_all(model, stream, continuous(), n_blocks=14)
+    preempted = sum(r.preempted for r in run.requests)
+    assert preempted > 0, "the cache was never full: nothing tested preemption"
+    assert all(r.done() for r in run.requests) and len(run.requests) == len(stream)
+    assert max(s.prefill + s.decode for s in run.steps) <= 16, "a step went over the token budget"
+    assert max(s.running for s in run.steps) <= 8
+    assert any(0 < s.prefill and s.decode for s in run.steps), "no step mixed prompt and decode tokens"
+    worst, ties = check_against_alone(model, run.requests, FLOAT32)
+    assert worst < 1e-4 and ties == 0
+
+
+def test_long_prompts_are_chunked_under_the_budget(model, stream):
+    steps = []
+    run = serve_all(model, stream[:4], continuous(token_budget=6), n_blocks=64,
+                    observe=lambda i, running, cache: steps.append({r.rid: r.computed for r in running}))
+    longest = max(stream[:4], key=lambda r: len(r.prompt))
+    assert len(longest.prompt) > 6
+    computed = [s[longest.rid] for s in steps if longest.rid in s]
+    assert computed[0] < len(longest.prompt), "the long prompt went in one step"
+    check_against_alone(model, run.requests, FLOAT32)
+
+
+def test_static_batches_idle_until_their_longest_request_is_done(model, stream):
+    plan = functools.partial(plan_static, batch_size=8, reserve=40)
+    run = serve_all(model, stream, plan, n_blocks=8 * 16, retire_step=retire_batch)
+    longest = [max(r.n_out for r in stream[i:i + 8]) for i in range(0, len(stream), 8)]
+    assert len(run.steps) == sum(longest), "a static batch took other than its longest request's steps"
+    assert slot_bound(run) == pytest.approx(8 * sum(longest) / sum(r.n_out for r in stream))
+    assert {s.running for s in run.steps} == {8}, "a slot was given back before its batch ended"
+    check_against_alone(model, run.requests, FLOAT32)
+
+
+def test_static_and_continuous_runs_take_turns(model, stream):
+    order = []
+
+    def noting(name, plan):
+        return lambda *args: order.append(name) or plan(*args)
+
+    cache = lambda: PagedKVCache(CFG, 8 * 16, 4, "cpu", torch.float32)  # noqa: E731
+    static = functools.partial(plan_static, batch_size=8, reserve=40)
+    a, b = take_turns(serve(model, fresh_requests(stream), cache(), noting("c", continuous())),
+                      serve(model, fresh_requests(stream), cache(), noting("s", static), retire_batch))
+    assert order[:6] == ["c", "s"] * 3
+    assert len(a.steps) < len(b.steps)
+
+
+def test_online_arrivals_wait_for_the_clock(model, stream):
+    arrivals = np.arange(len(stream)) * 10.0  # far apart: each request runs alone
+    run = serve_all(model, fresh_requests(stream, arrivals), continuous(), n_blocks=64)
+    assert max(s.running for s in run.steps) == 1
+    assert all(r.first_token_s > r.arrival for r in run.requests)
+    lat = latency_ms(run.requests)
+    assert 0 < lat["ttft"][0] <= lat["ttft"][1] < 10e3
+
+
+def test_latency_and_slot_bound_by_hand():
+    a = Request(0, [1], 3, arrival=1.0, generated=[1, 2, 3], first_token_s=1.5, finish_s=2.5)
+    b = Request(1, [1], 1, arrival=2.0, generated=[1], first_token_s=2.25, finish_s=2.25)
+    lat = latency_ms([a, b])
+    assert lat["ttft"][0] == pytest.approx(375.0)  # the median of 500 and 250 ms
+    assert lat["tpot"] == pytest.approx((500.0, 500.0))  # b has one token: no time per token
+
+
+def test_bfloat16_logits_stay_within_the_stated_tolerance(model, stream):
+    low = GPT(CFG).eval()
+    low.load_state_dict(model.state_dict())
+    low = low.to(torch.bfloat16)
+    cache = PagedKVCache(CFG, 14, 4, "cpu", torch.bfloat16)
+    run, = take_turns(serve(low, fresh_requests(stream[:8]), cache, continuous()))
+    reference = GPT(CFG).eval()
+    reference.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
+    worst, _ = check_against_alone(reference, run.requests, dict(atol=0.1, rtol=0.05))
+    assert worst > 0, "bfloat16 logits equal float32 ones: the low precision did not run"
+
+
+def test_flex_reads_the_paged_cache_as_the_gathered_path_does(model, stream):
+    runs = [serve_all(model, stream[:6], continuous(), n_blocks=64, block_size=16, path=path)
+            for path in ("gathered", "flex")]
+    for a, b in zip(*(r.requests for r in runs)):
+        torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), **FLOAT32)
+    check_against_alone(model, runs[1].requests, FLOAT32)
+
+
+def test_varlen_says_why_it_cannot_read_the_cache(monkeypatch):
+    assert "CUDA" in serving.paged_varlen_support("cpu", torch.bfloat16, 256)
+    monkeypatch.setattr(serving, "backend_support", lambda *a, **k: None)
+    monkeypatch.setattr(serving, "varlen_keywords", lambda: {"window_size", "enable_gqa", "seqused_k"})
+    assert serving.paged_varlen_support("cuda", torch.bfloat16, 256) == "this release's varlen_attn has no block_table"
+    monkeypatch.setattr(serving, "varlen_keywords",
+                        lambda: {"window_size", "enable_gqa", "seqused_k", "block_table"})
+    assert "blocks of 16 rows: FlashAttention's paged kernel needs a multiple of 256" == \
+        serving.paged_varlen_support("cuda", torch.bfloat16, 16)
+    assert serving.paged_varlen_support("cuda", torch.bfloat16, 256) is None
+
+
+def test_bad_input_is_named(model, stream):
+    with pytest.raises(ValueError, match="30 requests need 30 documents; the corpus has 2"):
+        request_stream([b"ab", b"cd"], 30, np.random.default_rng(0), prompt_max=4, out_median=2, out_max=4)
+    longest = max(stream, key=lambda r: len(r.prompt) + r.n_out)
+    with pytest.raises(RuntimeError, match=f"request {longest.rid} alone needs more than the cache's blocks"):
+        serve_all(model, [longest], continuous(), n_blocks=2)
+    with pytest.raises(RuntimeError, match="no room for a static batch of 8"):
+        serve_all(model, stream, functools.partial(plan_static, batch_size=8, reserve=40), n_blocks=8,
+                  retire_step=retire_batch)
+
+
+# --- three planted bugs, each caught by the proof ----------------------------------------
+
+
+def test_planted_off_by_one_block_index_fails(model, stream, monkeypatch):
+    def rows_one_block_off(block_table, kv_lengths, block_size):
+        seq, pos = serving.token_index(serving.offsets_from_lengths(kv_lengths))
+        return block_table[seq, pos // block_size - 1].long() * block_size + pos % block_size  # planted: - 1
+
+    monkeypatch.setattr(serving, "paged_rows", rows_one_block_off)
+    run = serve_all(model, stream, continuous(), n_blocks=64)
+    with pytest.raises(AssertionError, match="differ from decoding it alone"):
+        check_against_alone(model, run.requests, FLOAT32)
+
+
+def test_planted_freed_block_still_in_use_fails(model, stream, monkeypatch):
+    def release_keeping_the_table(self, rid):
+        self.free.extend(reversed(self.tables.get(rid, [])))  # planted: the table still names them
+
+    monkeypatch.setattr(PagedKVCache, "release", release_keeping_the_table)
+    run = serve_all(model, stream, continuous(), n_blocks=14, check=False)
+    assert sum(r.preempted for r in run.requests) > 0
+    with pytest.raises(AssertionError, match="differ from decoding it alone"):
+        check_against_alone(model, run.requests, FLOAT32)
+    with pytest.raises(RuntimeError, match=r"block \d+ is in the free list and in the table of request"):
+        serve_all(model, stream, continuous(), n_blocks=14, check=True)
+
+
+def test_planted_resume_at_the_wrong_position_fails(model, stream, monkeypatch):
+    def preempt_keeping_the_position(req, cache):
+        cache.release(req.rid)
+        req.computed = req.length() - 1  # planted: resumes as if its keys were still cached
+        req.preempted += 1
+
+    monkeypatch.setattr(serving, "preempt", preempt_keeping_the_position)
+    run = serve_all(model, stream, continuous(), n_blocks=14)
+    assert sum(r.preempted for r in run.requests) > 0
+    with pytest.raises(AssertionError, match="differ from decoding it alone"):
+        check_against_alone(model, run.requests, FLOAT32)

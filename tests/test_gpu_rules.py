@@ -1,0 +1,165 @@
+"""Issue 25's rules for a GPU, pinned on a CPU machine: what the toolkit
+refuses or does on CUDA (a backend with no kernel, CPU ranks that must not
+touch the GPU, a parity check that must fit the math path's memory), a
+backend that should run and raises, FlexAttention's bounded compiles, and
+generations checked against teacher-forced logits."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from toolkit_api import MODULES, tk
+
+ATTENTION = MODULES["ragged_toolkit.attention"]
+FLEX = MODULES["ragged_toolkit.attention.flex"]
+DATA_PARALLEL = MODULES["ragged_toolkit.data_parallel"]
+
+
+# --- a backend with no kernel on CUDA --------------------------------------------
+
+def test_nested_tensors_are_refused_for_float32_causal_training_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H200, here
+    why = tk.backend_support("sdpa_njt", "cuda", torch.float32, is_causal=True, needs_grad=True)
+    assert why and "no CUDA kernel" in why, why
+    # so the default for a float32 parity check on CUDA is the loop, not nested tensors
+    assert tk.default_backend("cuda", torch.float32) == "loop"
+    assert tk.default_backend("cuda", torch.bfloat16) == "varlen"
+    assert tk.backend_support("sdpa_njt", "cuda", torch.bfloat16, is_causal=True, needs_grad=True) is None
+
+
+# --- CPU ranks on a GPU machine ---------------------------------------------------
+
+def test_gloo_ranks_are_launched_with_no_gpu_to_see(monkeypatch):
+    seen = {}
+
+    def run(command, **kwargs):
+        seen.update(kwargs["env"])
+        return subprocess.CompletedProcess(command, 1, "", "stopped by the test")
+
+    monkeypatch.setattr(DATA_PARALLEL.subprocess, "run", run)
+    job = {"backend": "gloo", "grad_runs": []}
+    with pytest.raises(RuntimeError, match="2 ranks on gloo failed"):
+        tk.run_data_parallel(job, {}, 2)
+    assert seen.get("CUDA_VISIBLE_DEVICES") == "", "a CPU rank could build its mesh on a GPU"
+
+
+@pytest.fixture
+def one_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_builds_its_mesh_on_the_ranks_device_even_where_cuda_is_there(one_rank, monkeypatch):
+    torch.manual_seed(0)
+    model = tk.GPT(tk.GPTConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=32,
+                                max_seq_len=16))
+    # a GPU machine: FSDP2's own guess of a mesh is the accelerator's
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+    runner, sync = tk.wrap_model(model, "fsdp", torch.device("cpu"))
+    weight = model.layers[0].attn.wqkv.weight
+    assert weight.device_mesh.device_type == "cpu" and weight.device.type == "cpu"
+
+
+# --- a parity check that fits the math path ---------------------------------------
+
+def test_the_math_check_takes_a_slice_that_fits_at_cuda_sizes():
+    # the GPT page's CUDA step: rows of 2,048 tokens, 16 heads, 4 layers; the
+    # documents of the site's corpus cut into rows (lengths of up to 2,048)
+    documents, _ = tk.docstring_corpus(min_chars=2)
+    tokens, offsets = tk.pack_documents(documents)
+    rows = tk.split_by_token_budget(tokens, offsets, 2048)[:8]
+    lengths = tk.concat_batches(rows)[1].diff()
+    budget = 2**31
+    whole = tk.math_scores_bytes(lengths, 16, 4)
+    assert whole > 10 * budget, f"the whole step needs {whole / 2**30:.0f} GiB: no slice needed?"
+    n = tk.math_check_sequences(lengths, 16, 4, budget=budget)
+    assert n >= 1 and tk.math_scores_bytes(lengths[:n], 16, 4) <= budget, n
+    # the old page's check: 128 documents, the longest 2,048 tokens: about 137 GB
+    assert tk.math_scores_bytes(torch.tensor([2048] * 128), 16, 4) > 100e9
+
+
+# --- a backend that should run and raises ----------------------------------------
+
+def test_compare_backends_names_a_backend_that_raises_instead_of_dropping_it(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel missing")
+
+    monkeypatch.setitem(ATTENTION.BACKEND_FUNCTIONS, "bucketed", broken)
+    offsets = tk.offsets_from_lengths([3, 5])
+    q = k = v = torch.randn(8, 2, 4)
+    with pytest.raises(RuntimeError, match=r"backend 'bucketed' should run this job here and raised: kernel missing"):
+        tk.compare_backends(q, k, v, offsets, backends=("loop", "bucketed"), min_run_time=0.01)
+    # a limit stated by design still prints as "not available"
+    out = tk.compare_backends(q, k, v, offsets, backends=("loop", "varlen"), min_run_time=0.01)
+    assert isinstance(out["varlen"], str) and "CUDA" in out["varlen"]
+
+
+# --- FlexAttention: compiled per head configuration, never unfused ------------------
+
+def test_flex_compiles_every_head_configuration_and_never_runs_unfused():
+    torch._dynamo.reset()
+    FLEX._shapes.clear()
+    rng = np.random.default_rng(0)
+    configs = [(2, 1, 8), (4, 2, 8), (4, 4, 16), (8, 2, 16)]  # heads, key/value heads, head size
+    with tk.compile_counter() as count, warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for i in range(24):  # 24 batches: 4 configurations x 3 padded sizes, twice
+            heads, kv_heads, dim = configs[i % 4]
+            size = (i // 4) % 3  # 1, 2 or 3 blocks of 128 rows
+            lengths = torch.as_tensor(rng.integers(1, 30, size=40))
+            lengths = lengths[lengths.cumsum(0) <= 128 * size + 100][:40]
+            offsets = tk.offsets_from_lengths(lengths)
+            g = torch.Generator().manual_seed(i)
+            q = torch.randn(int(offsets[-1]), heads, dim, generator=g)
+            k, v = (torch.randn(int(offsets[-1]), kv_heads, dim, generator=g) for _ in range(2))
+            out = tk.ragged_attention(q, k, v, offsets, is_causal=True, backend="flex")
+            torch.testing.assert_close(out, tk.reference_attention(q, k, v, offsets, is_causal=True),
+                                       atol=1e-5, rtol=1e-4)
+    unfused = [str(w.message).splitlines()[0] for w in caught if "without torch.compile" in str(w.message)]
+    assert not unfused and not count.fallbacks, (unfused or count.fallbacks)[:2]
+    assert count.graphs > 8, f"{count.graphs} graphs: the test meant to pass dynamo's default limit of 8"
+    assert all(len(shapes) <= tk.FLEX_SHAPES_PER_CONFIGURATION for shapes in FLEX._shapes.values())
+
+
+def test_flex_past_its_bound_fails_naming_the_cause(monkeypatch):
+    monkeypatch.setattr(FLEX, "FLEX_SHAPES_PER_CONFIGURATION", 1)
+    monkeypatch.setattr(FLEX, "_shapes", {})
+    monkeypatch.setattr(FLEX, "_compiled", lambda q, k, v, **kw: q)  # what it compiles is not the point
+    q = torch.zeros(1, 2, 128, 8)
+    FLEX.compiled_flex_attention(q, q, q)
+    with pytest.raises(RuntimeError, match=r"1 shapes already compiled for 2 heads, 2 key/value heads, head size 8"):
+        FLEX.compiled_flex_attention(torch.zeros(1, 2, 256, 8), q, q)
+
+
+# --- greedy generations against teacher forcing ------------------------------------
+
+def test_a_generation_matches_its_teacher_forced_logits_and_a_cache_bug_does_not():
+    torch.manual_seed(0)
+    cfg = tk.GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=64)
+    model = tk.GPT(cfg).eval()
+    offsets = tk.offsets_from_lengths([5, 1, 9, 3])
+    prompts = torch.randint(0, cfg.vocab_size, (18,))
+    for dtype in (torch.float32, torch.bfloat16):
+        tokens, logits = tk.generate_packed(model, prompts, offsets, 6, "loop", dtype=dtype, return_logits=True)
+        torch.testing.assert_close(logits.float(), tk.teacher_forced_logits(model, prompts, offsets, tokens),
+                                   **tk.tolerances(dtype))
+    # a cache whose steps write one row too far: the check fails
+    cache = tk.KVCache(cfg, 4, 16, "cpu", torch.float32)
+    with torch.no_grad():
+        first = tk.prefill_packed(model, prompts, offsets, cache, "loop")
+        lengths = offsets.diff()
+        tokens, logits = tk.decode_greedy(model, first, cache, lengths, 6, slots=lengths + 1, return_logits=True)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(logits, tk.teacher_forced_logits(model, prompts, offsets, tokens),
+                                   **tk.tolerances(torch.float32))

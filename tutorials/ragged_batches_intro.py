@@ -112,7 +112,8 @@ quiet_known_notes()
 # the sentence with the same probability ``p``, independently of the words
 # before it, so a sentence's length is a geometric draw: that is what
 # ``sentence_lengths`` draws, from a seeded numpy generator. The
-# building-blocks page checks it against drawing the words one by one.
+# measuring page checks it against drawing the words one by one
+# (:doc:`measuring_ragged_batches`).
 
 rng = np.random.default_rng(SEED)
 torch.manual_seed(SEED)

@@ -33,7 +33,7 @@ measured against static batches.
          ``varlen_attn`` reading the paged cache where the release can
 """
 
-# sphinx_gallery_tags = ["serving", "continuous batching", "paged attention", "KV cache", "benchmarks"]
+# sphinx_gallery_tags = ["serving", "continuous batching", "paged attention", "benchmarks"]
 
 # %%
 # The most ragged batch
@@ -70,7 +70,7 @@ for rid, n in ((0, 6), (1, 3), (2, 9)):
     assert demo.reserve(rid, n)
 print(f"block tables {demo.tables}, free list {demo.free}")
 demo.release(1)
-demo.reserve(3, 4)
+assert demo.reserve(3, 4) and demo.tables[3] == [2]
 demo.check()  # every block is free or in exactly one table
 print(f"request 1 left, request 3 came: tables {demo.tables}, free list {demo.free}")
 table = block_table_tensor(demo, [0, 2], "cpu")  # (B, max_blocks), what attention reads
@@ -113,7 +113,7 @@ else:
     REQUESTS, SLOTS, TOKEN_BUDGET, BLOCK = 192, 16, 64, 16
     PROMPT_MAX, OUT_MEDIAN, OUT_MAX, CONTIGUOUS_SLOTS = 48, 32, 192, 8
 if QUICK:
-    MODEL.update(dim=64, ffn_hidden=176) if DEVICE == "cpu" else MODEL.update(n_layers=2)
+    MODEL.update(dict(dim=64, ffn_hidden=176) if DEVICE == "cpu" else dict(n_layers=2))
     REQUESTS, SLOTS, OUT_MEDIAN, OUT_MAX = REQUESTS // 4, SLOTS // 2, OUT_MEDIAN // 2, OUT_MAX // 4
     CONTIGUOUS_SLOTS //= 2
 LOAD = 0.7  # online arrivals: this fraction of what continuous batching served offline
@@ -211,8 +211,8 @@ import time
 
 from ragged_toolkit.device import synchronize, tolerances
 from ragged_toolkit.measure import choose, compile_counter, measure, print_timings
-from ragged_toolkit.serving import (Request, build_step, forward_step, fresh_requests,
-                                    logits_alone, paged_varlen_support)
+from ragged_toolkit.gpt import Padded
+from ragged_toolkit.serving import build_step, forward_step, fresh_requests, paged_varlen_support
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
 blocks_per_slot = -(-(PROMPT_MAX + OUT_MAX) // BLOCK)  # a full-length request's blocks
@@ -223,9 +223,17 @@ for req in bench:
 forward_step(model, bench_cache, [(req, req.pending()) for req in bench[:-1]])  # their prefill
 chunk = min(len(bench[-1].prompt), TOKEN_BUDGET - (SLOTS - 1))
 step_work = [(req, 1) for req in bench[:-1]] + [(bench[-1], chunk)]
-# decoding each alone: the logits after the tokens it has once this step has run
-expected = [logits_alone(reference, Request(0, (r.prompt + r.generated)[:r.computed + n], 0,
-                                            generated=[0]))[-1] for r, n in step_work]
+
+
+@torch.no_grad()
+def logits_after(tokens):
+    """Decoding ``tokens`` alone, without a cache: one causal pass, padded layout."""
+    ids = torch.tensor(tokens, device=DEVICE)[None]  # (1, S)
+    return reference(ids, torch.arange(len(tokens), device=DEVICE)[None], Padded())[0, -1]
+
+
+expected = torch.stack([logits_after((r.prompt + r.generated)[:r.computed + n])
+                        for r, n in step_work])  # each request's history once this step has run
 
 
 def step_logits(path):
@@ -243,8 +251,8 @@ with compile_counter() as compiled:
         logits_of[path] = step_logits(path)
         synchronize()
         first_call_s[path] = time.perf_counter() - start
-        note = " (paged split-KV has had this bug: pytorch/pytorch#194167)" if path == "varlen" else ""
-        for want, what in ((torch.stack(expected), "decoding alone"), (logits_of["gathered"], "gathered")):
+        note = " (a known bug of paged split-KV: pytorch/pytorch#194167)" * (path == "varlen")
+        for want, what in ((expected, "decoding alone"), (logits_of["gathered"], "gathered")):
             torch.testing.assert_close(logits_of[path], want, **PROOF_TOLERANCE, msg=lambda m:
                                        f"{path}{note}: step logits differ from {what}: {m}")
         PATHS[path] = functools.partial(step_logits, path)
@@ -448,11 +456,12 @@ def snapshot(step, running, cache):
 paged_run, = take_turns(run(unlimited, stream, memory_blocks, check=True, observe=snapshot))
 preempted = sum(r.preempted for r in paged_run.requests)
 assert preempted > 0, "no request was preempted: the cache was never full"
-bound_by_memory = [s.running for s in paged_run.steps if s.waiting > 0]
+concurrent = int(np.median([s.running for s in paged_run.steps if s.waiting > 0]))
+contiguous = memory_blocks * BLOCK // (PROMPT_MAX + OUT_MAX)  # each reserves its longest length
 in_use = np.mean([s.used_rows / (s.held_blocks * BLOCK) for s in paged_run.steps if s.held_blocks])
 mib = PagedKVCache(cfg, memory_blocks, BLOCK, "meta", DTYPE).mib()
-print(f"paged KV cache: {np.median(bound_by_memory):.0f} concurrent requests in {mib:.2f} MiB, "
-      f"contiguous {CONTIGUOUS_SLOTS}; {in_use:.0%} of allocated rows in use")
+print(f"paged KV cache: {concurrent} concurrent requests in {mib:.2f} MiB, "
+      f"contiguous {contiguous}; {in_use:.0%} of allocated rows in use")
 print(f"{preempted} preemptions of {sum(r.preempted > 0 for r in paged_run.requests)} requests; "
       f"{sum(s.prefill for s in paged_run.steps) - prompt_lengths.sum()} tokens recomputed; "
       f"at most {max(s.running for s in paged_run.steps)} requests at once")
@@ -510,9 +519,10 @@ plt.show()
 # within the tolerance, and each of its tokens must be the reference's
 # greedy choice (or tie with it within the tolerance). By induction on the
 # tokens, the server then generated what decoding each request alone
-# generates. In float32 the tolerance is that of every page; in a 16-bit
-# dtype the server computes in low precision, so the logits are compared
-# teacher-forced within ``atol=0.1, rtol=0.05``.
+# generates. In float32 the tolerance is that of every page. In a 16-bit
+# dtype the server computes in low precision: its logits are compared
+# teacher-forced within ``atol=0.1, rtol=0.05``, and where two tokens tie
+# within that, "equal to decoding it alone" means equal within it.
 #
 # .. literalinclude:: ../ragged_toolkit/serving.py
 #    :pyobject: check_against_alone
@@ -527,8 +537,9 @@ for served in runs:
     worst, ties = max(worst, difference), ties + tied
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
 print(f"{len(runs)} runs of {REQUESTS} requests in {DTYPE}: every logit within {criterion} of "
-      f"decoding alone\n(largest difference {worst:.1e}); {ties} tokens not the reference's "
-      f"first choice but tied with it within atol")
+      f"decoding alone")
+print(f"largest difference {worst:.1e}, {ties} tokens tied with the greedy choice within atol "
+      f"(online, the batches follow the measured time)")
 print(f"requests: {REQUESTS}/{REQUESTS} finished, each equal to decoding it alone; "
       f"preempted {preempted}")
 

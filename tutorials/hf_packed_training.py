@@ -475,7 +475,7 @@ for name, (attention, form, use_cache, label) in TRAINERS.items():
     model = with_attention(attention).train()
     runs[name] = dict(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                       form=form, use_cache=use_cache, label=label, timer=StepTimer(), losses=[])
-if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape untimed
+if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape before any timing
     for run in runs.values():
         spare = copy.deepcopy(run["model"])
         with autocast():
@@ -503,7 +503,7 @@ for name, run in runs.items():
 # rounding. In float32 that stays below 1e-3 at every step. In a 16-bit
 # dtype the rounding of one step changes the weights of the next, and the
 # difference grows over the run: the page then checks the first step's
-# losses within the dtype's tolerance and the means of the last five steps
+# losses within the tolerance of the dtype and the means of the last five steps
 # within 5%.
 
 ragged_losses, padded_losses = np.array(runs["ragged"]["losses"]), np.array(runs["padded"]["losses"])

@@ -364,7 +364,7 @@ def trainer(name, compiled):
     return step, copy_
 
 
-if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape untimed
+if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape before any timing
     for name in batches:
         spare_step, seen = trainer(name, False)[0], set()
         for tokens_i, offsets_i in batches[name]:

@@ -284,8 +284,8 @@ per_token = 2 * sum(p.numel() for n, p in gqa_model.named_parameters()
                     if "embeddings" not in n)
 per_pair = gqa_cfg.n_layers * 4 * gqa_cfg.n_heads * gqa_cfg.head_dim
 # The cached generation's logits, step by step, against the same tokens fed
-# to the model with no cache (teacher forcing): equal within the dtype's
-# tolerance, however rounding breaks a near tie; in float32, the same tokens.
+# to the model with no cache (teacher forcing): equal within the tolerance of
+# the dtype, however rounding breaks a near tie; in float32, the same tokens.
 written, chose = generate_packed(gqa_model, prompts, prompt_offsets, 8, "loop", return_logits=True)
 forced = teacher_forced_logits(gqa_model, prompts, prompt_offsets, written)
 torch.testing.assert_close(chose.float(), forced, **tolerances(DTYPE))

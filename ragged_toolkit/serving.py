@@ -26,12 +26,11 @@ from .gpt import Padded
 
 @dataclass
 class Request:
-    """A prompt (token ids), how many tokens to generate (fixed, as serving
-    benchmarks fix it by ignoring the end-of-sequence token) and the arrival
-    time in seconds of the simulated clock; then what a server keeps: the
-    tokens generated with the logits (vocab,) that chose each, how many of
-    ``prompt + generated`` have their keys in the cache, the clock at the
-    first and last tokens, and how often it was preempted."""
+    """A prompt (token ids), how many tokens to generate (fixed, as benchmarks
+    fix it by ignoring the end-of-sequence token), the arrival (seconds of the
+    simulated clock); then the tokens generated, each with its logits (vocab,),
+    how many of ``prompt + generated`` have keys in the cache, the clock at the
+    first and last tokens, and the times it was preempted."""
 
     rid: int
     prompt: list
@@ -134,18 +133,14 @@ class PagedKVCache:
     def check(self):
         """Raise ``RuntimeError`` unless each block is free or in one table, once."""
         owner = {}
-        for rid, table in [("the free list", self.free), *self.tables.items()]:
-            holder = rid if isinstance(rid, str) else f"the table of request {rid}"
+        for holder, table in [("the free list", self.free),
+                              *((f"the table of request {r}", t) for r, t in self.tables.items())]:
             for b in table:
                 if b in owner:
                     raise RuntimeError(f"block {b} is in {owner[b]} and in {holder}")
                 owner[b] = holder
         if len(owner) != self.n_blocks:
             raise RuntimeError(f"{self.n_blocks - len(owner)} blocks are neither free nor held")
-
-    def mib(self):
-        """The cache's size, from its shapes, in MiB."""
-        return (self.k.nbytes + self.v.nbytes) / 2**20
 
 
 def block_table_tensor(cache, rids, device):
@@ -435,12 +430,11 @@ def stamp_clock(requests, now):
 def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="gathered",
           backend=None, check=False, observe=None):
     """Serve ``requests`` on a simulated clock that advances by each step's
-    measured time, jumping to the next arrival when nothing runs, so that
-    nothing sleeps. A generator yielding after every step, so that runs can
-    take turns (:func:`take_turns`); returns a :class:`ServingRun`.
-    ``plan(running, waiting, cache, now)`` picks a step's work and
-    ``retire_step(running, cache)`` ends it; ``check``: verify the blocks
-    after every step; ``observe(step, running, cache)``: called after each."""
+    measured time and jumps to the next arrival when nothing runs. A generator
+    yielding after each step (:func:`take_turns`), returning a
+    :class:`ServingRun`. ``plan(running, waiting, cache, now)`` picks a step's
+    work, ``retire_step(running, cache)`` ends it; ``check``: verify the
+    blocks after each step; ``observe(step, running, cache)``: called after each."""
     waiting, running, steps, now = deque(sorted(requests, key=lambda r: r.arrival)), [], [], 0.0
     while waiting or running:
         if not running and waiting[0].arrival > now:
@@ -529,7 +523,7 @@ def check_against_alone(reference, requests, tolerance):
         chosen = ref.gather(1, torch.tensor(req.generated, device=ref.device)[:, None])[:, 0]
         gap = ref.max(-1).values - chosen  # 0 where the token is the reference's choice
         bad = (gap > tolerance["atol"]).nonzero().flatten().tolist()
-        assert not bad, f"request {req.rid}: token {bad[0]} is not the greedy choice of decoding alone"
+        assert not bad, f"request {req.rid}: token {bad[0]} is not what decoding it alone chooses"
         ties += int((gap > 0).sum())
         worst = max(worst, float((got - ref).abs().max()))
     return worst, ties

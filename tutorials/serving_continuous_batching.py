@@ -459,7 +459,8 @@ assert preempted > 0, "no request was preempted: the cache was never full"
 concurrent = int(np.median([s.running for s in paged_run.steps if s.waiting > 0]))
 contiguous = memory_blocks * BLOCK // (PROMPT_MAX + OUT_MAX)  # each reserves its longest length
 in_use = np.mean([s.used_rows / (s.held_blocks * BLOCK) for s in paged_run.steps if s.held_blocks])
-mib = PagedKVCache(cfg, memory_blocks, BLOCK, "meta", DTYPE).mib()
+empty = PagedKVCache(cfg, memory_blocks, BLOCK, "meta", DTYPE)
+mib = (empty.k.nbytes + empty.v.nbytes) / 2**20  # from the shapes
 print(f"paged KV cache: {concurrent} concurrent requests in {mib:.2f} MiB, "
       f"contiguous {contiguous}; {in_use:.0%} of allocated rows in use")
 print(f"{preempted} preemptions of {sum(r.preempted > 0 for r in paged_run.requests)} requests; "

@@ -76,7 +76,8 @@ print(f"request 1 left, request 3 came: tables {demo.tables}, free list {demo.fr
 table = block_table_tensor(demo, [0, 2], "cpu")  # (B, max_blocks), what attention reads
 rows = paged_rows(table, torch.tensor([6, 9]), demo.block_size)
 assert rows.tolist() == [0, 1, 2, 3, 4, 5] + [12, 13, 14, 15, 16, 17, 18, 19, 20]
-print(f"block table of requests 0 and 2 {table.tolist()}: their keys live in rows {rows.tolist()}")
+print(f"block table of requests 0 and 2: {table.tolist()}")
+print(f"the rows of their keys: {rows.tolist()}")
 
 # %%
 # ``paged_rows`` is what attention reads through: the rows of every key
@@ -362,9 +363,9 @@ mixed = np.array([s.prefill > 0 for s in steps])
 decode_only = np.median(seconds[~mixed & ~tail]) if (~mixed & ~tail).any() else np.median(seconds)
 print(f"continuous: {len(steps)} steps, {seconds.sum():.2f} s; the tail: {tail.sum()} steps, "
       f"{seconds[tail].sum() / seconds.sum():.0%} of the time")
-print(f"{mixed.sum()} steps carried prompt tokens, {sum(s.prefill for s in steps)} in all: "
+print(f"{mixed.sum()} steps carried {sum(s.prefill for s in steps)} prompt tokens: "
       f"{seconds[mixed].sum() - mixed.sum() * decode_only:.2f} s more than as many decode-only "
-      f"steps ({decode_only * 1e3:.2f} ms each, median)")
+      f"steps ({decode_only * 1e3:.2f} ms)")
 
 # %%
 # What a continuous batch holds, step by step: the prompt tokens of
@@ -539,8 +540,8 @@ for served in runs:
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
 print(f"{len(runs)} runs of {REQUESTS} requests in {DTYPE}: every logit within {criterion} of "
       f"decoding alone")
-print(f"largest difference {worst:.1e}, {ties} tokens tied with the greedy choice within atol "
-      f"(online, the batches follow the measured time)")
+print(f"largest difference {worst:.1e}, {ties} tokens tied within atol (online, the batches "
+      f"follow the measured time)")
 print(f"requests: {REQUESTS}/{REQUESTS} finished, each equal to decoding it alone; "
       f"preempted {preempted}")
 

@@ -13,6 +13,7 @@ measured against static batches.
 .. grid:: 1 1 2 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
+       :class-card: card-prerequisites
 
        * How a paged KV cache works: blocks, a free list, a block table per
          request, and attention that reads each request's keys through its
@@ -25,6 +26,7 @@ measured against static batches.
          first token, time per output token, requests per MiB of cache
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
+       :class-card: card-prerequisites
 
        * :doc:`ragged_decoding_kv_cache_gqa` (a KV cache for a ragged batch)
          and the GPT of :doc:`packed_gpt_training`, from the site's package
@@ -89,7 +91,7 @@ print(f"the rows of their keys: {rows.tolist()}")
 # Sizes
 # ~~~~~
 # Every size is set here, per device; :term:`quick mode` shrinks them. The
-# CPU sizes keep the page to about a minute on two cores; real servers run
+# CPU sizes are chosen for a build of about a minute on two cores; servers run
 # models of billions of weights, hundreds of requests at once, prompts of
 # thousands of tokens and blocks of 16 rows (vLLM). On CUDA the blocks have
 # 256 rows, the smallest that the paged kernel of FlashAttention takes.
@@ -152,8 +154,8 @@ prompt_lengths = np.array([len(r.prompt) for r in stream])
 out_lengths = np.array([r.n_out for r in stream])
 print(f"prompts: openings of {source}, {prompt_lengths.min()} to {prompt_lengths.max()} "
       f"tokens, mean {prompt_lengths.mean():.1f}")
-print(f"outputs: log-normal, median {OUT_MEDIAN}, cut to {OUT_MAX}: {out_lengths.min()} to "
-      f"{out_lengths.max()} tokens, mean {out_lengths.mean():.1f}")
+print(f"outputs: log-normal, median {OUT_MEDIAN}, sigma 1, cut to {OUT_MAX}: "
+      f"{out_lengths.min()} to {out_lengths.max()} tokens, mean {out_lengths.mean():.1f}")
 
 # %%
 # The model is the GPT of :doc:`packed_gpt_training`, with random weights:

@@ -404,10 +404,6 @@ class ServingRun:
     requests: list
     steps: list
 
-    def tokens_per_s(self):
-        """Generated tokens over the run's busy seconds."""
-        return sum(r.n_out for r in self.requests) / sum(s.seconds for s in self.steps)
-
 
 def record_step(seconds, fed, slots, running, waiting, cache, now):
     """The :class:`StepRecord` of a step that fed ``fed``, a list of
@@ -459,22 +455,31 @@ def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="ga
     return ServingRun(requests, steps)
 
 
-def take_turns(*runs):
-    """Advance generators of :func:`serve` one step each, in turn, until all
-    end, so that whatever else the machine does slows them alike; returns
-    their :class:`ServingRun` s."""
-    results, live = [None] * len(runs), dict(enumerate(runs))
-    while live:
-        for i, run in list(live.items()):
+def take_turns(*starts):
+    """Runs of :func:`serve` one step each in turn. ``starts`` are functions
+    that start a run (a fresh :func:`serve` generator); a run that ends
+    starts again until each has ended once, so that all span the same
+    stretch of time and whatever else the machine does weighs on them alike.
+    Returns, for each, its finished :class:`ServingRun` s (a repeat still
+    running at the end is dropped)."""
+    finished, live = [[] for _ in starts], [start() for start in starts]
+    while not all(finished):
+        for i, run in enumerate(live):
             try:
                 next(run)
             except StopIteration as end:
-                results[i] = end.value
-                del live[i]
-    return results
+                finished[i].append(end.value)
+                live[i] = starts[i]()
+    return finished
 
 
 # --- what a run measured, and its proof --------------------------------------------------
+
+
+def tokens_per_second(runs):
+    """Generated tokens over busy seconds (time stepping), over ``runs``."""
+    tokens = sum(r.n_out for run in runs for r in run.requests)
+    return tokens / sum(s.seconds for run in runs for s in run.steps)
 
 
 def slot_bound(run):

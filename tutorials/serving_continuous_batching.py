@@ -305,9 +305,10 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # ``serve`` runs a scheduler on a simulated clock that advances by each
 # step's measured time (the step synchronized, then ``time.perf_counter``),
 # so the page never sleeps: with nothing to run, the clock jumps to the next
-# arrival. It is a generator, one step per turn, so that two runs can take
-# turns step by step (``take_turns``) and whatever else the machine does
-# slows both alike.
+# arrival. It is a generator, one step per turn, so that runs can take
+# turns step by step (``take_turns``); a run that ends first starts again
+# until the longest has ended, so that all span the same stretch of time and
+# whatever else the machine does weighs on them alike.
 #
 # .. literalinclude:: ../ragged_toolkit/serving.py
 #    :pyobject: serve
@@ -320,37 +321,40 @@ static = functools.partial(plan_static, batch_size=SLOTS, reserve=OUT_MAX)
 static_skipping = functools.partial(static, skip_finished=True)
 
 
-def run(plan, requests, n_blocks=serving_blocks, **kw):
-    """A run of ``serve`` (a generator) on a cache of its own; a static plan
-    retires whole batches."""
-    cache = PagedKVCache(cfg, n_blocks, BLOCK, DEVICE, DTYPE)
+def starter(plan, requests, n_blocks=serving_blocks, **kw):
+    """What starts a run of ``serve``: fresh requests on a cache of their
+    own; a static plan retires whole batches."""
     if plan.func is plan_static:
         kw["retire_step"] = retire_batch
-    return serve(model, fresh_requests(requests), cache, plan, path=PATH, **kw)
+    return lambda: serve(model, fresh_requests(requests),
+                         PagedKVCache(cfg, n_blocks, BLOCK, DEVICE, DTYPE), plan, path=PATH, **kw)
 
 
 # %%
 # Throughput, all requests waiting at once
 # ----------------------------------------
-# All requests arrive at time 0 (offline throughput). Three runs take turns:
-# continuous batching, static batching, and static batching that skips the
-# finished requests' slots instead of computing them. The *slot bound* is
+# All requests arrive at time 0 (offline throughput). Three schedulers take
+# turns: continuous batching, static batching, and static batching that
+# skips the finished requests' slots instead of computing them; each one's
+# tokens per second count all its runs in that stretch. The *slot bound* is
 # what the idle slots of the static scheduler cost: its slot-steps over the
 # tokens it generated, the speedup a continuous scheduler with as many slots
 # would reach if every step cost the same and had a full batch.
 
-from ragged_toolkit.serving import slot_bound
+from ragged_toolkit.serving import slot_bound, tokens_per_second
 
-offline = dict(zip(("continuous", "static", "static, finished skipped"),
-                   take_turns(run(continuous, stream), run(static, stream),
-                              run(static_skipping, stream))))
-tokens_per_s = {name: r.tokens_per_s() for name, r in offline.items()}
-R, P = tokens_per_s["continuous"], tokens_per_s["static"]
-W = slot_bound(offline["static"])
+offline = dict(zip(("continuous", "static", "static, skipping"),
+                   take_turns(starter(continuous, stream), starter(static, stream),
+                              starter(static_skipping, stream))))
+speed = {name: tokens_per_second(runs) for name, runs in offline.items()}
+R, P = speed["continuous"], speed["static"]
+W = slot_bound(offline["static"][0])
 print(f"serving: continuous {R:.0f} tokens/s, static {P:.0f} tokens/s, speedup {R / P:.2f}x, "
       f"slot bound {W:.2f}x, fraction {R / P / W:.2f}")
-print(f"static that skips finished slots: {tokens_per_s['static, finished skipped']:.0f} "
-      f"tokens/s; continuous is {R / tokens_per_s['static, finished skipped']:.2f}x that")
+print(f"static that skips finished slots: {speed['static, skipping']:.0f} tokens/s; "
+      f"continuous is {R / speed['static, skipping']:.2f}x that")
+print("runs in the same stretch of time: "
+      + ", ".join(f"{name} {len(runs)}" for name, runs in offline.items()))
 
 # %%
 # The bound counts only slots, so two costs of the continuous run are left
@@ -358,7 +362,7 @@ print(f"static that skips finished slots: {tokens_per_s['static, finished skippe
 # none waiting, and the prompt tokens mixed into decode steps (the static
 # run has its prompts too, in steps of their own). What each cost here:
 
-steps = offline["continuous"].steps
+steps = offline["continuous"][0].steps
 seconds = np.array([s.seconds for s in steps])
 tail = np.array([s.running < SLOTS and s.waiting == 0 for s in steps])
 mixed = np.array([s.prefill > 0 for s in steps])
@@ -405,12 +409,13 @@ plt.show()
 
 from ragged_toolkit.serving import latency_ms, poisson_arrivals
 
-rate = LOAD * REQUESTS / sum(s.seconds for s in steps)
+rate = LOAD * R / out_lengths.mean()  # requests/s
 arrivals = poisson_arrivals(np.random.default_rng(SEED + 1), REQUESTS, rate)
 arriving = fresh_requests(stream, arrivals)
-online = dict(zip(("continuous", "static"), take_turns(run(continuous, arriving),
-                                                      run(static, arriving))))
-latency = {name: latency_ms(r.requests) for name, r in online.items()}
+online = dict(zip(("continuous", "static"), take_turns(starter(continuous, arriving),
+                                                      starter(static, arriving))))
+latency = {name: latency_ms([r for run in runs for r in run.requests])
+           for name, runs in online.items()}
 for name, lat in latency.items():
     (a, b), (c, d) = lat["ttft"], lat["tpot"]
     print(f"latency of {name} (arrivals at {rate:.1f} requests/s): time to first token "
@@ -423,8 +428,7 @@ for name, lat in latency.items():
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 4.5), layout="constrained",
                                width_ratios=[1, 1.6])
-names = list(tokens_per_s)
-ax1.bar(range(3), tokens_per_s.values(), color=["C0", "C3", "C7"])
+ax1.bar(range(3), speed.values(), color=["C0", "C3", "C7"])
 ax1.set_xticks(range(3), ["continuous", "static", "static,\nskipping"])
 ax1.set(ylabel="generated tokens/s", title="All at once")
 for i, (name, lat) in enumerate(latency.items()):
@@ -456,7 +460,7 @@ def snapshot(step, running, cache):
                        {r.rid: r.computed for r in running}, list(cache.free))
 
 
-paged_run, = take_turns(run(unlimited, stream, memory_blocks, check=True, observe=snapshot))
+[paged_run], = take_turns(starter(unlimited, stream, memory_blocks, check=True, observe=snapshot))
 preempted = sum(r.preempted for r in paged_run.requests)
 assert preempted > 0, "no request was preempted: the cache was never full"
 concurrent = int(np.median([s.running for s in paged_run.steps if s.waiting > 0]))
@@ -533,17 +537,17 @@ plt.show()
 
 from ragged_toolkit.serving import check_against_alone
 
-runs = [*offline.values(), *online.values(), paged_run]
+checked = [run for runs in (*offline.values(), *online.values()) for run in runs] + [paged_run]
 worst, ties = 0.0, 0
-for served in runs:
+for served in checked:
     assert len(served.requests) == REQUESTS and all(r.done() for r in served.requests)
     difference, tied = check_against_alone(reference, served.requests, PROOF_TOLERANCE)
     worst, ties = max(worst, difference), ties + tied
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
-print(f"{len(runs)} runs of {REQUESTS} requests in {DTYPE}: every logit within {criterion} of "
+print(f"every run of the {REQUESTS} requests, in {DTYPE}: every logit within {criterion} of "
       f"decoding alone")
-print(f"largest difference {worst:.1e}, {ties} tokens tied within atol (online, the batches "
-      f"follow the measured time)")
+print(f"{len(checked)} runs (their number and online batches follow the measured time): "
+      f"largest difference {worst:.1e}, {ties} tokens tied within atol")
 print(f"requests: {REQUESTS}/{REQUESTS} finished, each equal to decoding it alone; "
       f"preempted {preempted}")
 

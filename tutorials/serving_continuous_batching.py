@@ -544,10 +544,9 @@ for served in checked:
     difference, tied = check_against_alone(reference, served.requests, PROOF_TOLERANCE)
     worst, ties = max(worst, difference), ties + tied
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
-print(f"every run of the {REQUESTS} requests, in {DTYPE}: every logit within {criterion} of "
-      f"decoding alone")
-print(f"{len(checked)} runs (their number and online batches follow the measured time): "
-      f"largest difference {worst:.1e}, {ties} tokens tied within atol")
+print(f"every run, {DTYPE}: every logit within {criterion} of decoding each request alone")
+print(f"{len(checked)} runs (how many, and the online batches, follow the time): "
+      f"largest difference {worst:.1e}, {ties} ties within atol")
 print(f"requests: {REQUESTS}/{REQUESTS} finished, each equal to decoding it alone; "
       f"preempted {preempted}")
 

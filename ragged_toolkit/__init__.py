@@ -18,6 +18,7 @@ and the last one ends (the ``cu_seqlens`` of FlashAttention and
   that runs packed or padded, a KV cache and greedy decoding;
 * :mod:`ragged_toolkit.data`: real documents and the ways to pack them;
 * :mod:`ragged_toolkit.data_parallel`: packed training on several ranks;
+* :mod:`ragged_toolkit.serving`: continuous batching over a paged KV cache;
 * :mod:`ragged_toolkit.figures`: the pictures the pages draw.
 
 A page imports each name from its module (``from ragged_toolkit.batches

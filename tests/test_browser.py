@@ -241,7 +241,11 @@ EXACT_LINE = re.compile(
     r"transformers \S+: packed rows with 'sdpa' attend across documents"
     r"|token imbalance \(max/mean tokens per rank\):"
     r"|data-parallel step: world size"
-    r"|corpus: \d+ documents from ")
+    r"|corpus: \d+ documents from "
+    r"|training against length-grouped padding: ragged"
+    r"|latency of \w+ \(arrivals at"
+    r"|serving: continuous \d+ tokens/s"
+    r"|paged KV cache: \d+ concurrent requests")
 
 
 @pytest.mark.parametrize("rel", TUTORIAL_PAGES)

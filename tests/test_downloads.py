@@ -30,6 +30,7 @@ import sys
 import sysconfig
 import zipfile
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 import pytest
@@ -135,7 +136,7 @@ def run_alone(site, stem: str, tmp_path: Path, monkeypatch, env: dict[str, str])
     assert proc.returncode == 0, f"{stem}.py failed, alone in a folder:\n{proc.stderr[-5000:]}"
     assert [p.name for p in script.parent.iterdir()] == [script.name], f"{stem}.py wrote beside itself"
     installed = subprocess.run([str(python), "-c", "import ragged_toolkit; print(ragged_toolkit.__file__)"],
-                               capture_output=True, text=True, env=clean)
+                               cwd=tmp_path, capture_output=True, text=True, env=clean)
     assert str(tmp_path / "env") in installed.stdout, f"{stem}.ipynb did not install the toolkit: {installed}"
     return proc, nb
 
@@ -202,5 +203,5 @@ def test_fixture_downloads_run_alone_and_the_notebook_reads_as_the_page(toolkit_
     html = toolkit_site.html / "auto_tutorials" / "uses_toolkit.html"
     for selector in (".sphx-glr-footer", ".tutorial-toolkit"):
         links = [a["href"] for a in soup(html).select(f"{selector} a.tutorial-toolkit-link")]
-        assert len(links) == 1 and (html.parent / links[0]).resolve().read_bytes() == toolkit_wheel(toolkit_site), \
-            (selector, links)
+        wheel = (html.parent / unquote(links[0])).resolve() if len(links) == 1 else None
+        assert wheel is not None and wheel.read_bytes() == toolkit_wheel(toolkit_site), (selector, links)

@@ -8,6 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 import pytest
@@ -137,7 +138,7 @@ def test_every_page_links_the_toolkit(real_site, stem):
         links = scope.select("a.tutorial-toolkit-link") if scope is not None else []
         assert len(links) == 1, f"{stem}: {len(links)} toolkit links in the {where}"
         assert "Download the toolkit" in links[0].get_text(), f"{stem}: {links[0].get_text()!r}"
-        target = (html.parent / links[0]["href"]).resolve()
+        target = (html.parent / unquote(links[0]["href"])).resolve()  # the wheel's version has a "+"
         assert target.suffix == ".whl" and target.read_bytes() == wheel, f"{stem}: {where} link {links[0]['href']}"
 
 

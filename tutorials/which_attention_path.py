@@ -34,11 +34,11 @@ a decision guide printed from those measurements.
 # sphinx_gallery_tags = ["decision guide", "SDPA", "FlexAttention", "varlen attention", "benchmarks"]
 
 # %%
-# Five jobs, eight paths, one measurement
-# ---------------------------------------
+# Six jobs, eight paths, one measurement
+# --------------------------------------
 # The answer to "which attention path?" is a measurement, not a rule: it
 # depends on the device, the dtype, the lengths and the job. This page runs
-# five jobs on one ragged batch:
+# six jobs on one ragged batch:
 #
 # * **inference**: causal self-attention, forward only;
 # * **training**: the same, forward and backward;
@@ -47,7 +47,9 @@ a decision guide printed from those measurements.
 #   single query sees every key in use, so it needs no causal mask;
 # * **GQA**: inference with four query heads per key/value head;
 # * **score_mod**: inference with a custom score function, the distance
-#   penalty of ALiBi.
+#   penalty of ALiBi;
+# * **serving**: one step of continuous batching over a paged KV cache,
+#   prompt chunks and decode tokens in one packed batch.
 #
 # Each goes through the six backends of ``ragged_attention``, through the
 # baseline, attention on tensors padded from the start, and through one
@@ -363,8 +365,79 @@ table["score_mod"] = {
     **times,
 }
 print("score_mod (ALiBi, causal, forward):")
-for name in BACKENDS + ("padded tensors", "one row + mask"):
+ROWS_SHOWN = BACKENDS + ("padded tensors", "one row + mask")
+for name in ROWS_SHOWN:
     show(f"  {name:14s}", table["score_mod"][name])
+
+# %%
+# Serving: a continuous batch over a paged KV cache
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# One step of continuous batching (:doc:`serving_continuous_batching`): the
+# prompt chunks of a few newcomers packed with one decode token of every
+# running request, each request's keys in blocks of a paged cache, named by
+# its block table. The paths: the keys gathered through the block table,
+# then ``ragged_attention`` with each backend; FlexAttention reading the
+# cache in place through a paged block mask; ``varlen_attn`` with its
+# ``block_table`` where the release has it; and the baseline, the same job
+# on padded tensors, each request's queries and keys padded to the longest.
+# The reference gathers each request's keys row by row, written out here.
+
+from types import SimpleNamespace
+
+from ragged_toolkit.serving import PagedKVCache, PagedLayout, block_table_tensor, paged_varlen_support
+from ragged_toolkit.serving import flex_paged_attention, gathered_attention, varlen_paged_attention
+
+BLOCK = 256 if DEVICE == "cuda" else 16  # rows per block (FlashAttention's paged kernel: multiples of 256)
+kv_lengths = lengths.to(DEVICE)  # every key a request has, the new ones included
+q_lengths = torch.where(torch.arange(BATCH) < 4, lengths.clamp(max=16), 1).to(DEVICE)  # 4 chunks, decodes
+q_offsets_s = offsets_from_lengths(q_lengths, DEVICE)
+cache = PagedKVCache(SimpleNamespace(n_layers=1, n_kv_heads=HEADS, head_dim=HEAD_DIM),
+                     int((-(-lengths // BLOCK)).sum()) + 4, BLOCK, DEVICE, DTYPE)
+for rid, n in enumerate(lengths.tolist()):
+    assert cache.reserve(rid, n)
+cache.k[0], cache.v[0] = (randn(*cache.k.shape[1:]) for _ in range(2))
+positions = torch.cat([torch.arange(int(kv) - int(n), int(kv), device=DEVICE)
+                       for n, kv in zip(q_lengths, kv_lengths)])
+step = dict(cache=cache, q_offsets=q_offsets_s, slots=None, positions=positions, kv_lengths=kv_lengths,
+            block_table=block_table_tensor(cache, range(BATCH), DEVICE), max_q=int(q_lengths.max()),
+            max_kv=int(kv_lengths.max()))
+q_s = randn(int(q_lengths.sum()), HEADS, HEAD_DIM)
+rows = [[cache.tables[b][p // BLOCK] * BLOCK + p % BLOCK for p in range(n)] for b, n in enumerate(lengths.tolist())]
+rows = torch.tensor([r for request in rows for r in request], device=DEVICE)
+serving_reference = reference_attention(q_s, cache.k[0][rows], cache.v[0][rows], q_offsets_s,
+                                        offsets_from_lengths(kv_lengths, DEVICE), is_causal=True)
+# the padded baseline: (B, H, S_q, D) queries, (B, H, S_kv, D) keys, a mask of the keys each query sees
+k_pad = to_padded(cache.k[0][rows], offsets_from_lengths(kv_lengths, DEVICE))[0].transpose(1, 2)
+v_pad = to_padded(cache.v[0][rows], offsets_from_lengths(kv_lengths, DEVICE))[0].transpose(1, 2)
+q_pad_s, q_valid_s = to_padded(q_s, q_offsets_s)
+q_pad_s = q_pad_s.transpose(1, 2)
+sees = (torch.arange(k_pad.shape[2], device=DEVICE) <= torch.arange(q_pad_s.shape[2], device=DEVICE)[:, None]
+        + (kv_lengths - q_lengths)[:, None, None]) & (torch.arange(k_pad.shape[2], device=DEVICE)
+                                                       < kv_lengths[:, None, None])  # (B, S_q, S_kv)
+serving_runs = {
+    "padded tensors": lambda: from_padded(F.scaled_dot_product_attention(
+        q_pad_s, k_pad, v_pad, attn_mask=sees[:, None]).transpose(1, 2), q_offsets_s),
+    "flex": lambda: flex_paged_attention(q_s, PagedLayout(**step, path="flex"), 0),
+    **{name: lambda name=name: gathered_attention(q_s, PagedLayout(**step, backend=name), 0)
+       for name in ("loop", "bucketed", "padded")},
+}
+why_varlen = paged_varlen_support(DEVICE, DTYPE, BLOCK)
+if why_varlen is None:
+    serving_runs["varlen"] = lambda: varlen_paged_attention(q_s, PagedLayout(**step, path="varlen"), 0)
+with torch.no_grad():
+    for name, fn in serving_runs.items():
+        torch.testing.assert_close(fn().float(), serving_reference, **tol,
+                                   msg=lambda m, name=name: f"serving, {name}: {m}")
+    times = measure(serving_runs, min_run_time=RUN_TIME)
+table["serving"] = {
+    "one row + mask": "not written for a paged cache",
+    "varlen": why_varlen,
+    "sdpa_njt": "SDPA on nested tensors aligns is_causal top-left: not for more keys than queries",
+    **times,
+}
+print(f"serving ({BATCH} requests in blocks of {BLOCK} rows: 4 prompt chunks, {BATCH - 4} decode tokens):")
+for name in ROWS_SHOWN:
+    show(f"  {name:14s}", table["serving"][name])
 
 # %%
 # The tables
@@ -388,6 +461,9 @@ BOUND = {job: work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True)
          for job in ("inference", "training", "GQA")}
 BOUND["score_mod"] = work_bound(lengths, per_token=0.0, per_pair=1.0, causal=False)
 BOUND["decoding"] = work_bound(ones, lengths, per_token=0.0, per_pair=1.0)
+# serving: each query sees the keys up to its position; padded, every query slot scores every key slot
+ragged_pairs = float((q_lengths * kv_lengths - q_lengths * (q_lengths - 1) / 2).sum())
+BOUND["serving"] = BATCH * int(q_lengths.max()) * int(kv_lengths.max()) / ragged_pairs
 JOBS = list(table)
 ROWS = ("padded tensors", "one row + mask") + BACKENDS
 

@@ -2,6 +2,8 @@
 the style of gpt-fast, whose attention is told the batch's *layout*: packed
 (:class:`Packed`) or padded (:class:`Padded`)."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch

@@ -3,6 +3,8 @@ decoding from it: one generation path, whose decoding steps read the cache
 either through ``ragged_attention`` with the rows in use (``kv_used``) or
 with fixed shapes that one compiled graph serves (:class:`CachedStep`)."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch

@@ -6,6 +6,8 @@ preemption. A step feeds each request its next tokens (a prompt chunk, or
 the token it generated last): prefill, decoding and recomputation are one
 operation."""
 
+from __future__ import annotations
+
 import time
 from collections import deque
 from dataclasses import dataclass, field

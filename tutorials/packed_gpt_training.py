@@ -104,7 +104,7 @@ else:
     ROWS, STEPS, LR, PROMPTS = 2, 40, 6e-3, 16
 if QUICK:
     MODEL.update(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256)
-    ROWS, STEPS, LR, PROMPTS = 2, 16, 1e-2, 8
+    ROWS, STEPS, LR, PROMPTS = 2, 24, 2e-2, 8
 ROW_LEN = MODEL["max_seq_len"]  # a row is the model's context
 WARMUP_STEPS = 3  # steps left out of every throughput figure (first calls, compiling)
 print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")

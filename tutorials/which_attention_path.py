@@ -387,7 +387,7 @@ from types import SimpleNamespace
 from ragged_toolkit.serving import PagedKVCache, PagedLayout, block_table_tensor, paged_varlen_support
 from ragged_toolkit.serving import flex_paged_attention, gathered_attention, varlen_paged_attention
 
-BLOCK = 256 if DEVICE == "cuda" else 16  # rows per block (FlashAttention's paged kernel: multiples of 256)
+BLOCK = 256 if DEVICE == "cuda" else 16  # rows per block (the paged kernel of FlashAttention: multiples of 256)
 kv_lengths = lengths.to(DEVICE)  # every key a request has, the new ones included
 q_lengths = torch.where(torch.arange(BATCH) < 4, lengths.clamp(max=16), 1).to(DEVICE)  # 4 chunks, decodes
 q_offsets_s = offsets_from_lengths(q_lengths, DEVICE)

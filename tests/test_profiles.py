@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -53,59 +52,24 @@ def test_the_profile_runs_with_the_threads_the_timing_ran_with():
     assert set(seen) == timed, f"timed with {timed} threads, profiled with {set(seen)}"
 
 
-def _printed_ms(text):
-    """The per-operator times a printed profile shows, in ms."""
-    return [float(m) for m in re.findall(r"^\s+\S.*?\s([\d.]+) ms\s+[\d.]+%", text, re.M)]
-
-
-def _profiler_overhead_ms(fn):
-    """Measured here, apart from the toolkit: what the profiler adds per
-    operator (a loop of trivial operators with and without it), times the
-    operators one call of ``fn`` records."""
+def test_a_profile_is_per_call_at_the_steady_state_beside_its_timing():
+    """What a profile prints is per call, of calls after warm-up, beside the
+    median it describes: the operators it counts per call are those one call
+    records (counted here apart from the toolkit), whatever number of calls
+    it profiled; no duration is compared with a limit (a figure belongs on
+    a page)."""
     from torch.profiler import ProfilerActivity, profile
 
-    x, n = torch.zeros(1), 3000
-    runs = {False: [], True: []}
-    for profiled in (False, True) * 3:
-        start = time.perf_counter()
-        if profiled:
-            with profile(activities=[ProfilerActivity.CPU]):
-                for _ in range(n):
-                    x.add_(0)
-        else:
-            for _ in range(n):
-                x.add_(0)
-        runs[profiled].append(time.perf_counter() - start)
-    per_op_ms = max(min(runs[True]) - min(runs[False]), 0.0) / n * 1e3
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = sum(e.count for e in prof.key_averages())
-    return events * per_op_ms
-
-
-def test_a_profile_agrees_with_the_timing_within_the_profilers_overhead():
     job = _loop_job()
     job()
-    timing = tk.measure({"job": job}, min_run_time=0.5, profile=False)["job"]
-    overhead = _profiler_overhead_ms(job)
-    # the machine is shared: allow the timing's own spread and a quarter more
-    allowed = overhead + 0.25 * timing.median_ms + 2 * timing.iqr_ms + 0.2
-    try:
-        profile = tk.where_time_goes(job, timing=timing)
-    except TypeError:  # a where_time_goes that takes no timing
-        profile = tk.where_time_goes(job)
-    text = str(profile)
-    printed = sum(_printed_ms(text))  # the top operators' own time, as printed
-    assert printed <= timing.median_ms + allowed, (
-        f"the printed profile shows {printed:.2f} ms of operator time for a call timed at "
-        f"{timing.median_ms:.2f} ms (IQR {timing.iqr_ms:.2f}); the profiler's overhead "
-        f"explains {overhead:.2f} ms:\n{text}")
-    assert f"{timing.median_ms:.2f} ms" in text, "the median is printed beside the profile"
-    wall = profile.wall_ms - profile.overhead_ms  # per call, less the profiler's share
-    assert abs(wall - timing.median_ms) <= allowed, (
-        f"profiled {profile.wall_ms:.2f} ms per call (overhead {profile.overhead_ms:.2f} ms) "
-        f"against the median {timing.median_ms:.2f} ms:\n{text}")
-    assert profile.self_ms <= profile.wall_ms * 1.05 + 0.05
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        job()
+    one_call = sum(e.count for e in prof.key_averages())
+    timing = tk.measure({"job": job}, min_run_time=0.2, profile=False)["job"]
+    result = tk.where_time_goes(job, timing=timing)
+    assert result.calls >= 1 and result.events == pytest.approx(one_call), (result.calls, result.events, one_call)
+    assert f"the timed median is {timing.median_ms:.2f} ms" in str(result), "the median is printed beside it"
+    assert result.median_ms == timing.median_ms
 
 
 # --- FlexAttention: a bounded number of compiles --------------------------------

@@ -57,7 +57,7 @@ import transformers
 from ragged_toolkit.batches import from_padded, offsets_from_position_ids, to_padded
 from transformers import DataCollatorWithFlattening
 
-MINIMUM_TRANSFORMERS = "4.54.0"  # the oldest release this page was checked with
+MINIMUM_TRANSFORMERS = "4.54.0"  # the oldest release this page supports (make check-versions runs it)
 
 
 def release(version):

@@ -598,7 +598,7 @@ for name, (_, _, _, _, losses) in runs.items():
     assert final[name][0] < 0.4 * np.mean(losses[:5]), f"{name} did not learn: {losses[:5]} -> {final[name]}"
 (mean_p, std_p), (mean_r, std_r) = final["padded nn.Transformer"], final["ragged Transformer"]
 descent = np.mean(runs["padded nn.Transformer"][4][:5]) - mean_p
-print(f"last {LAST} steps: padded {mean_p:.3f} +- {std_p:.3f}, ragged {mean_r:.3f} +- {std_r:.3f}; the means "
+print(f"last {LAST} steps: padded {mean_p:.3f} +- {std_p:.3f}, ragged {mean_r:.3f} +- {std_r:.3f};\nthe means "
       f"differ by {abs(mean_p - mean_r):.3f}, {abs(mean_p - mean_r) / descent:.1%} of the padded model's descent")
 assert abs(mean_p - mean_r) < 0.15 * descent, "the two models end further apart than 15% of their descent"
 

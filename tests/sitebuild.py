@@ -81,7 +81,11 @@ def build(src: Path, *extra: str, env: dict | None = None, validate: bool = True
     out = src / "_build"
     cmd = [sys.executable, "-m", "sphinx", "-M", "html", str(src), str(out),
            "-W", "--keep-going", "-n", *extra]
-    full_env = {**os.environ, "GALLERY_PATTERN": "", **(env or {})}
+    # A cache folder this process chose is not the build's: importing torch's
+    # compiler here sets TORCHINDUCTOR_CACHE_DIR, which the build would take
+    # as the reader's choice (what env passes still counts).
+    inherited = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    full_env = {**inherited, "GALLERY_PATTERN": "", **(env or {})}
     start, cpu_start = time.perf_counter(), _children_cpu()
     proc = subprocess.run(cmd, cwd=src, env=full_env, capture_output=True, text=True)
     returncode, log = proc.returncode, proc.stdout + proc.stderr

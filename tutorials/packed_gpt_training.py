@@ -332,7 +332,8 @@ print(f"the whole step, {ROWS_LAYOUT.__name__}: the packed step's loss and gradi
 # trainers, whose batch shape changes every step, compile with dynamic
 # shapes. The step time is per thousand real tokens; compiles fall into the
 # warm-up steps, left out. Each compiled trainer's graphs and graph breaks
-# are counted over its steps.
+# are counted over its steps; a trainer that meets a graph already compiled
+# compiles none (the grouped trainer runs the naive one's model code).
 
 from ragged_toolkit.measure import StepTimer, choose
 
@@ -373,6 +374,7 @@ if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets e
                 seen.add(shape)
                 spare_step(tokens_i, offsets_i)
 PROBE = WARMUP_STEPS + (3 if QUICK else 6)
+torch._dynamo.reset()  # the graphs of the checks above out: each trainer's count starts here
 probes = {(name, c): (trainer(name, c == "compiled")[0], StepTimer())
           for name in batches for c in ("eager", "compiled")}
 for i in range(PROBE):

@@ -245,6 +245,14 @@ def _run_rank(folder, rank):
     return report
 
 
+def nccl_ranks(gpus, micro_batches):
+    """How many ranks run over NCCL on a machine with ``gpus`` GPUs: one per
+    GPU, at most one per micro-batch; None with fewer than two GPUs, where a
+    lone rank's collectives exchange nothing and a data-parallel figure would
+    mean nothing."""
+    return min(gpus, micro_batches) if gpus > 1 else None
+
+
 def data_parallel_command(nproc, script="worker.py", folder="FOLDER"):
     """The command that starts ``nproc`` ranks of the worker script on this
     machine (``torchrun --standalone --nproc-per-node=N`` is the same)."""

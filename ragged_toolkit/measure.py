@@ -323,3 +323,16 @@ class StepTimer:
         """A :class:`Timing` of the steps after the first ``skip``, in ms per
         thousand tokens (so that steps of different sizes compare)."""
         return Timing.of(np.array(self.seconds[skip:]) / np.array(self.tokens[skip:]) * 1e6)
+
+
+def warm_every_shape(step, batches, shape_of):
+    """Call ``step(batch)`` on the first batch of every distinct
+    ``shape_of(batch)``, before any timing: on CUDA, SDPA's cuDNN kernel
+    builds a plan for each new shape (tens of ms), which must not land in a
+    timed step, on either side of a comparison. Returns the shapes met."""
+    seen = []
+    for batch in batches:
+        if shape_of(batch) not in seen:
+            seen.append(shape_of(batch))
+            step(batch)
+    return seen

@@ -71,6 +71,19 @@ def test_fsdp_builds_its_mesh_on_the_ranks_device_even_where_cuda_is_there(one_r
     assert weight.device_mesh.device_type == "cpu" and weight.device.type == "cpu"
 
 
+def test_one_gpu_runs_no_nccl_ranks_and_more_run_one_rank_each():
+    assert tk.nccl_ranks(1, 6) is None, "one rank over NCCL exchanges nothing: no data-parallel figure"
+    assert tk.nccl_ranks(0, 6) is None
+    assert tk.nccl_ranks(2, 6) == 2 and tk.nccl_ranks(8, 3) == 3  # a rank needs a micro-batch
+
+
+def test_every_shape_is_met_once_before_any_timing():
+    met = []
+    batches = [(2, 5), (2, 7), (2, 5), (3, 7), (2, 7)]
+    shapes = tk.warm_every_shape(met.append, batches, lambda b: b)
+    assert shapes == [(2, 5), (2, 7), (3, 7)] and met == shapes
+
+
 # --- a parity check that fits the math path ---------------------------------------
 
 def test_the_math_check_takes_a_slice_that_fits_at_cuda_sizes():

@@ -395,7 +395,7 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
 
 from ragged_toolkit.attention import backend_support
-from ragged_toolkit.data_parallel import check_same_gradients, run_data_parallel
+from ragged_toolkit.data_parallel import check_same_gradients, nccl_ranks, run_data_parallel
 
 
 def train_backend(device, dtype):
@@ -429,8 +429,9 @@ def launch(backend, nproc, device, time_dtype):
 
 reports, grads = launch("gloo", WORLD, "cpu", CPU_DTYPE)
 GPUS = torch.cuda.device_count() if DEVICE == "cuda" else 0
-if GPUS > 1:  # one rank per GPU over NCCL (each rank needs a micro-batch)
-    nccl_reports, _ = launch("nccl", min(GPUS, len(micro)), "cuda", DTYPE)
+NCCL_RANKS = nccl_ranks(GPUS, len(micro))  # one rank per GPU over NCCL, each with a micro-batch
+if NCCL_RANKS:
+    nccl_reports, _ = launch("nccl", NCCL_RANKS, "cuda", DTYPE)
 elif GPUS == 1:
     print("one GPU: NCCL would run one rank, whose collectives do nothing; no data-parallel figure for the GPU")
 
@@ -478,7 +479,7 @@ def summary(reports, label):
 
 
 summary(reports, f"{WORLD} ranks over gloo, {STEPS} timed steps after {WARMUP_STEPS}:")
-if GPUS > 1:
+if NCCL_RANKS:
     summary(nccl_reports, f"{len(nccl_reports)} ranks over NCCL:")
 
 # %%

@@ -456,7 +456,7 @@ print(f"gradients of all {len(pairs)} parameter tensors agree "
 # synchronized clock; throughput counts *real* tokens (the padded trainer
 # gets no credit for padding) after the first ``WARMUP_STEPS``.
 
-from ragged_toolkit.measure import StepTimer
+from ragged_toolkit.measure import StepTimer, warm_every_shape
 
 
 def verdict(use_cache):
@@ -477,11 +477,10 @@ for name, (attention, form, use_cache, label) in TRAINERS.items():
                       form=form, use_cache=use_cache, label=label, timer=StepTimer(), losses=[])
 if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape before any timing
     for run in runs.values():
-        spare = copy.deepcopy(run["model"])
         with autocast():
-            for step_batches in batches:
-                spare(**step_batches[run["form"]], use_cache=run["use_cache"]).loss.backward()
-        del spare
+            warm_every_shape(lambda b, m=copy.deepcopy(run["model"]), run=run: m(
+                **b[run["form"]], use_cache=run["use_cache"]).loss.backward(), batches,
+                lambda b, run=run: tuple(b[run["form"]]["input_ids"].shape))
 for packed_i, padded_i in batches:
     for run in runs.values():
         with run["timer"].step(int(packed_i["input_ids"].numel())):  # real tokens, on every side

@@ -335,7 +335,7 @@ print(f"the whole step, {ROWS_LAYOUT.__name__}: the packed step's loss and gradi
 # are counted over its steps; a trainer that meets a graph already compiled
 # compiles none (the grouped trainer runs the naive one's model code).
 
-from ragged_toolkit.measure import StepTimer, choose
+from ragged_toolkit.measure import StepTimer, choose, warm_every_shape
 
 
 def trainer(name, compiled):
@@ -367,12 +367,8 @@ def trainer(name, compiled):
 
 if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape before any timing
     for name in batches:
-        spare_step, seen = trainer(name, False)[0], set()
-        for tokens_i, offsets_i in batches[name]:
-            shape = (len(offsets_i) - 1, int(offsets_i.diff().max()))  # (B, S) of the padded batch
-            if shape not in seen:
-                seen.add(shape)
-                spare_step(tokens_i, offsets_i)
+        warm_every_shape(lambda batch, step=trainer(name, False)[0]: step(*batch), batches[name],
+                         lambda batch: (len(batch[1]) - 1, int(batch[1].diff().max())))  # (B, S) padded
 PROBE = WARMUP_STEPS + (3 if QUICK else 6)
 torch._dynamo.reset()  # the graphs of the checks above out: each trainer's count starts here
 probes = {(name, c): (trainer(name, c == "compiled")[0], StepTimer())

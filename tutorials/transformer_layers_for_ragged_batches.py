@@ -535,7 +535,7 @@ class Seq2Seq(nn.Module):
 # same order, with the same optimizer and schedule, taking turns, each step
 # timed (``StepTimer``); throughput counts real tokens after ``WARMUP`` steps.
 
-from ragged_toolkit.measure import StepTimer
+from ragged_toolkit.measure import StepTimer, warm_every_shape
 
 cfg = {k: TRAIN[k] for k in ("d_model", "nhead", "layers", "dim_ff")}
 torch.manual_seed(SEED)
@@ -552,10 +552,9 @@ for name, model in (("padded nn.Transformer", padded_model), ("ragged Transforme
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, LR, total_steps=TRAIN["steps"], pct_start=0.1)
     runs[name] = (model.train(), optimizer, scheduler, StepTimer(), [])
-if DEVICE == "cuda":  # cuDNN builds a plan per new shape: both models meet every batch before any timing
-    for model in (copy.deepcopy(padded_model), copy.deepcopy(ragged_model)):
-        for batch in batches:
-            F.cross_entropy(*model(batch)).backward()
+for model in (copy.deepcopy(padded_model), copy.deepcopy(ragged_model)) if DEVICE == "cuda" else ():
+    warm_every_shape(lambda b, m=model: F.cross_entropy(*m(b)).backward(), batches,  # cuDNN: a plan per shape
+                     lambda b: (int(b[1].diff().max()), int(b[4].diff().max())))
 torch.manual_seed(SEED)
 for batch in batches:
     for model, optimizer, scheduler, timer, losses in runs.values():

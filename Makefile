@@ -64,7 +64,7 @@ serve:
 	$(PYTHON) -m http.server --directory $(BUILDDIR)/html $(PORT)
 
 clean:
-	rm -rf $(BUILDDIR) auto_tutorials _generated sg_execution_times.rst
+	rm -rf $(BUILDDIR) auto_tutorials _generated sg_execution_times.rst gpu_results.rst
 
 # --- issue 11: publishing and release checks --------------------------------
 .PHONY: html-merged check-versions

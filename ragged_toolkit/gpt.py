@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import ragged_attention
+from .batches import token_index
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,7 @@ class PackedRows:
     def from_offsets(cls, offsets, row_len):
         """The layout of a batch of ``N * row_len`` tokens whose offsets mark
         every document, and every row start."""
-        document = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=offsets.device),
-                                           offsets.diff()).view(-1, row_len)  # (N, L)
+        document = token_index(offsets)[0].view(-1, row_len)  # (N, L): each token's sequence
         causal = torch.ones(row_len, row_len, dtype=torch.bool, device=offsets.device).tril()
         return cls(((document[:, :, None] == document[:, None, :]) & causal)[:, None])
 
@@ -205,8 +205,7 @@ class FlexRows:
         every document, and every row start."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        document = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=offsets.device),
-                                           offsets.diff())  # (N * L,)
+        document = token_index(offsets)[0]  # (N * L,): each token's sequence
 
         def document_causal(b, h, q_idx, kv_idx):
             return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)

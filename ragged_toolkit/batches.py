@@ -8,6 +8,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+__all__ = ["STOP_RANKS", "zipf_stop_probability", "sentence_lengths", "offsets_from_lengths",
+           "offsets_from_position_ids", "ragged_batch", "token_index", "to_padded", "from_padded", "check_offsets"]
+
 STOP_RANKS = (3, 386, 858)  # ".", "!" and "?" in the WikiText-2 vocabulary
 
 

@@ -15,7 +15,9 @@ import torch
 
 from .batches import offsets_from_lengths
 
-_CORPUS = {}
+__all__ = ["docstring_corpus", "as_tokens", "pack_documents", "document_targets", "concat_batches",
+           "split_by_documents", "split_by_token_budget", "split_carrying_documents"]
+
 # folders of the standard library whose files are tests, test data or installs
 _NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -41,37 +43,34 @@ def docstring_corpus(min_chars=200, limit=3000):
     order of their paths and definitions in source order, tests left out and
     duplicates dropped. Returns ``(documents, source)``: at most ``limit``
     documents of at least ``min_chars`` characters, each as UTF-8 ``bytes``,
-    and a name for where they came from. Cached within the process."""
-    key = (min_chars, limit)
-    if key not in _CORPUS:
-        root, files = sysconfig.get_paths()["stdlib"], []
-        for folder, subfolders, names in os.walk(root):
-            subfolders[:] = [d for d in subfolders if d not in _NOT_LIBRARY]
-            files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
-        seen, documents = set(), []
-        for path in sorted(files, key=lambda f: Path(f).relative_to(root).parts):
-            # a syntax tree is many small objects: with torch loaded, the
-            # garbage collector's passes over them would triple the time
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                tree = ast.parse(Path(path).read_bytes())
-            except (SyntaxError, ValueError):  # Python 2 examples kept as data
-                continue
-            finally:
-                if collecting:
-                    gc.enable()
-            for node in [tree, *_definitions_in_order(tree.body)]:
-                text = ast.get_docstring(node)
-                if text and len(text) >= min_chars and text not in seen:
-                    seen.add(text)
-                    documents.append(text.encode("utf-8"))
-            if limit is not None and len(documents) >= limit:
-                break
-        version = ".".join(map(str, sys.version_info[:2]))
-        _CORPUS[key] = (documents[:limit], f"the Python {version} standard library's docstrings")
-    documents, source = _CORPUS[key]
-    return list(documents), source
+    and a name for where they came from. Read afresh at every call (about a
+    second): a page reads it once and keeps it."""
+    root, files = sysconfig.get_paths()["stdlib"], []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in _NOT_LIBRARY]
+        files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+    seen, documents = set(), []
+    for path in sorted(files, key=lambda f: Path(f).relative_to(root).parts):
+        # a syntax tree is many small objects: with torch loaded, the
+        # garbage collector's passes over them would triple the time
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            tree = ast.parse(Path(path).read_bytes())
+        except (SyntaxError, ValueError):  # Python 2 examples kept as data
+            continue
+        finally:
+            if collecting:
+                gc.enable()
+        for node in [tree, *_definitions_in_order(tree.body)]:
+            text = ast.get_docstring(node)
+            if text and len(text) >= min_chars and text not in seen:
+                seen.add(text)
+                documents.append(text.encode("utf-8"))
+        if limit is not None and len(documents) >= limit:
+            break
+    version = ".".join(map(str, sys.version_info[:2]))
+    return documents[:limit], f"the Python {version} standard library's docstrings"
 
 
 def as_tokens(document, limit=None):

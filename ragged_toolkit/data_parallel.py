@@ -1,15 +1,9 @@
-"""Packed training on several ranks: the checks that a pack trains each
-document as if it were alone, a loss normalized over every rank, the DDP and
-FSDP2 wrapping, and a launcher for ``torch.distributed.run``."""
+"""Packed training on several ranks, what each rank does: the checks that a
+pack trains each document as if it were alone, a loss normalized over every
+rank, the DDP and FSDP2 wrapping. :mod:`ragged_toolkit.data_parallel_launch`
+starts the ranks."""
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,7 +11,10 @@ import torch.nn.functional as F
 
 from .batches import token_index
 from .data import concat_batches, document_targets
-from .gpt import GPT, GPTConfig, Packed
+from .layouts import PackedLayout
+
+__all__ = ["check_documents_apart", "check_targets", "check_positions", "token_loss_sum", "data_parallel_step",
+           "one_process_gradients", "check_same_gradients", "wrap_model", "nccl_ranks"]
 
 # --- the three packing checks -------------------------------------------------------
 
@@ -30,7 +27,7 @@ def check_documents_apart(model, document, pack, backend=None):
     tokens, offsets = pack([document, document])
     n = len(document)
     with torch.no_grad():
-        logits = model(tokens, token_index(offsets)[1], Packed(offsets, backend))
+        logits = model(tokens, token_index(offsets)[1], PackedLayout.of(offsets, backend))
     gap = (logits[:n] - logits[n:]).abs().max().item()
     assert gap < 1e-4, (
         f"two identical documents in one pack give different logits (largest difference "
@@ -80,7 +77,7 @@ def token_loss_sum(model, tokens, offsets, backend=None, dtype=torch.float32):
     number of targets (each document's last token has none)."""
     targets = document_targets(tokens, offsets)
     with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = model(tokens, token_index(offsets)[1], Packed(offsets, backend))  # (T, vocab)
+        logits = model(tokens, token_index(offsets)[1], PackedLayout.of(offsets, backend, dtype))  # (T, vocab)
     loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
     return loss, (targets != -100).sum()
 
@@ -118,7 +115,7 @@ def one_process_gradients(model, micro_batches, backend=None):
     in this process (float32). ``{name: gradient}``."""
     tokens, offsets = concat_batches(micro_batches)
     model.zero_grad(set_to_none=True)
-    logits = model(tokens, token_index(offsets)[1], Packed(offsets, backend)).float()
+    logits = model(tokens, token_index(offsets)[1], PackedLayout.of(offsets, backend)).float()
     F.cross_entropy(logits, document_targets(tokens, offsets), ignore_index=-100).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -165,129 +162,9 @@ def wrap_model(model, how, device):
     raise ValueError(f"unknown wrapper {how!r}: ddp or fsdp")
 
 
-# --- one rank, and the launcher -----------------------------------------------------
-
-#: The script each rank runs, ``worker.py``: it calls :func:`data_parallel_worker`.
-DATA_PARALLEL_SCRIPT = """\
-import sys
-
-from ragged_toolkit.data_parallel import data_parallel_worker
-
-data_parallel_worker(sys.argv[1])
-"""
-
-
-def data_parallel_worker(folder):
-    """One rank of :func:`run_data_parallel`, started by ``torch.distributed.run``
-    (which sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``). Reads
-    ``job.json`` and ``data.pt`` from ``folder``; for each gradient run, one
-    :func:`data_parallel_step` (rank 0 saves the whole gradients); for each
-    timed scheme, training steps with AdamW, each timed between barriers.
-    Writes ``rank<R>.json``, what this rank measured, or ``rank<R>.error``,
-    the traceback it stopped with."""
-    folder, rank = Path(folder), int(os.environ["RANK"])
-    try:
-        report = _run_rank(folder, rank)
-    except BaseException:
-        import traceback
-
-        (folder / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    (folder / f"rank{rank}.json").write_text(json.dumps(report))
-
-
-def _run_rank(folder, rank):
-    job = json.loads((folder / "job.json").read_text())
-    data = torch.load(folder / "data.pt", weights_only=True)
-    cuda = job["backend"] == "nccl"
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False  # the check compares in float32
-    dist.init_process_group(job["backend"], device_id=device if cuda else None)
-    cfg, dtype = GPTConfig(**job["config"]), getattr(torch, job["dtype"])
-    wait = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def fresh(how):  # the shared initial weights, wrapped
-        model = GPT(cfg).to(device)
-        model.load_state_dict(data["init"])
-        return (model, *wrap_model(model, how, device))
-
-    report = {"rank": rank, "world_size": dist.get_world_size(), "backend": job["backend"],
-              "device": str(device), "threads": torch.get_num_threads(), "timing": {}}
-    try:
-        mine = [(t.to(device), o.to(device)) for t, o in data["grad_batches"][rank]]
-        for run in job["grad_runs"]:
-            model, runner, sync = fresh(run["wrap"])
-            data_parallel_step(runner, mine, sync, reduce_count=run["reduce_count"], backend=job["grad_backend"])
-            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                     for n, p in model.named_parameters()}  # FSDP2 holds shards: gather
-            if rank == 0:
-                torch.save({n: g.cpu() for n, g in grads.items()}, folder / f"grads-{run['name']}.pt")
-        for scheme, steps in data["time_batches"].items():
-            model, runner, sync = fresh("ddp")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
-            seconds, tokens = [], []
-            for step in steps:  # step[rank]: this rank's micro-batches
-                batches = [(t.to(device), o.to(device)) for t, o in step[rank]]
-                wait()
-                dist.barrier()
-                start = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                data_parallel_step(runner, batches, sync, backend=job["time_backend"], dtype=dtype)
-                optimizer.step()
-                wait()
-                seconds.append(time.perf_counter() - start)
-                tokens.append(sum(len(t) for t, _ in batches))
-            report["timing"][scheme] = {"seconds": seconds, "tokens": tokens}
-    finally:
-        dist.destroy_process_group()
-    return report
-
-
 def nccl_ranks(gpus, micro_batches):
     """How many ranks run over NCCL on a machine with ``gpus`` GPUs: one per
     GPU, at most one per micro-batch; None with fewer than two GPUs, where a
     lone rank's collectives exchange nothing and a data-parallel figure would
     mean nothing."""
     return min(gpus, micro_batches) if gpus > 1 else None
-
-
-def data_parallel_command(nproc, script="worker.py", folder="FOLDER"):
-    """The command that starts ``nproc`` ranks of the worker script on this
-    machine (``torchrun --standalone --nproc-per-node=N`` is the same)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            script, folder]
-
-
-def run_data_parallel(job, data, nproc, *, timeout=600):
-    """Launch :func:`data_parallel_worker` on ``nproc`` ranks with
-    :func:`data_parallel_command`, in a temporary folder that holds the job
-    and the worker script; the ranks import this package from where this
-    process does. Ranks over ``gloo`` run on the CPU and see no GPU. Each
-    rank's output is kept out of the caller's; on failure, its last lines are
-    raised. Returns the ranks' reports in rank order and the gradients of
-    each gradient run, ``{name: {parameter: gradient}}``."""
-    package_parent = str(Path(__file__).resolve().parent.parent)
-    with tempfile.TemporaryDirectory(prefix="data-parallel-") as name:
-        folder = Path(name)
-        (folder / "worker.py").write_text(DATA_PARALLEL_SCRIPT)
-        (folder / "job.json").write_text(json.dumps(job))
-        torch.save(data, folder / "data.pt")
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
-               "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
-        if job["backend"] == "gloo":
-            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no accelerator to build a mesh on
-        proc = subprocess.run(data_parallel_command(nproc, folder=str(folder)), cwd=folder, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            errors = sorted(folder.glob("rank*.error"))  # the ranks' own tracebacks
-            text = errors[0].read_text() if errors else proc.stdout + proc.stderr
-            tail = "\n".join(text.strip().splitlines()[-30:])
-            where = f", {errors[0].stem}" if errors else ""
-            raise RuntimeError(f"{nproc} ranks on {job['backend']} failed (exit {proc.returncode}{where}):\n{tail}")
-        reports = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
-        grads = {run["name"]: torch.load(folder / f"grads-{run['name']}.pt", weights_only=True)
-                 for run in job["grad_runs"]}
-    return reports, grads

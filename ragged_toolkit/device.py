@@ -1,11 +1,18 @@
-"""The device and dtype a page computes in, the tolerances that go with the
-dtype, the test suite's quick mode, and quiet logs."""
+"""The device and dtype a page computes in, the sizes it chooses for them
+(:func:`page_setup`), the tolerances that go with the dtype, the test
+suite's quick mode, and quiet logs."""
+
+from __future__ import annotations
 
 import logging
 import os
+import types
 import warnings
 
 import torch
+
+__all__ = ["default_device", "default_dtype", "tolerances", "quick_mode", "synchronize", "quiet_known_notes",
+           "page_sizes", "page_setup"]
 
 
 def default_device():
@@ -71,3 +78,36 @@ def quiet_known_notes():
     )
     for name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
         logging.getLogger(name).addFilter(_DropNotes())
+
+
+def page_sizes(sizes, device, quick):
+    """A page's sizes on ``device``: ``sizes["cuda"]`` or ``sizes["cpu"]``,
+    updated by ``sizes["quick"]`` in quick mode (nested dicts merged key by
+    key). The one place a page chooses its sizes, as a literal dict, so that
+    the CUDA audit (``tests/test_cuda_audit.py``) reads a page's CUDA sizes
+    without running it."""
+    chosen = {k: dict(v) if isinstance(v, dict) else v for k, v in sizes["cuda" if device == "cuda" else "cpu"].items()}
+    for key, value in (sizes.get("quick", {}) if quick else {}).items():
+        chosen[key] = {**chosen[key], **value} if isinstance(value, dict) else value
+    return chosen
+
+
+def page_setup(sizes, *, threads=1, seed=0):
+    """What every page does first: the device and dtype it computes in, quick
+    mode, its sizes for them (:func:`page_sizes`), ``threads`` CPU threads per
+    operator for the whole page (one, as every timing runs with:
+    ``torch.compile`` guards on the thread count, so compiled code is
+    compiled for the threads it is timed with), the seed, and PyTorch's
+    notes that say nothing about the page quieted. Prints one line.
+    Returns a namespace: ``device``, ``dtype``, ``quick``, ``seed`` and
+    ``sizes`` (a namespace of the chosen sizes)."""
+    device = default_device()
+    dtype, quick = default_dtype(device), quick_mode()
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    quiet_known_notes()
+    chosen = page_sizes(sizes, device, quick)
+    print(f"PyTorch {torch.__version__}, device: {device}, dtype: {str(dtype).removeprefix('torch.')}"
+          + (", quick mode" if quick else ""))
+    return types.SimpleNamespace(device=device, dtype=dtype, quick=quick, seed=seed,
+                                 sizes=types.SimpleNamespace(**chosen))

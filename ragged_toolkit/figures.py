@@ -5,6 +5,9 @@ import numpy as np
 
 from .batches import offsets_from_lengths, token_index
 
+__all__ = ["FIGURE_STYLE", "block_grid", "draw_batch", "draw_block_mask", "draw_scores", "draw_kv_cache",
+           "draw_token_budget"]
+
 # 12-point text at 100 dpi is about 17 px, as large as the page's body text
 # when a figure of at most 8 inches (800 px) is shown at its natural size in
 # the content column.

@@ -1,6 +1,6 @@
 """A small GPT (RMSNorm, rotary positions, SwiGLU, grouped-query attention) in
-the style of gpt-fast, whose attention is told the batch's *layout*: packed
-(:class:`Packed`) or padded (:class:`Padded`)."""
+the style of gpt-fast, whose attention is told the batch's *layout*
+(:mod:`ragged_toolkit.layouts`): packed, padded, packed rows, a KV cache."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import ragged_attention
-from .batches import token_index
+
+__all__ = ["GPTConfig", "apply_rope", "Attention", "FeedForward", "Block", "GPT"]
 
 
 @dataclass(frozen=True)
@@ -34,45 +34,6 @@ class GPTConfig:
         return self.dim // self.n_heads
 
 
-@dataclass
-class Packed:
-    """A packed batch: offsets of the new tokens, the attention backend, and
-    for a KV cache each new token's row and each sequence's keys in use."""
-
-    offsets: torch.Tensor  # (B + 1,)
-    backend: str | None = None
-    cache: object = None  # a kv_cache.KVCache
-    rows: torch.Tensor | None = None  # (T,)
-    kv_used: torch.Tensor | None = None  # (B,)
-
-    def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D)
-        kv_offsets = None
-        if self.cache is not None:
-            k, v = self.cache.write_rows(layer, k, v, self.rows)
-            kv_offsets = self.cache.row_offsets
-        return ragged_attention(q, k, v, self.offsets, kv_offsets, is_causal=True, kv_used=self.kv_used,
-                                backend=self.backend)
-
-
-@dataclass
-class Padded:
-    """A padded batch (B, S): no mask (right padding, a causal kernel) or a
-    (B, 1, S, S_kv) mask, True where a query may see a key; for a KV cache,
-    the column the new tokens start at."""
-
-    mask: torch.Tensor | None = None
-    cache: object = None  # a kv_cache.KVCache
-    start: int = 0
-
-    def attend(self, q, k, v, layer):  # (B, S, H, D), (B, S, H_kv, D)
-        if self.cache is not None:
-            k, v = self.cache.write_columns(layer, k, v, self.start)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2)
-
-
 def apply_rope(x, cos, sin):
     """Rotary position embedding: x (..., H, D) rotated by the angles whose
     cosines and sines are (..., 1, D / 2), one row per token's position."""
@@ -84,8 +45,8 @@ def apply_rope(x, cos, sin):
 
 class Attention(nn.Module):
     """Grouped-query attention with rotary positions: q, k and v from one
-    matmul, attention by the batch's layout (:class:`Packed` or
-    :class:`Padded`). ``forward(x, cos, sin, layout)``: x (T, dim) or
+    matmul, attention by the batch's layout (a
+    :class:`~ragged_toolkit.layouts.Layout`). ``forward(x, cos, sin, layout)``: x (T, dim) or
     (B, S, dim), returns the same shape."""
 
     def __init__(self, cfg, layer):
@@ -135,8 +96,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A decoder-only transformer (RMSNorm, rotary positions, SwiGLU, GQA) in
     the style of gpt-fast. ``forward(tokens, positions, layout)``: tokens and
-    positions (T,) packed with a :class:`Packed` layout, or (B, S) padded with
-    a :class:`Padded` one; returns logits (T, vocab) or (B, S, vocab).
+    positions (T,) packed with a ``PackedLayout``, or (B, S) padded with a
+    ``PaddedLayout`` (:mod:`ragged_toolkit.layouts`); returns logits (T,
+    vocab) or (B, S, vocab).
     Positions restart at every sequence: ``token_index`` gives them."""
 
     def __init__(self, cfg):
@@ -162,60 +124,3 @@ class GPT(nn.Module):
         return self.output(self.norm(x))
 
 
-@dataclass
-class PackedRows:
-    """``N`` packed rows of ``L`` tokens, seen as ``(N * L,)`` tokens: every
-    row holds whole documents or pieces of them, and attention is one SDPA
-    call over the rows with a block-diagonal causal mask, ``(N, 1, L, L)``,
-    True where a query may see a key. The mask is built once per batch,
-    outside a compiled model (:meth:`from_offsets`); every shape is fixed, so
-    a compiled model compiles once, with no graph break. It scores every
-    pair of a row and masks those across documents."""
-
-    mask: torch.Tensor  # (N, 1, L, L)
-
-    @classmethod
-    def from_offsets(cls, offsets, row_len):
-        """The layout of a batch of ``N * row_len`` tokens whose offsets mark
-        every document, and every row start."""
-        document = token_index(offsets)[0].view(-1, row_len)  # (N, L): each token's sequence
-        causal = torch.ones(row_len, row_len, dtype=torch.bool, device=offsets.device).tril()
-        return cls(((document[:, :, None] == document[:, None, :]) & causal)[:, None])
-
-    def attend(self, q, k, v, layer):  # (N * L, H, D), (N * L, H_kv, D)
-        rows, row_len = self.mask.shape[0], self.mask.shape[-1]
-        q, k, v = (t.view(rows, row_len, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # (N, H, L, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2).flatten(0, 1)  # (N * L, H, D)
-
-
-@dataclass
-class FlexRows:
-    """The same packed rows as :class:`PackedRows`, attended by FlexAttention
-    with a document-causal ``BlockMask`` over the whole batch (built once per
-    batch, outside a compiled model: :meth:`from_offsets`), which skips the
-    blocks across documents. Inside a compiled model ``flex_attention`` is
-    compiled with it, into one graph."""
-
-    block_mask: object  # torch.nn.attention.flex_attention.BlockMask
-
-    @classmethod
-    def from_offsets(cls, offsets, row_len):
-        """The layout of a batch of ``N * row_len`` tokens whose offsets mark
-        every document, and every row start."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        document = token_index(offsets)[0]  # (N * L,): each token's sequence
-
-        def document_causal(b, h, q_idx, kv_idx):
-            return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
-
-        n = len(document)
-        return cls(create_block_mask(document_causal, None, None, n, n, device=offsets.device))
-
-    def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D)
-        from torch.nn.attention.flex_attention import flex_attention
-
-        out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                             block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)  # (T, H, D)

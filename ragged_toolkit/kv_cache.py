@@ -1,7 +1,8 @@
-"""A KV cache for a ragged batch, a packed prefill into it, and greedy
-decoding from it: one generation path, whose decoding steps read the cache
-either through ``ragged_attention`` with the rows in use (``kv_used``) or
-with fixed shapes that one compiled graph serves (:class:`CachedStep`)."""
+"""Key/value caches: :class:`KVCache`, room for a fixed number of tokens per
+sequence (a packed batch with spare rows), read by a packed step or by a
+fixed-shape one (:class:`CachedStep`); and :class:`PagedKVCache`, blocks
+handed out from a free list to each request's block table, as servers page
+their caches."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention.dense import shares_heads
 from .batches import offsets_from_lengths, token_index
-from .device import default_dtype
-from .gpt import Packed
+
+__all__ = ["KVCache", "CachedStep", "PagedKVCache", "block_table_tensor", "paged_rows"]
 
 
 class KVCache:
@@ -70,87 +72,75 @@ class CachedStep:
             keys.transpose(1, 2),  # (B, H_kv, C, D)
             values.transpose(1, 2),
             attn_mask=mask[:, None, None],
-            enable_gqa=q.shape[1] != keys.shape[2],
+            enable_gqa=shares_heads(q[:, :, None], keys.transpose(1, 2)),
         )
         return out[:, :, 0]  # (B, H, D)
 
 
-def call_model(model, tokens, positions, layout):
-    """``model(tokens, positions, layout)``: the decoding step to compile."""
-    return model(tokens, positions, layout)
+class PagedKVCache:
+    """Keys and values of every layer in ``n_blocks`` blocks of
+    ``block_size`` rows: ``k``, ``v`` (layers, n_blocks * block_size, H_kv, D).
+    Free blocks wait on a free list; a request holds a block table, the list
+    of its blocks: its token at position ``p`` lives in row
+    ``table[p // block_size] * block_size + p % block_size``."""
+
+    def __init__(self, cfg, n_blocks, block_size, device, dtype):
+        shape = (cfg.n_layers, n_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.free = list(range(n_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self.tables = {}  # request id -> its blocks, in the order of its tokens
+
+    def reserve(self, rid, n_tokens):
+        """Grow request ``rid``'s table to hold ``n_tokens`` tokens. Returns
+        False, taking nothing, if the free list has too few blocks."""
+        table = self.tables.get(rid, [])
+        need = -(-n_tokens // self.block_size) - len(table)
+        if need > len(self.free):
+            return False
+        self.tables[rid] = table + [self.free.pop() for _ in range(max(need, 0))]
+        return True
+
+    def release(self, rid):
+        """Give request ``rid``'s blocks back to the free list."""
+        self.free.extend(reversed(self.tables.pop(rid, [])))
+
+    def slots(self, rid, positions):
+        """The rows the keys of request ``rid`` at ``positions`` go to (a list)."""
+        table, size = self.tables[rid], self.block_size
+        return [table[p // size] * size + p % size for p in positions]
+
+    def write(self, layer, k, v, rows):
+        """New keys and values (T, H_kv, D) into their rows (T,)."""
+        self.k[layer].index_copy_(0, rows, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, rows, v.to(self.v.dtype))
+
+    def check(self):
+        """Raise ``RuntimeError`` unless each block is free or in one table, once."""
+        owner = {}
+        for holder, table in [("the free list", self.free),
+                              *((f"the table of request {r}", t) for r, t in self.tables.items())]:
+            for b in table:
+                if b in owner:
+                    raise RuntimeError(f"block {b} is in {owner[b]} and in {holder}")
+                owner[b] = holder
+        if len(owner) != self.n_blocks:
+            raise RuntimeError(f"{self.n_blocks - len(owner)} blocks are neither free nor held")
 
 
-@torch.no_grad()
-def prefill_packed(model, prompts, offsets, cache, backend=None):
-    """Every prompt at once, packed (T,) with offsets (B + 1,): writes each
-    token's keys and values into its sequence's rows of ``cache`` and returns
-    the logits of each prompt's last token, (B, vocab). Call it under
-    autocast for a lower precision."""
-    seq, pos = token_index(offsets)
-    layout = Packed(offsets, backend, cache, seq * cache.capacity + pos, offsets.diff())
-    return model(prompts, pos, layout)[offsets[1:] - 1]
+def block_table_tensor(cache, rids, device):
+    """The block tables of requests ``rids``: (B, max_blocks) int32, each
+    row padded with zeros (never read: the lengths bound every read)."""
+    tables = [cache.tables[r] for r in rids]
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                        device=device)
 
 
-@torch.no_grad()
-def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, backend=None, slots=None,
-                  start=None, step=None, return_logits=False):
-    """``n_new`` greedy tokens per sequence from the prefill's last logits
-    (B, vocab): each step feeds one token per sequence at its own position
-    (``positions``, (B,), the prompt lengths). ``fixed_shape``: a
-    :class:`CachedStep` (``slots`` (B,) is where the first new token's keys
-    go, default its position; ``start`` the first slot in use, for left
-    padding); else a :class:`~ragged_toolkit.gpt.Packed` step through
-    ``ragged_attention`` with ``backend``, over each sequence's rows in use.
-    ``step(model, tokens, positions, layout)`` runs the model, for example
-    ``torch.compile(call_model, dynamic=False)`` (default: :func:`call_model`).
-    Returns the new tokens (B, n_new), and with ``return_logits`` the logits
-    that chose them, (B, n_new, vocab)."""
-    step = call_model if step is None else step
-    slots = positions if slots is None else slots
-    one_each = torch.arange(len(positions) + 1, device=positions.device)  # one query per sequence
-    out, chose = [], []
-    for i in range(n_new):
-        out.append(logits.argmax(-1))  # (B,)
-        chose.append(logits)
-        if i == n_new - 1:
-            break
-        if fixed_shape:
-            layout = CachedStep(cache, slots + i, start)
-        else:  # each token's row, and the keys its sequence then has
-            layout = Packed(one_each, backend, cache, cache.row_offsets[:-1] + slots + i, slots + i + 1)
-        logits = step(model, out[-1], positions + i, layout)
-    return (torch.stack(out, 1), torch.stack(chose, 1)) if return_logits else torch.stack(out, 1)
-
-
-@torch.no_grad()
-def generate_packed(model, prompts, offsets, n_new, backend=None, *, fixed_shape=False, step=None,
-                    dtype=None, return_logits=False):
-    """Greedy generation for packed prompts (T,) with offsets (B + 1,):
-    :func:`prefill_packed` with ``backend``, then :func:`decode_greedy` with
-    the same backend or, ``fixed_shape=True``, with :class:`CachedStep` steps.
-    ``dtype`` (default: ``default_dtype`` of the prompts' device) other than
-    float32 runs under autocast. Returns the new tokens, (B, n_new) (and with
-    ``return_logits`` the logits that chose them, (B, n_new, vocab))."""
-    dtype = default_dtype(prompts.device) if dtype is None else dtype
-    lengths = offsets.diff()
-    cache = KVCache(model.cfg, len(lengths), int(lengths.max()) + n_new, prompts.device, dtype)
-    with torch.autocast(prompts.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = prefill_packed(model, prompts, offsets, cache, backend)
-        return decode_greedy(model, logits, cache, lengths, n_new, fixed_shape=fixed_shape, backend=backend,
-                             step=step, return_logits=return_logits)
-
-
-@torch.no_grad()
-def teacher_forced_logits(model, prompts, offsets, new_tokens, backend="loop"):
-    """The reference for a greedy generation: each prompt followed by the
-    tokens generated for it (``new_tokens``, (B, n_new)), run through the
-    model once, packed, with no cache. Returns the logits that chose each new
-    token, (B, n_new, vocab), in float32: a generation's own logits must
-    match them within the dtype's tolerance, however rounding breaks a near
-    tie (the next tokens are fed, not re-chosen)."""
-    lengths, n_new = offsets.diff(), new_tokens.shape[1]
-    pieces = [torch.cat([prompts[int(a):int(b)], t[:-1]]) for a, b, t in zip(offsets[:-1], offsets[1:], new_tokens)]
-    full = offsets_from_lengths(lengths + n_new - 1, prompts.device)
-    logits = model(torch.cat(pieces), token_index(full)[1], Packed(full, backend))  # (T, vocab)
-    rows = full[:-1, None] + lengths[:, None] - 1 + torch.arange(n_new, device=prompts.device)  # (B, n_new)
-    return logits[rows].float()
+def paged_rows(block_table, kv_lengths, block_size):
+    """The cache rows of every key each sequence uses, sequence after
+    sequence, (sum(kv_lengths),) int64, from the block table (B, max_blocks)
+    and the keys in use (B,)."""
+    seq, pos = token_index(offsets_from_lengths(kv_lengths, block_table.device))
+    return block_table[seq, pos // block_size].long() * block_size + pos % block_size

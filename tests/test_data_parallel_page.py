@@ -20,12 +20,10 @@ CORPUS_LINE = re.compile(r"corpus: (\d+) documents from (.+), lengths min (\d+),
 TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=512)
 
 
-DATA = MODULES["ragged_toolkit.data"]
 
 
 @pytest.fixture(scope="module")
 def corpus():
-    DATA._CORPUS.clear()
     documents, source = tk.docstring_corpus(min_chars=200, limit=3000)
     return documents, source
 
@@ -40,7 +38,6 @@ def test_the_corpus_is_real_deterministic_and_its_line_has_the_page_form(corpus)
     documents, source = corpus
     assert len(documents) >= 1000 and all(isinstance(d, bytes) and len(d) >= 200 for d in documents)
     assert len(set(documents)) == len(documents), "a docstring is kept once"
-    DATA._CORPUS.clear()
     assert tk.docstring_corpus(min_chars=200, limit=3000) == (documents, source), "not deterministic"
     assert "/" not in source, f"the source names a machine path: {source}"
     lengths = sorted(len(d) for d in documents)
@@ -129,11 +126,9 @@ def test_two_ranks_match_one_process_and_fail_when_the_count_is_not_reduced(corp
     """torch.distributed.run, 2 ranks over gloo: DDP and FSDP2 within 1e-4 of
     one process; DDP whose ranks each divide by their own count, not."""
     per_rank, reference = _grad_setup(corpus, model)
-    runs = [{"name": "ddp", "wrap": "ddp", "reduce_count": True},
-            {"name": "fsdp", "wrap": "fsdp", "reduce_count": True},
-            {"name": "unreduced", "wrap": "ddp", "reduce_count": False}]
-    job = {"backend": "gloo", "config": TINY, "dtype": "float32", "lr": 1e-3, "grad_runs": runs,
-           "grad_backend": "loop", "time_backend": "loop"}
+    runs = [tk.GradientRun("ddp", "ddp"), tk.GradientRun("fsdp", "fsdp"),
+            tk.GradientRun("unreduced", "ddp", reduce_count=False)]
+    job = tk.DataParallelJob(backend="gloo", config=TINY, grad_runs=runs)
     data = {"init": model.state_dict(), "grad_batches": per_rank,
             "time_batches": {"token budget": [per_rank]}}
     reports, grads = tk.run_data_parallel(job, data, 2, timeout=120)
@@ -146,9 +141,8 @@ def test_two_ranks_match_one_process_and_fail_when_the_count_is_not_reduced(corp
 
 
 def test_a_failing_rank_is_reported_with_its_last_lines(model):
-    job = {"backend": "gloo", "config": {**TINY, "dim": 30}, "dtype": "float32", "lr": 1e-3,
-           "grad_runs": [], "grad_backend": "loop", "time_backend": "loop"}
-    with pytest.raises(RuntimeError, match=r"(?s)2 ranks on gloo failed \(exit 1, rank\d\).*size mismatch"):
+    job = tk.DataParallelJob(backend="gloo", config={**TINY, "dim": 30})
+    with pytest.raises(RuntimeError, match=r"(?s)2 ranks on gloo failed \(exit 1, rank\d.*size mismatch"):
         tk.run_data_parallel(job, {"init": model.state_dict(), "grad_batches": [[], []],
                                    "time_batches": {"x": [[[], []]]}}, 2, timeout=120)
 

@@ -19,7 +19,7 @@ from toolkit_api import MODULES, tk
 
 ATTENTION = MODULES["ragged_toolkit.attention"]
 FLEX = MODULES["ragged_toolkit.attention.flex"]
-DATA_PARALLEL = MODULES["ragged_toolkit.data_parallel"]
+LAUNCH = MODULES["ragged_toolkit.data_parallel_launch"]
 
 
 # --- a backend with no kernel on CUDA --------------------------------------------
@@ -43,11 +43,13 @@ def test_gloo_ranks_are_launched_with_no_gpu_to_see(monkeypatch):
         seen.update(kwargs["env"])
         return subprocess.CompletedProcess(command, 1, "", "stopped by the test")
 
-    monkeypatch.setattr(DATA_PARALLEL.subprocess, "run", run)
-    job = {"backend": "gloo", "grad_runs": []}
+    monkeypatch.setattr(LAUNCH.subprocess, "run", run)
+    job = tk.DataParallelJob(backend="gloo", config={})
     with pytest.raises(RuntimeError, match="2 ranks on gloo failed"):
         tk.run_data_parallel(job, {}, 2)
     assert seen.get("CUDA_VISIBLE_DEVICES") == "", "a CPU rank could build its mesh on a GPU"
+    # ranks on one machine talk over the loopback interface
+    assert seen.get("GLOO_SOCKET_IFNAME") == "lo" and seen.get("MASTER_ADDR") == "127.0.0.1"
 
 
 @pytest.fixture
@@ -108,7 +110,7 @@ def test_compare_backends_names_a_backend_that_raises_instead_of_dropping_it(mon
     def broken(*args, **kwargs):
         raise RuntimeError("kernel missing")
 
-    monkeypatch.setitem(ATTENTION.BACKEND_FUNCTIONS, "bucketed", broken)
+    monkeypatch.setitem(ATTENTION._ATTEND, "bucketed", broken)
     offsets = tk.offsets_from_lengths([3, 5])
     q = k = v = torch.randn(8, 2, 4)
     with pytest.raises(RuntimeError, match=r"backend 'bucketed' should run this job here and raised: kernel missing"):
@@ -122,7 +124,6 @@ def test_compare_backends_names_a_backend_that_raises_instead_of_dropping_it(mon
 
 def test_flex_compiles_every_head_configuration_and_never_runs_unfused():
     torch._dynamo.reset()
-    FLEX._shapes.clear()
     rng = np.random.default_rng(0)
     configs = [(2, 1, 8), (4, 2, 8), (4, 4, 16), (8, 2, 16)]  # heads, key/value heads, head size
     with tk.compile_counter() as count, warnings.catch_warnings(record=True) as caught, torch.no_grad():
@@ -136,23 +137,26 @@ def test_flex_compiles_every_head_configuration_and_never_runs_unfused():
             g = torch.Generator().manual_seed(i)
             q = torch.randn(int(offsets[-1]), heads, dim, generator=g)
             k, v = (torch.randn(int(offsets[-1]), kv_heads, dim, generator=g) for _ in range(2))
-            out = tk.ragged_attention(q, k, v, offsets, is_causal=True, backend="flex")
+            out = tk.ragged_attention(q, k, v, tk.plan_batch(offsets, is_causal=True, backend="flex"))
             torch.testing.assert_close(out, tk.reference_attention(q, k, v, offsets, is_causal=True),
                                        atol=1e-5, rtol=1e-4)
     unfused = [str(w.message).splitlines()[0] for w in caught if "without torch.compile" in str(w.message)]
     assert not unfused and not count.fallbacks, (unfused or count.fallbacks)[:2]
-    assert count.graphs > 8, f"{count.graphs} graphs: the test meant to pass dynamo's default limit of 8"
-    assert all(len(shapes) <= tk.FLEX_SHAPES_PER_CONFIGURATION for shapes in FLEX._shapes.values())
+    assert 8 < count.graphs <= tk.FLEX_RECOMPILE_LIMIT, \
+        f"{count.graphs} graphs: the test meant to pass dynamo's default limit of 8, within the toolkit's"
 
 
 def test_flex_past_its_bound_fails_naming_the_cause(monkeypatch):
-    monkeypatch.setattr(FLEX, "FLEX_SHAPES_PER_CONFIGURATION", 1)
-    monkeypatch.setattr(FLEX, "_shapes", {})
-    monkeypatch.setattr(FLEX, "_compiled", lambda q, k, v, **kw: q)  # what it compiles is not the point
-    q = torch.zeros(1, 2, 128, 8)
-    FLEX.compiled_flex_attention(q, q, q)
-    with pytest.raises(RuntimeError, match=r"1 shapes already compiled for 2 heads, 2 key/value heads, head size 8"):
-        FLEX.compiled_flex_attention(torch.zeros(1, 2, 256, 8), q, q)
+    torch._dynamo.reset()
+    monkeypatch.setattr(FLEX, "FLEX_RECOMPILE_LIMIT", 1)
+    q = torch.randn(1, 2, 128, 8)
+    with torch.no_grad():
+        FLEX.compiled_flex_attention(q, q, q)
+        with pytest.raises(RuntimeError, match=r"1 graphs already compiled; 2 heads, 2 key/value heads, head "
+                                               r"size 8, torch.float32, 256 query rows would compile one more"):
+            q2 = torch.randn(1, 2, 256, 8)
+            FLEX.compiled_flex_attention(q2, q2, q2)
+    torch._dynamo.reset()
 
 
 # --- greedy generations against teacher forcing ------------------------------------

@@ -24,10 +24,11 @@ def _loop_job(batch=48):
     offsets = tk.offsets_from_lengths(lengths)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(int(lengths.sum()), 8, 32, generator=g) for _ in range(3))
+    plan = tk.plan_batch(offsets, is_causal=True, backend="loop")
 
     def call():
         with torch.no_grad():
-            return tk.ragged_attention(q, k, v, offsets, is_causal=True, backend="loop")
+            return tk.ragged_attention(q, k, v, plan)
 
     return call
 
@@ -94,7 +95,7 @@ def test_flex_compiles_a_few_graphs_for_many_batch_shapes_and_never_falls_back()
             offsets = tk.offsets_from_lengths(lengths)
             q = torch.randn(int(offsets[-1]), 4, 16, generator=g)
             k, v = (torch.randn(int(offsets[-1]), 2, 16, generator=g) for _ in range(2))
-            out = tk.ragged_attention(q, k, v, offsets, is_causal=True, backend="flex")
+            out = tk.ragged_attention(q, k, v, tk.plan_batch(offsets, is_causal=True, backend="flex"))
             torch.testing.assert_close(
                 out, tk.reference_attention(q, k, v, offsets, is_causal=True),
                 atol=1e-5, rtol=1e-4)

@@ -12,13 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from ragged_toolkit import serving
+from toolkit_api import MODULES
+from ragged_toolkit.batches import offsets_from_lengths, token_index
+from ragged_toolkit.serving import paged_attention, schedulers
 from ragged_toolkit.device import tolerances
 from ragged_toolkit.gpt import GPT, GPTConfig
-from ragged_toolkit.serving import (PagedKVCache, Request, block_table_tensor, check_against_alone,
-                                    fresh_requests, latency_ms, paged_rows, plan_continuous,
-                                    plan_static, request_stream, retire_batch, serve, slot_bound,
-                                    take_turns)
+from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
+from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals, Request, request_stream
+from ragged_toolkit.serving.proof import check_against_alone
+from ragged_toolkit.serving.metrics import latency_ms, slot_bound
+from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
+from ragged_toolkit.serving.server import serve, take_turns
 
 CFG = GPTConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=256)
 FLOAT32 = tolerances(torch.float32)
@@ -58,7 +62,7 @@ def test_the_stream_opens_documents_and_draws_long_tailed_outputs():
     again = request_stream(documents, 50, np.random.default_rng(1), prompt_max=8, out_median=6,
                            out_max=30)
     assert [(r.prompt, r.n_out) for r in again] == [(r.prompt, r.n_out) for r in requests]
-    arrivals = serving.poisson_arrivals(np.random.default_rng(2), 2000, rate=4.0)
+    arrivals = poisson_arrivals(np.random.default_rng(2), 2000, rate=4.0)
     assert np.all(np.diff(arrivals) > 0) and 1 / 4.4 < np.diff(arrivals).mean() < 1 / 3.6
 
 
@@ -189,16 +193,16 @@ def test_flex_reads_the_paged_cache_as_the_gathered_path_does(model, stream):
 
 
 def test_varlen_says_why_it_cannot_read_the_cache(monkeypatch):
-    assert "CUDA" in serving.paged_varlen_support("cpu", torch.bfloat16, 256)
-    monkeypatch.setattr(serving, "backend_support", lambda *a, **k: None)
-    monkeypatch.setattr(serving, "varlen_keywords", lambda: {"window_size", "enable_gqa", "seqused_k"})
-    why = serving.paged_varlen_support("cuda", torch.bfloat16, 256)
-    assert why == "this release's varlen_attn has no block_table"
-    monkeypatch.setattr(serving, "varlen_keywords",
-                        lambda: {"window_size", "enable_gqa", "seqused_k", "block_table"})
-    assert "blocks of 16 rows: FlashAttention's paged kernel needs a multiple of 256" == \
-        serving.paged_varlen_support("cuda", torch.bfloat16, 16)
-    assert serving.paged_varlen_support("cuda", torch.bfloat16, 256) is None
+    support = paged_attention.paged_varlen_support
+    assert "CUDA" in support("cpu", torch.bfloat16, 256)
+    monkeypatch.setattr(paged_attention, "backend_support", lambda *a, **k: None)
+    varlen = MODULES["ragged_toolkit.attention.varlen"]
+    monkeypatch.setattr(varlen, "VARLEN_KEYWORDS", frozenset({"window_size", "enable_gqa", "seqused_k"}))
+    assert support("cuda", torch.bfloat16, 256) == "this release's varlen_attn has no block_table, num_splits"
+    monkeypatch.setattr(varlen, "VARLEN_KEYWORDS",
+                        frozenset({"window_size", "enable_gqa", "seqused_k", "block_table", "num_splits"}))
+    assert "blocks of 16 rows: FlashAttention's paged kernel needs a multiple of 256" == support("cuda", torch.bfloat16, 16)
+    assert support("cuda", torch.bfloat16, 256) is None
 
 
 def test_bad_input_is_named(model, stream):
@@ -217,10 +221,10 @@ def test_bad_input_is_named(model, stream):
 
 def test_planted_off_by_one_block_index_fails(model, stream, monkeypatch):
     def rows_one_block_off(block_table, kv_lengths, block_size):
-        seq, pos = serving.token_index(serving.offsets_from_lengths(kv_lengths))
+        seq, pos = token_index(offsets_from_lengths(kv_lengths))
         return block_table[seq, pos // block_size - 1].long() * block_size + pos % block_size  # planted: - 1
 
-    monkeypatch.setattr(serving, "paged_rows", rows_one_block_off)
+    monkeypatch.setattr(paged_attention, "paged_rows", rows_one_block_off)
     run = serve_all(model, stream, continuous(), n_blocks=64)
     with pytest.raises(AssertionError, match="differ from decoding it alone"):
         check_against_alone(model, run.requests, FLOAT32)
@@ -245,7 +249,7 @@ def test_planted_resume_at_the_wrong_position_fails(model, stream, monkeypatch):
         req.computed = req.length() - 1  # planted: resumes as if its keys were still cached
         req.preempted += 1
 
-    monkeypatch.setattr(serving, "preempt", preempt_keeping_the_position)
+    monkeypatch.setattr(schedulers, "preempt", preempt_keeping_the_position)
     run = serve_all(model, stream, continuous(), n_blocks=14)
     assert sum(r.preempted for r in run.requests) > 0
     with pytest.raises(AssertionError, match="differ from decoding it alone"):

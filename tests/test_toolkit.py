@@ -8,6 +8,7 @@ backends' parity with an independent float64 reference is in
 from __future__ import annotations
 
 import ast
+import json
 import inspect
 import types
 
@@ -63,13 +64,14 @@ RETIRED = {"time_it", "time_ms", "timeit", "compare", "zipf_lengths", "gen_batch
            "_sync", "_varlen_keywords", "_compiled_flex_attention", "fastest", "ragged_info", "RaggedInfo"}
 
 # Only these toolkit functions may call these: timing goes through
-# ``measure``, sentence lengths through ``sentence_lengths``.
-ONLY_INSIDE = {"Timer": "measure", "geometric": "sentence_lengths"}
+# ``measure``, every clock through ``stopwatch``, sentence lengths
+# through ``sentence_lengths``.
+ONLY_INSIDE = {"Timer": "measure", "perf_counter": "stopwatch", "geometric": "sentence_lengths"}
 
 
 def test_the_package_defines_the_names_the_pages_rely_on():
     assert {"ragged_attention", "reference_attention", "measure", "compare_backends", "sentence_lengths",
-            "to_padded", "work_bound", "synchronize", "varlen_keywords", "compiled_flex_attention",
+            "to_padded", "work_bound", "synchronize", "varlen_kwargs", "compiled_flex_attention", "plan_batch",
             "default_device", "quick_mode", "quiet_known_notes", "MultiHeadAttention",
             "generate_packed", "wrap_model", "StepTimer"} <= set(OWNER)
 
@@ -94,7 +96,7 @@ def test_one_vocabulary(path):
 
 def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
     page = tmp_path / "page.py"
-    page.write_text("from ragged_toolkit.measure import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
+    page.write_text("from ragged_toolkit.measuring.timing import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
                     "    return values\n\n\nif x:\n    ragged_attention = None\n")
     with pytest.raises(AssertionError, match=r"page.py:6: defines to_padded\s+page.py:11: defines ragged_attention"):
         test_one_vocabulary(page)
@@ -103,8 +105,8 @@ def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
         test_one_vocabulary(page)
     with pytest.raises(AssertionError, match="page.py does not import from ragged_toolkit"):
         test_every_page_imports_the_toolkit(page)
-    page.write_text("from ragged_toolkit.measure import measure, time_it\n")
-    with pytest.raises(AssertionError, match=r"imports names ragged_toolkit.measure does not define: \['time_it'\]"):
+    page.write_text("from ragged_toolkit.measuring.timing import measure, time_it\n")
+    with pytest.raises(AssertionError, match=r"imports names ragged_toolkit.measuring.timing does not define: \['time_it'\]"):
         test_every_page_imports_the_toolkit(page)
     page.write_text("from ragged_toolkit import measure\n")
     with pytest.raises(AssertionError, match="imports names ragged_toolkit does not define"):
@@ -144,30 +146,43 @@ def _batch(tk, q_lengths, kv_lengths=None, heads=4, kv_heads=4, dtype=torch.floa
     return q, k, v, qo, ko
 
 
+def _attend(tk, q, k, v, qo, ko=None, *, backend="loop", **plan):
+    """``ragged_attention`` with the batch's plan, built here."""
+    return tk.ragged_attention(q, k, v, tk.plan_batch(qo, ko, backend=backend, **plan))
+
+
 @pytest.mark.parametrize("offsets, message", [
     ([1, 3, 7], "must start at 0, got 1"),
     ([0, 5, 3, 7], "must not decrease: q_offsets[1] = 5 > q_offsets[2] = 3"),
-    ([0, 3, 6], "must end at the token count, 7, got 6"),
 ])
 def test_bad_offsets_are_refused_naming_the_problem(tk, offsets, message):
-    q, k, v, _, ko = _batch(tk, [3, 4])
+    _, _, _, _, ko = _batch(tk, [3, 4])
     with pytest.raises(ValueError, match="q_offsets " + message.replace("[", r"\[").replace("]", r"\]")):
-        tk.ragged_attention(q, k, v, torch.tensor(offsets), ko)
+        tk.plan_batch(torch.tensor(offsets), ko, backend="loop")
+
+
+def test_a_plan_of_another_batch_is_refused(tk):
+    q, k, v, qo, ko = _batch(tk, [3, 4])
+    plan = tk.plan_batch(tk.offsets_from_lengths([3, 3]), backend="loop")
+    with pytest.raises(ValueError, match="the plan describes 6 query rows and 6 key rows; got 7 and 7"):
+        tk.ragged_attention(q, k, v, plan)
+    with pytest.raises(TypeError, match="takes the batch's plan"):
+        tk.ragged_attention(q, k, v, qo)
 
 
 def test_different_batch_sizes_and_bad_kv_used_are_refused(tk):
     q, k, v, qo, ko = _batch(tk, [3, 4])
     with pytest.raises(ValueError, match="different batch sizes: 2 and 1"):
-        tk.ragged_attention(q, k, v, qo, torch.tensor([0, 7]))
+        _attend(tk, q, k, v, qo, torch.tensor([0, 7]))
     with pytest.raises(ValueError, match="kv_used must hold one count per sequence"):
-        tk.ragged_attention(q, k, v, qo, ko, kv_used=torch.tensor([3, 5]))
+        _attend(tk, q, k, v, qo, ko, kv_used=torch.tensor([3, 5]))
     with pytest.raises(ValueError, match="H a multiple of H_kv"):
-        tk.ragged_attention(q, k[:, :3], v[:, :3], qo, ko)
+        _attend(tk, q, k[:, :3], v[:, :3], qo, ko)
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
-        tk.ragged_attention(q, k, v, qo, ko, backend="fast")
+        _attend(tk, q, k, v, qo, ko, backend="fast")
     # float32 rotary outputs beside a bfloat16 value under autocast
     with pytest.raises(ValueError, match="one dtype; got torch.float32, torch.float32, torch.bfloat16"):
-        tk.ragged_attention(q, k, v.bfloat16(), qo, ko, backend="loop")
+        _attend(tk, q, k, v.bfloat16(), qo, ko, backend="loop")
 
 
 CPU_BACKENDS = ("sdpa_njt", "flex", "loop", "bucketed", "padded")
@@ -186,7 +201,7 @@ def test_empty_sequences_on_every_backend(tk, backend, causal):
     for t in (q, k, v):
         t.requires_grad_(needs_grad)
     with torch.set_grad_enabled(needs_grad):
-        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=causal, backend=backend)
+        out = _attend(tk, q, k, v, qo, ko, is_causal=causal, backend=backend)
     reference = tk.reference_attention(q, k, v, qo, ko, is_causal=causal)
     assert out.shape == q.shape and out.isfinite().all()
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-4)
@@ -203,7 +218,7 @@ def test_decoding_against_a_cache_with_gqa(tk, backend):
     q, k, v, qo, ko = _batch(tk, [1, 1, 1], [8, 8, 8], heads=8, kv_heads=2)
     used = torch.tensor([3, 8, 1])
     with torch.no_grad():
-        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=True, kv_used=used, backend=backend)
+        out = _attend(tk, q, k, v, qo, ko, is_causal=True, kv_used=used, backend=backend)
     torch.testing.assert_close(out, tk.reference_attention(q, k, v, qo, ko, kv_used=used), atol=1e-5, rtol=1e-4)
 
 
@@ -213,7 +228,7 @@ def test_padded_backend_reads_a_rectangular_cache_in_place(tk):
     q, k, v, qo, ko = _batch(tk, [3, 3, 3], [8, 8, 8], heads=4, kv_heads=2)
     used = torch.tensor([3, 8, 5])
     with torch.no_grad():
-        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=True, kv_used=used, backend="padded")
+        out = _attend(tk, q, k, v, qo, ko, is_causal=True, kv_used=used, backend="padded")
     torch.testing.assert_close(out, tk.reference_attention(q, k, v, qo, ko, is_causal=True, kv_used=used),
                                atol=1e-5, rtol=1e-4)
 
@@ -222,7 +237,7 @@ def test_padded_backend_reads_a_rectangular_cache_in_place(tk):
 def test_low_precision_matches_the_float32_reference(tk, backend):
     q, k, v, qo, ko = _batch(tk, [5, 1, 9, 3], heads=8, kv_heads=2, dtype=torch.bfloat16)
     with torch.no_grad():
-        out = tk.ragged_attention(q, k, v, qo, ko, is_causal=True, backend=backend)
+        out = _attend(tk, q, k, v, qo, ko, is_causal=True, backend=backend)
     assert out.dtype == torch.bfloat16
     reference = tk.reference_attention(q, k, v, qo, ko, is_causal=True)
     torch.testing.assert_close(out.float(), reference, **tk.tolerances(torch.bfloat16))
@@ -234,11 +249,40 @@ def test_low_precision_matches_the_float32_reference(tk, backend):
 
 # --- varlen_attn across releases ---------------------------------------------
 
-def _fake_varlen(signature_source):
-    """A stand-in for ``varlen_attn`` with a given release's signature, which
-    records the arguments it gets."""
-    namespace = {}
-    exec(signature_source, namespace)  # noqa: S102
+#: ``varlen_attn``'s signature in each release, recorded from its build
+#: (``scripts/varlen_signature.py``), and 2.10's, from its source.
+SIGNATURES = json.loads((REPO / "tests" / "fixtures" / "varlen_signatures.json").read_text())
+KEYWORDS = {release[:4]: frozenset(p["name"] for p in record["members"]["varlen_attn"]["parameters"])
+            for release, record in SIGNATURES.items()}
+KEYWORDS["2.10"] = frozenset("query key value cu_seq_q cu_seq_k max_q max_k return_aux is_causal scale".split())
+
+
+def test_the_recorded_releases_are_the_checked_ones():
+    assert set(KEYWORDS) == {"2.10", "2.11", "2.13", "2.15"}
+    assert "window_size" in KEYWORDS["2.11"] and "enable_gqa" not in KEYWORDS["2.11"]
+    assert {"enable_gqa", "seqused_k", "block_table", "num_splits"} <= KEYWORDS["2.13"] <= KEYWORDS["2.15"]
+
+
+@pytest.mark.parametrize("release", sorted(KEYWORDS))
+def test_the_varlen_adapter_maps_each_feature_or_names_it_missing(tk, release):
+    keywords = KEYWORDS[release]
+    causal = tk.varlen_kwargs(is_causal=True, scale=0.5, keywords=keywords)
+    assert causal == ({"is_causal": True, "scale": 0.5} if release == "2.10"
+                      else {"window_size": (-1, 0), "scale": 0.5})
+    paged = dict(is_causal=True, enable_gqa=True, seqused_k=torch.tensor([3]), block_table=torch.zeros(1, 1),
+                 num_splits=1, keywords=keywords)
+    if release in ("2.10", "2.11"):
+        with pytest.raises(tk.VarlenUnavailable, match="has no enable_gqa, seqused_k, block_table, num_splits"):
+            tk.varlen_kwargs(**paged)
+    else:
+        kw = tk.varlen_kwargs(**paged)
+        assert kw["num_splits"] == 1 and kw["enable_gqa"] is True and kw["window_size"] == (-1, 0)
+        assert set(kw) <= keywords
+    assert tk.varlen_kwargs(keywords=keywords) == {}  # nothing asked, nothing passed
+
+
+def _fake_varlen():
+    """A stand-in for ``varlen_attn`` that records the arguments it gets."""
     calls = []
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kw):
@@ -246,37 +290,27 @@ def _fake_varlen(signature_source):
                       "max": (max_q, max_k), **kw})
         return torch.zeros_like(query)
 
-    varlen_attn.__signature__ = inspect.signature(namespace["varlen_attn"])
     return varlen_attn, calls
 
 
-RELEASES = {
-    "2.10": "def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, "
-            "return_aux=None, is_causal=False, scale=None): pass",
-    "2.11": "def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, "
-            "return_aux=None, scale=None, window_size=(-1, -1)): pass",
-    "2.15": "def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, "
-            "scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, "
-            "num_splits=None): pass",
-}
-
-
-@pytest.mark.parametrize("release", RELEASES)
-def test_varlen_arguments_follow_the_installed_signature(tk, release, monkeypatch):
-    fake, calls = _fake_varlen(RELEASES[release])
-    monkeypatch.setattr(MODULES["ragged_toolkit.attention.varlen"], "varlen_attn", fake)
+@pytest.mark.parametrize("release", sorted(KEYWORDS))
+def test_the_varlen_backend_follows_the_installed_signature(tk, release, monkeypatch):
+    fake, calls = _fake_varlen()
+    varlen = MODULES["ragged_toolkit.attention.varlen"]
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    monkeypatch.setattr(varlen, "VARLEN_KEYWORDS", KEYWORDS[release])
     monkeypatch.setattr(MODULES["ragged_toolkit.attention"], "backend_support",
                         lambda *a, **kw: None)  # as if on a GPU
     # decoding: one query per sequence, 8 query heads over 2 key/value heads,
     # rows of 8 keys of which 3 and 8 are in use
     q, k, v, qo, ko = _batch(tk, [1, 1], [8, 8], heads=8, kv_heads=2, dtype=torch.bfloat16)
-    tk.ragged_attention(q, k, v, qo, ko, is_causal=True, kv_used=torch.tensor([3, 8]), backend="varlen")
+    _attend(tk, q, k, v, qo, ko, is_causal=True, kv_used=torch.tensor([3, 8]), backend="varlen")
     call = calls[-1]
     if release == "2.10":
         assert call["is_causal"] is True and "window_size" not in call
     else:
         assert call["window_size"] == (-1, 0) and "is_causal" not in call
-    if release == "2.15":  # reads the cache in place and shares the key/value heads
+    if release in ("2.13", "2.15"):  # reads the cache in place and shares the key/value heads
         assert call["cu"] == (torch.int32, [0, 8, 16]) and call["seqused_k"].tolist() == [3, 8]
         assert call["enable_gqa"] is True and call["key_heads"] == 2
     else:  # no seqused_k: only the rows in use are passed; no enable_gqa: heads repeated
@@ -320,12 +354,18 @@ def test_the_kernel_that_ran_is_read_from_the_profiler(tk):
 
 def test_the_work_bound_counts_what_each_side_computes(tk):
     lengths = torch.tensor([1, 3])  # padded to 3: 6 slots for 4 tokens
-    assert tk.work_bound(lengths, per_token=1.0, per_pair=0.0) == pytest.approx(6 / 4)
+    tokens, pairs = tk.Work(per_token=1.0, per_pair=0.0), tk.Work(per_token=0.0, per_pair=1.0)
+    assert tk.work_bound(lengths, work=tokens) == pytest.approx(6 / 4)
     # causal on both sides: pairs 2 * 6 = 12 against 1 + 6 = 7
-    assert tk.work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True) == pytest.approx(12 / 7)
+    assert tk.work_bound(lengths, work=pairs, causal=True) == pytest.approx(12 / 7)
     # a merged mask computes the whole square: 2 * 9 = 18 against 7
-    assert tk.work_bound(lengths, per_token=0.0, per_pair=1.0, causal=True,
-                         padded_causal=False) == pytest.approx(18 / 7)
+    assert tk.work_bound(lengths, work=pairs, causal=True, padded_causal=False) == pytest.approx(18 / 7)
+    # a model's work: 2 FLOPs per weight per token but the embedding's, 4 H D per pair per layer
+    cfg = tk.GPTConfig(vocab_size=50, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=32)
+    model = tk.GPT(cfg)
+    work = tk.model_work(model, n_layers=2, attention_width=16)
+    weights = sum(p.numel() for p in model.parameters()) - 50 * 16
+    assert work == tk.Work(per_token=2.0 * weights, per_pair=4.0 * 2 * 16)
 
 
 def _greedy_without_cache(tk, model, prompt, n_new):
@@ -334,7 +374,7 @@ def _greedy_without_cache(tk, model, prompt, n_new):
     seq = prompt.clone()
     for _ in range(n_new):
         positions = torch.arange(len(seq))
-        logits = model(seq[None], positions[None], tk.Padded())[0, -1]
+        logits = model(seq[None], positions[None], tk.PaddedLayout())[0, -1]
         seq = torch.cat([seq, logits.argmax()[None]])
     return seq[len(prompt):]
 

@@ -207,9 +207,10 @@ def _compare_backends(case, seed, backends=tk.BACKENDS):
         if not with_grad and tk.backend_support(name, "cpu", torch.float32, needs_grad=False, **support):
             continue  # cannot take this job here at all (varlen without CUDA, ...)
 
-        def attend(q, k, v, name=name):
-            return tk.ragged_attention(q, k, v, qo, ko, is_causal=causal, kv_used=kv_used, scale=scale,
-                                       backend=name)
+        plan = tk.plan_batch(qo, ko, backend=name, is_causal=causal, kv_used=kv_used)
+
+        def attend(q, k, v, plan=plan):
+            return tk.ragged_attention(q, k, v, plan, scale=scale)
 
         out, grads = _run(attend, q, k, v, grad_out, with_grad)
         problems += _check(f"{name} ({'with' if with_grad else 'without'} gradients)", out, grads,
@@ -307,4 +308,4 @@ def test_causal_attention_with_fewer_keys_than_queries_is_refused():
     qo, ko = tk.offsets_from_lengths([3, 2]), tk.offsets_from_lengths([2, 3])
     for name in PORTABLE:
         with pytest.raises(ValueError, match="is_causal needs at least as many keys as queries"):
-            tk.ragged_attention(q, k, v, qo, ko, is_causal=True, backend=name)
+            tk.plan_batch(qo, ko, is_causal=True, backend=name)

@@ -5,6 +5,8 @@ queries."""
 import torch
 import torch.nn.functional as F
 
+__all__ = ["bottom_right_causal", "shares_heads", "dense_attention"]
+
 
 def bottom_right_causal(lq, lkv, device):
     """(lq, lkv), True where a query may see a key; aligned bottom-right, as in
@@ -12,10 +14,17 @@ def bottom_right_causal(lq, lkv, device):
     return torch.ones(lq, lkv, dtype=torch.bool, device=device).tril(lkv - lq)
 
 
+def shares_heads(q, k):
+    """Whether q (N, H, L, D) has more heads than k (N, H_kv, L, D): grouped-
+    query attention, SDPA's ``enable_gqa``. A Python bool also where the
+    head counts are symbolic (a branch makes ``torch.compile`` decide it)."""
+    return True if q.shape[1] != k.shape[1] else False
+
+
 def dense_attention(q, k, v, is_causal, scale, mask=None):
     """SDPA on q (N, H, Lq, D) and k, v (N, H_kv, Lkv, D); ``mask``, if given,
     holds everything a query may see. Every query has at least one key."""
-    lq, lkv, gqa = q.shape[-2], k.shape[-2], q.shape[1] != k.shape[1]
+    lq, lkv, gqa = q.shape[-2], k.shape[-2], shares_heads(q, k)
     if mask is None and is_causal and lq == lkv:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if mask is None and is_causal and lq > 1:

@@ -7,43 +7,47 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ..batches import offsets_from_lengths, token_index
+from .dense import shares_heads
+
+__all__ = ["FLEX_BLOCK", "FLEX_RECOMPILE_LIMIT", "compiled_flex_attention", "flex_rows", "document_block_mask",
+           "prepare_flex", "flex_backend"]
 
 #: Rows per FlexAttention block: the padded sizes are multiples of it.
 FLEX_BLOCK = 128
-#: The most shapes :func:`compiled_flex_attention` compiles for one head
-#: configuration (heads, key/value heads, head size, dtype, device): the
-#: sizes of :func:`flex_rows` up to 8,192 tokens, with room for a few more.
-FLEX_SHAPES_PER_CONFIGURATION = 32
+#: The most graphs dynamo may compile for :func:`compiled_flex_attention`
+#: (every head configuration, dtype, grad mode and padded size together):
+#: on CPU, where shapes are static, the sizes of :func:`flex_rows` up to
+#: 8,192 tokens for a few configurations; on CUDA, where they are dynamic,
+#: far fewer.
+FLEX_RECOMPILE_LIMIT = 64
 
 # Static shapes on CPU (there dynamic shapes fail to compile the document
-# mask on 2.13: a C++ compile error), automatic dynamic shapes on CUDA.
-_compiled = torch.compile(flex_attention, dynamic=None if torch.cuda.is_available() else False)
-_shapes = {}  # head configuration -> the shapes compiled for it
+# mask on 2.13: a C++ compile error), dynamic shapes on CUDA: one graph per
+# head configuration, whatever the batch's size.
+_compiled = torch.compile(flex_attention, dynamic=True if torch.cuda.is_available() else False)
 
 
 def compiled_flex_attention(q, k, v, **kwargs):
     """``flex_attention(q, k, v, **kwargs)`` compiled, q (N, H, L_q, D), k and v
-    (N, H_kv, L_kv, D). Compiled graphs are counted per head configuration:
-    past :data:`FLEX_SHAPES_PER_CONFIGURATION` shapes it raises, naming the
-    cause, and it never falls back to the unfused ``flex_attention``, which
-    materializes the whole score matrix (dynamo's recompile limit, which would
-    do that silently, is lifted during the call and fails if still hit)."""
-    config = (q.shape[1], k.shape[1], q.shape[-1], q.dtype, q.device.type)
-    shape = (q.shape[0], q.shape[-2], k.shape[-2], q.requires_grad and torch.is_grad_enabled())
-    seen = _shapes.setdefault(config, set())
-    if shape not in seen and len(seen) >= FLEX_SHAPES_PER_CONFIGURATION:
+    (N, H_kv, L_kv, D). Past :data:`FLEX_RECOMPILE_LIMIT` graphs it raises,
+    naming the cause: it never falls back to the unfused ``flex_attention``,
+    which materializes the whole score matrix (dynamo's own recompile limit,
+    which would do that silently, is raised to it and made to fail). Inside
+    a model being compiled, ``flex_attention`` is compiled with the model."""
+    if torch.compiler.is_compiling():  # (views as whole tensors: inductor's CPU lowering needs them)
+        return flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), **kwargs)
+    limits = dict(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True,
+                  accumulated_recompile_limit=max(FLEX_RECOMPILE_LIMIT, 256))
+    try:
+        with torch._dynamo.config.patch(**limits):
+            return _compiled(q, k, v, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RuntimeError(
-            f"compiled_flex_attention: {len(seen)} shapes already compiled for {config[0]} heads, "
-            f"{config[1]} key/value heads, head size {config[2]}, {config[3]}: a new one, "
-            f"{shape[1:3]}, would compile one more graph. Pad the token counts to a few sizes "
-            "(flex_rows) instead of compiling for every count."
-        )
-    seen.add(shape)
-    limit = FLEX_SHAPES_PER_CONFIGURATION * max(len(_shapes), 1) + 8
-    with torch._dynamo.config.patch(
-        recompile_limit=limit, accumulated_recompile_limit=max(limit, 256), fail_on_recompile_limit_hit=True
-    ):
-        return _compiled(q, k, v, **kwargs)
+            f"compiled_flex_attention: {FLEX_RECOMPILE_LIMIT} graphs already compiled; {q.shape[1]} heads, "
+            f"{k.shape[1]} key/value heads, head size {q.shape[-1]}, {q.dtype}, {q.shape[-2]} query rows "
+            "would compile one more. Pad the token counts to a few sizes (flex_rows) instead of "
+            "compiling for every count."
+        ) from err
 
 
 def flex_rows(n):
@@ -56,14 +60,15 @@ def flex_rows(n):
     return -(-blocks // step) * step * FLEX_BLOCK
 
 
-def document_block_mask(plan, device, is_causal):
+def document_block_mask(plan):
     """The ``BlockMask`` of a packed batch padded to :func:`flex_rows` rows: a
     query sees the keys of its own sequence that are in use (and, causal,
     up to its position, aligned bottom-right). Padding query rows form
     document -2, which sees one padding key; the other padding keys are
     document -1, seen by no query. The mask reads only tables of the padded
     length, so a new batch of the same padded size compiles nothing."""
-    t_q, t_kv = sum(plan.q_lengths), sum(plan.kv_rows)
+    device, is_causal = plan.q_offsets.device, plan.is_causal
+    t_q, t_kv = plan.n_q, plan.n_kv
     n_q = flex_rows(t_q)
     n_kv = flex_rows(t_kv + (n_q > t_q))  # a padding query needs a padding key
 
@@ -88,13 +93,16 @@ def document_block_mask(plan, device, is_causal):
     return create_block_mask(document_mask, None, None, n_q, n_kv, device=device, BLOCK_SIZE=FLEX_BLOCK)
 
 
-def flex_backend(q, k, v, plan, is_causal, scale, kv_used=None):
+def prepare_flex(plan):
+    """What ``flex`` builds once per batch: :func:`document_block_mask`."""
+    return document_block_mask(plan)
+
+
+def flex_backend(q, k, v, plan, scale=None):
     """FlexAttention over the whole batch as one long sequence, padded to a few
     sizes, with its document mask: q (T_q, H, D), k and v (T_kv, H_kv, D)
     -> (T_q, H, D)."""
-    if ("flex", is_causal) not in plan.prepared:  # one BlockMask per batch, for every layer
-        plan.prepared["flex", is_causal] = document_block_mask(plan, q.device, is_causal)
-    mask = plan.prepared["flex", is_causal]
+    mask = plan.prepared
     if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     (t_q, t_kv), (n_q, n_kv) = (len(q), len(k)), mask.seq_lengths
@@ -102,5 +110,5 @@ def flex_backend(q, k, v, plan, is_causal, scale, kv_used=None):
     qf = F.pad(q, (0, 0, 0, 0, 0, n_q - t_q)).transpose(0, 1)[None]
     kf, vf = (F.pad(t, (0, 0, 0, 0, 0, n_kv - t_kv)).transpose(0, 1)[None] for t in (k, v))
     out = compiled_flex_attention(qf, kf, vf, block_mask=mask, scale=scale,
-                                  enable_gqa=q.shape[1] != k.shape[1])
+                                  enable_gqa=shares_heads(qf, kf))
     return out[0, :, :t_q].transpose(0, 1)

@@ -4,10 +4,13 @@ import torch
 
 from .dense import dense_attention
 
+__all__ = ["loop_backend"]
 
-def loop_backend(q, k, v, plan, is_causal, scale, kv_used=None):
+
+def loop_backend(q, k, v, plan, scale=None):
     """One dense SDPA call per sequence, on views of the packed tensors: q
-    (T_q, H, D), k and v (T_kv, H_kv, D) -> (T_q, H, D)."""
+    (T_q, H, D), k and v (T_kv, H_kv, D) -> (T_q, H, D). The plan's lengths
+    are Python ints, so a compiled model unrolls the loop for its batch."""
     # (T, H, D) -> (1, H, T, D) once; ``split`` then gives one view per
     # sequence, and its backward is a single concatenation
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
@@ -19,5 +22,5 @@ def loop_backend(q, k, v, plan, is_causal, scale, kv_used=None):
         plan.kv_lengths,
     ):
         # the key rows in use (a cache has spare rows after them)
-        out.append(dense_attention(qi, ki[:, :, :n], vi[:, :, :n], is_causal, scale))
+        out.append(dense_attention(qi, ki[:, :, :n], vi[:, :, :n], plan.is_causal, scale))
     return torch.cat(out, 2)[0].transpose(0, 1)  # (T_q, H, D)

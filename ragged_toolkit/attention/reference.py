@@ -8,6 +8,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .dense import bottom_right_causal
 from .plan import plan_batch
 
+__all__ = ["reference_attention", "math_scores_bytes", "math_check_sequences"]
+
 
 def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None, scale=None):
     """The attention of :func:`~ragged_toolkit.attention.ragged_attention` in
@@ -15,7 +17,10 @@ def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False,
     heads repeated and the causal mask built explicitly: a reference that
     shares no kernel with the backends. Returns (T_q, H, D) in float32."""
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-    plan = plan_batch(q_offsets, kv_offsets, q.shape[0], k.shape[0], kv_used, is_causal)
+    plan = plan_batch(q_offsets, kv_offsets, backend="loop", is_causal=is_causal, kv_used=kv_used)
+    if (plan.n_q, plan.n_kv) != (q.shape[0], k.shape[0]):
+        raise ValueError(f"the offsets describe {plan.n_q} query and {plan.n_kv} key rows; "
+                         f"got {q.shape[0]} and {k.shape[0]}")
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     q_start, kv_start = q_offsets.tolist(), kv_offsets.tolist()

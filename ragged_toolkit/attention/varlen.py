@@ -1,39 +1,78 @@
 """The ``varlen`` backend: ``varlen_attn``, the variable-length kernel of
-FlashAttention (CUDA, 16-bit)."""
+FlashAttention (CUDA, 16-bit), and the one place that adapts a call to the
+keyword arguments of the installed release: they changed in every release
+from 2.10 to 2.12 (``is_causal``, then ``window_size`` and ``scale``, then
+``enable_gqa``, ``seqused_k``, ``block_table`` and ``num_splits``)."""
+
+from __future__ import annotations
 
 import inspect
 
 import torch
 
-from ..batches import offsets_from_lengths
+__all__ = ["varlen_attn", "VARLEN_KEYWORDS", "VarlenUnavailable", "varlen_kwargs", "varlen_missing",
+           "prepare_varlen", "varlen_backend"]
 
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # not in this build of PyTorch
     varlen_attn = None
 
-
-def varlen_keywords():
-    """The keyword arguments the installed ``varlen_attn`` takes (they changed
-    between releases: ``is_causal``, then ``window_size``, ``enable_gqa``,
-    ``seqused_k``); empty where this PyTorch has no ``varlen_attn``."""
-    return set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+#: The keyword arguments of this release's ``varlen_attn``, read from its
+#: signature once, at import (empty where this PyTorch has none).
+VARLEN_KEYWORDS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
 
 
-def varlen_backend(q, k, v, plan, is_causal, scale, kv_used=None):
+class VarlenUnavailable(RuntimeError):
+    """This release's ``varlen_attn`` lacks a feature a call needs."""
+
+
+def varlen_missing(features, keywords=None):
+    """The features among ``features`` (``"causal"``, ``"scale"``,
+    ``"enable_gqa"``, ``"seqused_k"``, ``"block_table"``, ``"num_splits"``)
+    that a ``varlen_attn`` with keyword arguments ``keywords`` (default:
+    this release's, :data:`VARLEN_KEYWORDS`) cannot take."""
+    keywords = VARLEN_KEYWORDS if keywords is None else keywords
+    has = {"causal": bool({"window_size", "is_causal"} & keywords)}
+    return [f for f in features if not has.get(f, f in keywords)]
+
+
+def varlen_kwargs(*, is_causal=False, scale=None, enable_gqa=False, seqused_k=None, block_table=None,
+                  num_splits=None, keywords=None):
+    """The keyword arguments that ask a ``varlen_attn`` whose keywords are
+    ``keywords`` (default: this release's) for this call: causal as
+    ``window_size=(-1, 0)`` (2.11 on) or ``is_causal=True`` (2.10), and each
+    other feature under its own name. Raises :class:`VarlenUnavailable`
+    naming what the release lacks; nothing is dropped silently."""
+    keywords = VARLEN_KEYWORDS if keywords is None else keywords
+    wanted = {"scale": scale, "enable_gqa": enable_gqa or None, "seqused_k": seqused_k,
+              "block_table": block_table, "num_splits": num_splits}
+    wanted = {name: value for name, value in wanted.items() if value is not None}
+    missing = varlen_missing(["causal"] * is_causal + list(wanted), keywords)
+    if missing:
+        raise VarlenUnavailable(f"this release's varlen_attn has no {', '.join(missing)} "
+                                f"(its keywords: {', '.join(sorted(keywords)) or 'none'})")
+    if is_causal:
+        wanted.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
+    return wanted
+
+
+def prepare_varlen(plan):
+    """What ``varlen`` builds once per batch: the offsets as ``int32``
+    ``cu_seq_q`` and ``cu_seq_k``, and the keys in use as ``int32``
+    ``seqused_k`` where the batch has them."""
+    used = None if plan.kv_used is None else plan.kv_used.to(torch.int32)
+    return plan.q_offsets.to(torch.int32), plan.kv_offsets.to(torch.int32), used
+
+
+def varlen_backend(q, k, v, plan, scale=None):
     """``varlen_attn`` on the packed batch: q (T_q, H, D), k and v (T_kv, H_kv,
-    D) -> (T_q, H, D), the offsets as ``int32`` ``cu_seq_q`` and ``cu_seq_k``."""
-    keywords, kw = varlen_keywords(), {"scale": scale}
-    if is_causal:  # a flag in PyTorch 2.10, a window from 2.11 on
-        kw.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in keywords:
-            kw["enable_gqa"] = True
-        else:  # older releases: repeat each key/value head for its query heads
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    if kv_used is not None:  # only where the release reads it (``reads_kv_used``)
-        kw["seqused_k"] = kv_used.to(torch.int32)
-    cu_seq_q = offsets_from_lengths(plan.q_lengths, q.device).to(torch.int32)
-    cu_seq_k = offsets_from_lengths(plan.kv_rows, q.device).to(torch.int32)
-    max_q, max_k = max(plan.q_lengths), max(plan.kv_rows)
-    return varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **kw)
+    D) -> (T_q, H, D). A release without ``enable_gqa`` (2.11) gets each
+    key/value head repeated for its query heads: the same result, more memory."""
+    cu_seq_q, cu_seq_k, seqused_k = plan.prepared
+    gqa = bool(q.shape[1] != k.shape[1])
+    if gqa and varlen_missing(["enable_gqa"]):
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    kw = varlen_kwargs(is_causal=plan.is_causal, scale=scale, enable_gqa=gqa, seqused_k=seqused_k)
+    return varlen_attn(q, k, v, cu_seq_q, cu_seq_k, plan.max_q, plan.max_kv, **kw)

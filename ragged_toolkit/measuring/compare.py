@@ -3,16 +3,21 @@ against the float32 reference, then all measured together."""
 
 import torch
 
+from ..attention import BACKENDS, backend_support, plan_batch, ragged_attention
+from ..attention.reference import reference_attention
 from ..device import tolerances
-from ..measure import measure, print_timings
-from . import BACKENDS, backend_support, ragged_attention
-from .reference import reference_attention
+from .tables import print_timings
+from .timing import measure
+
+__all__ = ["compare_backends"]
 
 
 def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
                      backward=False, backends=BACKENDS, min_run_time=0.5):
-    """Check and time one attention job on each backend. Returns name ->
-    :class:`~ragged_toolkit.measure.Timing`, or name -> the reason
+    """Check and time one attention job on each backend, each with its plan
+    built once, before timing (``plan_batch``: the per-batch bookkeeping is
+    not in the timed call). Returns name ->
+    :class:`~ragged_toolkit.measuring.timing.Timing`, or name -> the reason
     :func:`~ragged_toolkit.attention.backend_support` gives for not running it; prints one line per
     backend. A backend that should run and raises, or disagrees with the
     reference, raises, naming it: no silent fallback."""
@@ -26,25 +31,27 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out) if backward else ()
     results, runs = {}, {}
     for name in backends:
-        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa)
+        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa,
+                              head_dim=q.shape[-1])
         if why:
             results[name] = why
             continue
 
-        def run(name=name):
+        def run(plan):
             with torch.set_grad_enabled(backward):
-                out = ragged_attention(q, k, v, q_offsets, kv_offsets, backend=name, **kw)
+                out = ragged_attention(q, k, v, plan)
                 grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)) if backward else ()
             return out, grads
 
         try:
-            out, grads = run()
+            plan = plan_batch(q_offsets, kv_offsets, backend=name, **kw)
+            out, grads = run(plan)
         except Exception as err:
             raise RuntimeError(f"backend {name!r} should run this job here and raised: {err}") from err
         for what, got, want in (("output", out, reference), *zip(("dq", "dk", "dv"), grads, ref_grads)):
             torch.testing.assert_close(got.float(), want, **tolerances(q.dtype),
                                        msg=lambda m, n=name, w=what: f"{n}: {w} disagrees with the reference: {m}")
-        runs[name] = run
+        runs[name] = lambda run=run, plan=plan: run(plan)
     results.update(measure(runs, min_run_time=min_run_time))
     results = {name: results[name] for name in backends}
     print_timings(results)

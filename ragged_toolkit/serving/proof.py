@@ -1,0 +1,45 @@
+"""The proof that a server changed nothing: each request's logits and
+tokens against greedy decoding of that request alone, without a cache."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layouts import PaddedLayout
+
+__all__ = ["logits_alone", "check_against_alone"]
+
+
+@torch.no_grad()
+def logits_alone(model, request):
+    """The logits with which greedy decoding of ``request`` alone, without a
+    cache, chooses each of its tokens: one causal pass, padded layout, over
+    its prompt and its tokens but the last (teacher forcing). (n_out, vocab)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(request.prompt + request.generated[:-1], device=device)[None]  # (1, S)
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    return model(ids, positions, PaddedLayout())[0, len(request.prompt) - 1:]
+
+
+def check_against_alone(reference, requests, tolerance):
+    """Prove each request's tokens are those of greedy decoding it alone with
+    ``reference`` (a float32 model): the server's logits agree with
+    :func:`logits_alone` within ``tolerance`` (``assert_close`` keywords),
+    and each token is the reference's greedy choice or ties with it within
+    ``tolerance["atol"]``; by induction on the tokens, the request then
+    generated what decoding it alone generates. Raises ``AssertionError``
+    naming the request; returns ``(largest logit difference, ties)``."""
+    worst, ties = 0.0, 0
+    for req in requests:
+        assert req.done() and len(req.generated) == req.n_out, f"request {req.rid} did not finish"
+        ref = logits_alone(reference, req).float()  # (n_out, vocab)
+        got = torch.stack(req.logits).to(ref.device)
+        torch.testing.assert_close(got, ref, **tolerance, msg=lambda m, r=req:
+                                   f"request {r.rid}: logits differ from decoding it alone: {m}")
+        chosen = ref.gather(1, torch.tensor(req.generated, device=ref.device)[:, None])[:, 0]
+        gap = ref.max(-1).values - chosen  # 0 where the token is the reference's choice
+        bad = (gap > tolerance["atol"]).nonzero().flatten().tolist()
+        assert not bad, f"request {req.rid}: token {bad[0]} is not what decoding it alone chooses"
+        ties += int((gap > 0).sum())
+        worst = max(worst, float((got - ref).abs().max()))
+    return worst, ties

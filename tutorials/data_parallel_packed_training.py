@@ -131,7 +131,8 @@ print(f"{len(tokens):,} tokens; {(lengths > CONTEXT).sum()} documents cut at {CO
 from ragged_toolkit.batches import offsets_from_position_ids, token_index
 from ragged_toolkit.data import document_targets
 from ragged_toolkit.data_parallel import check_documents_apart, check_positions, check_targets
-from ragged_toolkit.gpt import GPT, GPTConfig, Packed
+from ragged_toolkit.gpt import GPT, GPTConfig
+from ragged_toolkit.layouts import PackedLayout
 
 torch.manual_seed(SEED)
 cfg = GPTConfig(**MODEL)
@@ -175,7 +176,7 @@ check_positions(right, pair_offsets)
 print(f"3. positions restart: {right.tolist()[36:45]} around the first boundary")
 print(wrapped(shows_failure(check_positions, wrong, pair_offsets)))
 with torch.no_grad():
-    layout = Packed(pair_offsets)
+    layout = PackedLayout(pair_offsets)
     shifted = (model(pair, right, layout) - model(pair, wrong, layout)).abs().max()
 read = len(offsets_from_position_ids(wrong)) - 1
 print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e}; "
@@ -395,7 +396,8 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
 
 from ragged_toolkit.attention import backend_support
-from ragged_toolkit.data_parallel import check_same_gradients, nccl_ranks, run_data_parallel
+from ragged_toolkit.data_parallel import check_same_gradients, nccl_ranks
+from ragged_toolkit.data_parallel_launch import run_data_parallel
 
 
 def train_backend(device, dtype):
@@ -458,7 +460,7 @@ print(wrapped(shows_failure(check_same_gradients, grads["DDP, count not reduced"
 # fewer attention pairs than the whole; and a few timed steps have a spread.
 # The figures printed below account for each.
 
-from ragged_toolkit.bound import pairs_scored
+from ragged_toolkit.measuring.bound import pairs_scored
 
 
 def summary(reports, label):

@@ -116,7 +116,7 @@ print("back to the packed row:", from_padded(padded, offsets).tolist())
 
 import numpy as np
 from ragged_toolkit.device import default_device, default_dtype, quick_mode
-from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.measuring.timing import TIMING_THREADS
 from ragged_toolkit.device import quiet_known_notes
 
 DEVICE = default_device()
@@ -456,7 +456,7 @@ print(f"gradients of all {len(pairs)} parameter tensors agree "
 # synchronized clock; throughput counts *real* tokens (the padded trainer
 # gets no credit for padding) after the first ``WARMUP_STEPS``.
 
-from ragged_toolkit.measure import StepTimer, warm_every_shape
+from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
 
 
 def verdict(use_cache):
@@ -527,7 +527,7 @@ else:
 # ``attention_mask`` makes ``sdpa`` score the whole ``S x S`` square of
 # every row.
 
-from ragged_toolkit.bound import work_per_token
+from ragged_toolkit.measuring.bound import work_per_token
 
 per_token = 2 * (n_params - MODEL["vocab_size"] * MODEL["hidden_size"])
 per_pair = MODEL["num_hidden_layers"] * 4 * MODEL["hidden_size"]  # 4 H D per layer
@@ -574,7 +574,7 @@ plt.show()
 
 import importlib.util
 
-from ragged_toolkit.measure import profile_call
+from ragged_toolkit.measuring.profiles import profile_call
 
 
 def training_step():

@@ -46,7 +46,7 @@ these in one call and links here.
 import numpy as np
 import torch
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.measuring.timing import TIMING_THREADS
 
 DEVICE, QUICK, SEED = default_device(), quick_mode(), 0
 DTYPE = default_dtype(DEVICE)
@@ -113,7 +113,8 @@ assert cdf_gap < critical, "the geometric lengths do not match the word-by-word 
 
 from ragged_toolkit.batches import ragged_batch, to_padded
 from ragged_toolkit.layers import MultiHeadAttention
-from ragged_toolkit.measure import measure, print_timings
+from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.measuring.tables import print_timings
 
 torch.manual_seed(SEED)
 x, offsets = ragged_batch(rng, BATCH, EMBED, device=DEVICE, dtype=DTYPE)  # (T, E), (B + 1,)
@@ -139,7 +140,7 @@ print_timings(times)
 # .. literalinclude:: ../ragged_toolkit/measure.py
 #    :pyobject: choose
 
-from ragged_toolkit.measure import choose, outside_noise
+from ragged_toolkit.measuring.noise import choose, outside_noise
 
 choose({k: times[k] for k in ("packed", "packed again")}, "packed", "the same function twice")
 choose({k: times[k] for k in ("padded", "packed")}, "padded", "padded or packed")
@@ -162,7 +163,7 @@ if outside_noise(times["packed"], times["packed again"]):
 # .. literalinclude:: ../ragged_toolkit/bound.py
 #    :pyobject: speedup_line
 
-from ragged_toolkit.bound import speedup_line, work_bound
+from ragged_toolkit.measuring.bound import speedup_line, work_bound
 
 per_token, per_pair = 8 * EMBED**2, 4 * EMBED  # four projections; scores and their sum over values
 lengths = offsets.diff().cpu()
@@ -224,7 +225,7 @@ plt.show()
 # multiplied by the operators the call records, that estimate accounts for
 # most of the gap between the two.
 
-from ragged_toolkit.profiles import where_time_goes
+from ragged_toolkit.measuring.profiles import where_time_goes
 
 for side in ("padded", "packed"):
     fn = {"padded": lambda: layer(x_padded, is_causal=True),
@@ -250,7 +251,8 @@ for side in ("padded", "packed"):
 # .. literalinclude:: ../ragged_toolkit/measure.py
 #    :pyobject: StepTimer
 
-from ragged_toolkit.measure import StepTimer, compile_counter
+from ragged_toolkit.measuring.timing import StepTimer
+from ragged_toolkit.measuring.compiling import compile_counter
 
 compiled_layer = torch.compile(layer, dynamic=False)
 timer = StepTimer()

@@ -63,7 +63,8 @@ compiling wins. Then a packed prefill of prompts of different lengths.
 
 import torch
 from ragged_toolkit.batches import offsets_from_lengths, to_padded, token_index
-from ragged_toolkit.gpt import GPT, GPTConfig, Packed, Padded
+from ragged_toolkit.gpt import GPT, GPTConfig
+from ragged_toolkit.layouts import PackedLayout, PaddedLayout
 
 torch.manual_seed(0)
 tiny = GPT(GPTConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -72,8 +73,8 @@ tokens = torch.tensor([5, 9, 2, 7, 3, 3, 8, 1])  # (T,): documents of 3, 1 and 4
 offsets = offsets_from_lengths([3, 1, 4])  # [0, 3, 4, 8]
 ids, valid = to_padded(tokens, offsets)  # (B, S) = (3, 4), right padding
 with torch.no_grad():
-    packed = tiny(tokens, token_index(offsets)[1], Packed(offsets, "loop"))  # (T, vocab)
-    padded = tiny(ids, torch.arange(4).expand_as(ids), Padded())  # (B, S, vocab)
+    packed = tiny(tokens, token_index(offsets)[1], PackedLayout(offsets, "loop"))  # (T, vocab)
+    padded = tiny(ids, torch.arange(4).expand_as(ids), PaddedLayout())  # (B, S, vocab)
 torch.testing.assert_close(packed, padded[valid])
 print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: equal on all 8 real tokens")
 
@@ -87,7 +88,7 @@ print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: equal
 
 import numpy as np
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.measuring.timing import TIMING_THREADS
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -250,7 +251,7 @@ batches = {name: [(t.to(DEVICE), o.to(DEVICE)) for t, o in b] for name, b in bat
 
 import torch.nn.functional as F
 from ragged_toolkit.data import document_targets
-from ragged_toolkit.gpt import FlexRows, PackedRows
+from ragged_toolkit.layouts import FlexRows, PackedRows
 
 ROWS_LAYOUT = FlexRows if DEVICE == "cuda" else PackedRows
 
@@ -270,7 +271,7 @@ def padded_loss(model, tokens, offsets):
     targets = to_padded(document_targets(tokens, offsets), offsets, -100)[0]
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with autocast():
-        logits = model(ids, positions, Padded())  # (B, S, vocab)
+        logits = model(ids, positions, PaddedLayout())  # (B, S, vocab)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
@@ -309,13 +310,13 @@ def check_same(name, got, want):
 tokens, offsets = batches["packed"][0]
 n = math_check_sequences(offsets.diff(), cfg.n_heads, cfg.n_layers, budget=2**31)
 tokens_n, offsets_n = tokens[:int(offsets[n])], offsets[:n + 1]
-packed_n = loss_and_grads(lambda m: packed_loss(m, tokens_n, offsets_n, Packed(offsets_n, "loop")))
+packed_n = loss_and_grads(lambda m: packed_loss(m, tokens_n, offsets_n, PackedLayout(offsets_n, "loop")))
 with sdpa_kernel(SDPBackend.MATH):
     padded_n = loss_and_grads(lambda m: padded_loss(m, tokens_n, offsets_n))
 gap = check_same("padded, math path", padded_n, packed_n)
 print(f"{n} sequences: loss {packed_n[0].item():.4f} packed, {padded_n[0].item():.4f} padded; "
       f"all {n_params} gradients agree (largest difference {gap:.1e})")
-packed_step = loss_and_grads(lambda m: packed_loss(m, tokens, offsets, Packed(offsets, "loop")))
+packed_step = loss_and_grads(lambda m: packed_loss(m, tokens, offsets, PackedLayout(offsets, "loop")))
 rows_step = loss_and_grads(lambda m: packed_loss(torch.compile(m, fullgraph=True, dynamic=False), tokens,
                                                   offsets, ROWS_LAYOUT.from_offsets(offsets, ROW_LEN)))
 gap = check_same("rows layout", rows_step, packed_step)
@@ -335,7 +336,8 @@ print(f"the whole step, {ROWS_LAYOUT.__name__}: the packed step's loss and gradi
 # are counted over its steps; a trainer that meets a graph already compiled
 # compiles none (the grouped trainer runs the naive one's model code).
 
-from ragged_toolkit.measure import StepTimer, choose, warm_every_shape
+from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
+from ragged_toolkit.measuring.noise import choose
 
 
 def trainer(name, compiled):
@@ -347,7 +349,7 @@ def trainer(name, compiled):
         runner = torch.compile(copy_, fullgraph=True, dynamic=False) if compiled else copy_
 
         def loss_of(tokens, offsets):
-            layout = ROWS_LAYOUT.from_offsets(offsets, ROW_LEN) if compiled else Packed(offsets)
+            layout = ROWS_LAYOUT.from_offsets(offsets, ROW_LEN) if compiled else PackedLayout(offsets)
             return packed_loss(runner, tokens, offsets, layout)
     else:
         runner = torch.compile(copy_, dynamic=True) if compiled else copy_
@@ -416,7 +418,7 @@ for name, (_, _, timer, losses) in trainers.items():
 # causal half on every side (the padded causal kernel skips the masked half
 # too). Each padded trainer's bound is computed from its own batches.
 
-from ragged_toolkit.bound import work_per_token
+from ragged_toolkit.measuring.bound import work_per_token
 
 per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding
 per_pair = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim
@@ -490,10 +492,12 @@ plt.show()
 #    :pyobject: prefill_packed
 
 from ragged_toolkit.attention import default_backend
-from ragged_toolkit.bound import pairs_scored, speedup_line
+from ragged_toolkit.measuring.bound import pairs_scored, speedup_line
 from ragged_toolkit.data import as_tokens
-from ragged_toolkit.kv_cache import KVCache, generate_packed, prefill_packed
-from ragged_toolkit.measure import measure, print_timings
+from ragged_toolkit.kv_cache import KVCache
+from ragged_toolkit.decoding import generate_packed, prefill_packed
+from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.measuring.tables import print_timings
 
 model = trainers["packed"][1].eval()  # the packed trainer's model (not the compiled wrapper)
 prompt_docs = [d[:8 + 3 * i] for i, d in enumerate(held_out)]  # openings of 8 to 8 + 3 (B - 1) bytes
@@ -516,7 +520,7 @@ def prefill_padded(model, prompts, offsets, cache):
     valid = column >= pad[:, None]  # (B, S)
     causal = column[:, None] >= column
     mask = (causal & valid[:, None, :]) | (~valid[:, :, None] & (column[:, None] == column))  # (B, S, S)
-    return model(ids, (column - pad[:, None]).clamp(min=0), Padded(mask[:, None], cache, 0))[:, -1]
+    return model(ids, (column - pad[:, None]).clamp(min=0), PaddedLayout(mask[:, None], cache, 0))[:, -1]
 
 
 caches = {side: KVCache(cfg, PROMPTS, longest + 8, DEVICE, DTYPE) for side in ("packed", "padded")}

@@ -82,9 +82,9 @@ plt.show()
 
 import numpy as np
 from ragged_toolkit.batches import sentence_lengths, zipf_stop_probability
-from ragged_toolkit.bound import speedup_line
+from ragged_toolkit.measuring.bound import speedup_line
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measure import measure
+from ragged_toolkit.measuring.timing import measure
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)

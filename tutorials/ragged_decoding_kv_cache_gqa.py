@@ -104,7 +104,7 @@ plt.show()
 
 import numpy as np
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.measuring.timing import TIMING_THREADS
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -204,7 +204,7 @@ print(f"MHA: {mha_cfg.n_heads} query heads, {mha_cfg.n_kv_heads} key/value heads
 
 from ragged_toolkit.batches import token_index
 from ragged_toolkit.device import tolerances
-from ragged_toolkit.gpt import Packed
+from ragged_toolkit.layouts import PackedLayout
 from ragged_toolkit.kv_cache import KVCache
 
 torch.manual_seed(SEED)
@@ -216,7 +216,7 @@ seq, pos = token_index(prompt_offsets)
 one_each = torch.arange(PROMPTS + 1, device=DEVICE)
 worst = 0.0
 with torch.no_grad():
-    prefill = Packed(prompt_offsets, "loop", cache, seq * cache.capacity + pos, lengths)
+    prefill = PackedLayout(prompt_offsets, "loop", cache, seq * cache.capacity + pos, lengths)
     logits = gqa_model(prompts, pos, prefill)[prompt_offsets[1:] - 1]
     for step in range(NEW_TOKENS):
         token = logits.argmax(-1)  # (B,)
@@ -225,10 +225,10 @@ with torch.no_grad():
         # the same step without a cache: the whole packed history, recomputed
         offsets_h = offsets_from_lengths([len(h) for h in history], DEVICE)
         tokens_h = torch.tensor([t for h in history for t in h], device=DEVICE)
-        full = gqa_model(tokens_h, token_index(offsets_h)[1], Packed(offsets_h, "loop"))
+        full = gqa_model(tokens_h, token_index(offsets_h)[1], PackedLayout(offsets_h, "loop"))
         full = full[offsets_h[1:] - 1].float()
         # the cached step: one token per sequence at its own position
-        step_layout = Packed(one_each, "loop", cache, cache.row_offsets[:-1] + lengths,
+        step_layout = PackedLayout(one_each, "loop", cache, cache.row_offsets[:-1] + lengths,
                              lengths + 1)  # each token's row, and the keys now in use
         logits = gqa_model(token, lengths, step_layout)
         lengths = lengths + 1
@@ -247,9 +247,10 @@ print(f"{NEW_TOKENS} steps x {PROMPTS} sequences: every cached step matches the 
 # the arithmetic) and the query-key pairs its attention scores; here it is
 # the work of the recomputation over the work of the cached generation.
 
-from ragged_toolkit.bound import pairs_scored, speedup_line
-from ragged_toolkit.kv_cache import generate_packed, teacher_forced_logits
-from ragged_toolkit.measure import measure, outside_noise
+from ragged_toolkit.measuring.bound import pairs_scored, speedup_line
+from ragged_toolkit.decoding import generate_packed, teacher_forced_logits
+from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.measuring.noise import outside_noise
 
 
 @torch.no_grad()
@@ -260,7 +261,7 @@ def generate_no_cache(model, prompts, offsets, n_new, backend=None):
     out = []
     for step in range(n_new):
         seq, pos = token_index(offsets)
-        logits = model(tokens, pos, Packed(offsets, backend))[offsets[1:] - 1]
+        logits = model(tokens, pos, PackedLayout(offsets, backend))[offsets[1:] - 1]
         out.append(logits.argmax(-1))
         # insert each sequence's new token at its end: rebuild the packed ids
         lengths = lengths + 1
@@ -356,8 +357,10 @@ plt.show()
 # .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: CachedStep
 
-from ragged_toolkit.kv_cache import call_model
-from ragged_toolkit.measure import choose, compile_counter, print_timings
+from ragged_toolkit.decoding import call_model
+from ragged_toolkit.measuring.noise import choose
+from ragged_toolkit.measuring.compiling import compile_counter
+from ragged_toolkit.measuring.tables import print_timings
 
 compiled_step = torch.compile(call_model, dynamic=False)
 lengths_dev = prompt_lengths.to(DEVICE)
@@ -447,8 +450,8 @@ print(f"MHA / GQA cache: {ratio:.1f}x "
 import textwrap
 
 from ragged_toolkit.attention import default_backend
-from ragged_toolkit.attention.compare import compare_backends
-from ragged_toolkit.measure import Timing
+from ragged_toolkit.measuring.compare import compare_backends
+from ragged_toolkit.measuring.timing import Timing
 
 capacity = int(prompt_lengths.max()) + NEW_TOKENS
 used = (prompt_lengths + NEW_TOKENS // 2).to(DEVICE)

@@ -63,7 +63,7 @@ measured against static batches.
 
 import torch
 from ragged_toolkit.gpt import GPTConfig
-from ragged_toolkit.serving import PagedKVCache, block_table_tensor, paged_rows
+from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
 
 tiny_cfg = GPTConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16,
                      max_seq_len=32)
@@ -98,7 +98,7 @@ print(f"the rows of their keys: {rows.tolist()}")
 
 import numpy as np
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.measuring.timing import TIMING_THREADS
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -144,7 +144,7 @@ quiet_known_notes()
 #    :pyobject: request_stream
 
 from ragged_toolkit.data import docstring_corpus
-from ragged_toolkit.serving import request_stream
+from ragged_toolkit.serving.requests import request_stream
 
 docs, source = docstring_corpus(min_chars=2)
 rng = np.random.default_rng(SEED)
@@ -213,9 +213,14 @@ import functools
 import time
 
 from ragged_toolkit.device import synchronize, tolerances
-from ragged_toolkit.measure import choose, compile_counter, measure, print_timings
-from ragged_toolkit.gpt import Padded
-from ragged_toolkit.serving import build_step, forward_step, fresh_requests, paged_varlen_support
+from ragged_toolkit.measuring.noise import choose
+from ragged_toolkit.measuring.compiling import compile_counter
+from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.measuring.tables import print_timings
+from ragged_toolkit.layouts import PaddedLayout
+from ragged_toolkit.serving.engine import build_step, forward_step
+from ragged_toolkit.serving.requests import fresh_requests
+from ragged_toolkit.serving.paged_attention import paged_varlen_support
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
 blocks_per_slot = -(-(PROMPT_MAX + OUT_MAX) // BLOCK)  # a full-length request's blocks
@@ -232,7 +237,7 @@ step_work = [(req, 1) for req in bench[:-1]] + [(bench[-1], chunk)]
 def logits_after(tokens):
     """Decoding ``tokens`` alone, without a cache: one causal pass, padded layout."""
     ids = torch.tensor(tokens, device=DEVICE)[None]  # (1, S)
-    return reference(ids, torch.arange(len(tokens), device=DEVICE)[None], Padded())[0, -1]
+    return reference(ids, torch.arange(len(tokens), device=DEVICE)[None], PaddedLayout())[0, -1]
 
 
 expected = torch.stack([logits_after((r.prompt + r.generated)[:r.computed + n])
@@ -313,7 +318,8 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # .. literalinclude:: ../ragged_toolkit/serving.py
 #    :pyobject: serve
 
-from ragged_toolkit.serving import plan_continuous, plan_static, retire_batch, serve, take_turns
+from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
+from ragged_toolkit.serving.server import serve, take_turns
 
 serving_blocks = SLOTS * blocks_per_slot  # the same cache for both: SLOTS full-length requests
 continuous = functools.partial(plan_continuous, max_running=SLOTS, token_budget=TOKEN_BUDGET)
@@ -341,7 +347,7 @@ def starter(plan, requests, n_blocks=serving_blocks, **kw):
 # tokens it generated, the speedup a continuous scheduler with as many slots
 # would reach if every step cost the same and had a full batch.
 
-from ragged_toolkit.serving import slot_bound, tokens_per_second
+from ragged_toolkit.serving.metrics import slot_bound, tokens_per_second
 
 offline = dict(zip(("continuous", "static", "static, skipping"),
                    take_turns(starter(continuous, stream), starter(static, stream),
@@ -407,7 +413,8 @@ plt.show()
 # (from arrival: queuing and prefill) and the *time per output token* after
 # it (how fast the answer streams).
 
-from ragged_toolkit.serving import latency_ms, poisson_arrivals
+from ragged_toolkit.serving.metrics import latency_ms
+from ragged_toolkit.serving.requests import poisson_arrivals
 
 rate = LOAD * R / out_lengths.mean()  # requests/s
 arrivals = poisson_arrivals(np.random.default_rng(SEED + 1), REQUESTS, rate)
@@ -535,7 +542,7 @@ plt.show()
 # .. literalinclude:: ../ragged_toolkit/serving.py
 #    :pyobject: check_against_alone
 
-from ragged_toolkit.serving import check_against_alone
+from ragged_toolkit.serving.proof import check_against_alone
 
 checked = [run for runs in (*offline.values(), *online.values()) for run in runs] + [paged_run]
 worst, ties = 0.0, 0

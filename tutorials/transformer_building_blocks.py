@@ -82,7 +82,7 @@ plt.show()
 import numpy as np
 import torch
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.measuring.timing import TIMING_THREADS
 
 DEVICE = default_device()
 DTYPE = default_dtype(DEVICE)
@@ -306,8 +306,8 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 # :term:`kernel label` of what ran.
 
 from ragged_toolkit.attention import default_backend
-from ragged_toolkit.attention.compare import compare_backends
-from ragged_toolkit.measure import choose
+from ragged_toolkit.measuring.compare import compare_backends
+from ragged_toolkit.measuring.noise import choose
 
 torch.manual_seed(SEED)
 x, offsets = ragged_batch(rng, BATCH, EMBED, device=DEVICE, dtype=DTYPE)  # (T, E), (B + 1,)
@@ -407,8 +407,9 @@ print("ragged layer and padded path both match nn.MultiheadAttention on every re
 # The bound counts ``8 E^2`` FLOPs per token for the four projections and
 # ``4 E`` per query-key pair.
 
-from ragged_toolkit.bound import speedup_line, work_bound
-from ragged_toolkit.measure import measure, print_timings
+from ragged_toolkit.measuring.bound import speedup_line, work_bound
+from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.measuring.tables import print_timings
 
 ref_mha_lp = ref_mha.to(DTYPE)
 grad_out = torch.randn_like(x)

@@ -109,7 +109,7 @@ class TransformerDecoderLayer(TransformerEncoderLayer):
 
 import numpy as np
 from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measure import TIMING_THREADS
+from ragged_toolkit.measuring.timing import TIMING_THREADS
 
 DEVICE, QUICK, SEED = default_device(), quick_mode(), 0
 DTYPE = default_dtype(DEVICE)
@@ -352,8 +352,10 @@ print("eval mode: matches nn.Transformer; training mode: dropout active")
 # overlap that of the second fastest, and otherwise the default, ``default_backend``.
 
 from ragged_toolkit.attention import default_backend
-from ragged_toolkit.attention.compare import compare_backends
-from ragged_toolkit.measure import choose, compile_counter, measure
+from ragged_toolkit.measuring.compare import compare_backends
+from ragged_toolkit.measuring.noise import choose
+from ragged_toolkit.measuring.compiling import compile_counter
+from ragged_toolkit.measuring.timing import measure
 
 B, E, NHEAD, FF, LAYERS = BENCH.values()  # batch, d_model, nhead, dim_ff, layers
 rng = np.random.default_rng(SEED)
@@ -436,8 +438,8 @@ step_fns = {  # side -> {"forward": ..., "forward+backward": ...}
 # memory token, and ``4 E`` per query-key pair: the whole square where a
 # padding mask is applied, the causal half where a causal kernel runs.
 
-from ragged_toolkit.bound import pairs_scored, speedup_line
-from ragged_toolkit.measure import print_timings
+from ragged_toolkit.measuring.bound import pairs_scored, speedup_line
+from ragged_toolkit.measuring.tables import print_timings
 
 
 def stack_work(src_len, tgt_len=None, *, d_model, dim_ff, layers, padded=False):
@@ -535,7 +537,7 @@ class Seq2Seq(nn.Module):
 # same order, with the same optimizer and schedule, taking turns, each step
 # timed (``StepTimer``); throughput counts real tokens after ``WARMUP`` steps.
 
-from ragged_toolkit.measure import StepTimer, warm_every_shape
+from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
 
 cfg = {k: TRAIN[k] for k in ("d_model", "nhead", "layers", "dim_ff")}
 torch.manual_seed(SEED)

@@ -6,19 +6,25 @@ sequence end to end, plus **offsets** ``(B + 1,)``, where each sequence starts
 and the last one ends (the ``cu_seqlens`` of FlashAttention and
 ``varlen_attn``). The modules:
 
-* :mod:`ragged_toolkit.device`: the device and dtype a page computes in,
-  tolerances, quick mode, quiet logs;
+* :mod:`ragged_toolkit.device`: the device, dtype and sizes a page computes
+  with (``page_setup``), tolerances, quick mode, quiet logs;
 * :mod:`ragged_toolkit.batches`: lengths, offsets, positions, padding;
-* :mod:`ragged_toolkit.attention`: :func:`~ragged_toolkit.attention.ragged_attention`
+* :mod:`ragged_toolkit.attention`: a batch's plan (``plan_batch``, built
+  once by the caller), :func:`~ragged_toolkit.attention.ragged_attention`
   and its backends, one module each, and the float32 reference;
-* :mod:`ragged_toolkit.measure`: timings, profiles, compile counts and the
-  noise rule that makes a choice; :mod:`ragged_toolkit.bound`: the work bound;
-* :mod:`ragged_toolkit.layers`, :mod:`ragged_toolkit.gpt`,
-  :mod:`ragged_toolkit.kv_cache`: a multi-head attention layer, a small GPT
-  that runs packed or padded, a KV cache and greedy decoding;
+* :mod:`ragged_toolkit.measuring`: timings, the noise rule, compile counts,
+  profiles, the work bound, backend comparisons: every figure a page prints;
+* :mod:`ragged_toolkit.layers`, :mod:`ragged_toolkit.layouts`,
+  :mod:`ragged_toolkit.gpt`: a multi-head attention layer, the layouts a
+  model's attention reads a batch through, a small GPT;
+* :mod:`ragged_toolkit.kv_cache`, :mod:`ragged_toolkit.decoding`: a KV cache
+  and a paged one, a packed prefill and greedy decoding;
 * :mod:`ragged_toolkit.data`: real documents and the ways to pack them;
-* :mod:`ragged_toolkit.data_parallel`: packed training on several ranks;
-* :mod:`ragged_toolkit.serving`: continuous batching over a paged KV cache;
+* :mod:`ragged_toolkit.data_parallel`, :mod:`ragged_toolkit.data_parallel_launch`:
+  packed training on several ranks, and starting the ranks;
+* :mod:`ragged_toolkit.serving`: serving requests over the paged cache
+  (requests, paged attention, the engine, schedulers, the server, metrics,
+  proof);
 * :mod:`ragged_toolkit.figures`: the pictures the pages draw.
 
 A page imports each name from its module (``from ragged_toolkit.batches
@@ -27,6 +33,8 @@ needs PyTorch 2.11 or later and numpy.
 """
 
 import torch
+
+__all__ = ["MINIMUM_TORCH"]
 
 MINIMUM_TORCH = (2, 11)
 

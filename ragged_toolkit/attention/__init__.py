@@ -34,8 +34,8 @@ def ragged_attention(q, k, v, plan, *, scale=None):
     Returns (T_q, H, D); a query without keys gets zeros. Reads nothing back
     from the device: compiles into one graph.
     """
-    check_tensors(q, k, v, plan)
-    check_support(plan.backend, q, k, v, plan.is_causal)
+    _check_tensors(q, k, v, plan)
+    _check_support(plan.backend, q, k, v, plan.is_causal)
     attend = _ATTEND[plan.backend]
     if plan.nonempty is None:
         return attend(q, k, v, plan, scale)
@@ -46,7 +46,7 @@ def ragged_attention(q, k, v, plan, *, scale=None):
     return out.index_copy(0, q_rows, attend(q[q_rows], k[kv_rows], v[kv_rows], kept, scale))
 
 
-def check_tensors(q, k, v, plan):
+def _check_tensors(q, k, v, plan):
     """Raise ``ValueError`` unless q is (T_q, H, D) and k, v (T_kv, H_kv, D) of
     one dtype, with H a multiple of H_kv, and ``plan`` describes their rows."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] \
@@ -68,7 +68,7 @@ def check_tensors(q, k, v, plan):
                          f"got {q.shape[0]} and {k.shape[0]}: plan this batch with plan_batch")
 
 
-def check_support(name, q, k, v, is_causal):
+def _check_support(name, q, k, v, is_causal):
     """Raise ``RuntimeError`` if backend ``name`` cannot run this call here
     (:func:`backend_support` says why)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -58,7 +58,7 @@ class BatchPlan:
         self.n_q, self.n_kv = sum(self.q_lengths), sum(self.kv_rows)
 
 
-def reads_kv_used(backend):
+def _reads_kv_used(backend):
     """Whether ``backend`` reads only each sequence's key rows in use
     (``kv_used``) by itself; the others get those rows gathered first."""
     return backend != "sdpa_njt" and (backend != "varlen" or not varlen_missing(["seqused_k"]))
@@ -86,7 +86,7 @@ def plan_batch(q_offsets, kv_offsets=None, *, backend, is_causal=False, kv_used=
                          "(the last query sees every key)")
     plan = BatchPlan(backend, is_causal, q_offsets, kv_offsets, q_lengths, kv_lengths, kv_rows, kv_used)
     empty = not (all(q_lengths) and all(kv_lengths))
-    if empty or (kv_used is not None and not reads_kv_used(backend)):
+    if empty or (kv_used is not None and not _reads_kv_used(backend)):
         plan.nonempty = _without_empty_sequences(plan)
     else:
         plan.prepared = _PREPARE[backend](plan)

@@ -1,0 +1,96 @@
+"""The toolkit keeps no hidden state and says what is public (issue 32): no
+module-level container or cache is changed at run time (what is expensive
+to build is built by a call the caller sees and passed on), no module
+reaches into another's private names, and every module names its public
+API in ``__all__``, each name defined there."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from toolkit_api import FILES, MODULES
+
+MUTATORS = {"append", "extend", "insert", "update", "pop", "popitem", "clear", "setdefault", "add", "remove",
+            "discard", "__setitem__"}
+
+
+def module_state_changes(path):
+    """Where a module changes a list, dict or set it holds at module level:
+    ``(line, name.method)`` for each call of a mutating method on it, and
+    each item assignment or ``global`` rebinding of it."""
+    tree = ast.parse(path.read_text())
+    containers = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                  and isinstance(node.value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.Call))
+                  and not (isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "")
+                           not in ("list", "dict", "set", "defaultdict", "OrderedDict"))
+                  for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                  if isinstance(t, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in containers \
+                and node.func.attr in MUTATORS:
+            found.append((node.lineno, f"{node.func.value.id}.{node.func.attr}"))
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in containers:
+                    found.append((node.lineno, f"{t.value.id}[...] ="))
+        if isinstance(node, ast.Global):
+            found += [(node.lineno, f"global {n}") for n in node.names]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", sorted(FILES), ids=str)
+def test_no_module_level_state_changes_at_run_time(name):
+    found = module_state_changes(FILES[name])
+    assert not found, f"{FILES[name].name}: " + ", ".join(f"line {line}: {what}" for line, what in found)
+
+
+def test_the_state_check_finds_a_module_cache(tmp_path):
+    module = tmp_path / "cached.py"
+    module.write_text("_RECENT = []\n_SEEN = {}\n\n\ndef plan(x):\n    _RECENT.insert(0, x)\n"
+                      "    _SEEN[x] = 1\n    return x\n")
+    assert module_state_changes(module) == [(6, "_RECENT.insert"), (7, "_SEEN[...] =")]
+
+
+def private_reaches(path):
+    """Where a module uses another toolkit module's private names: imports a
+    ``_name`` from it, or reads ``module._name`` of a module it imported."""
+    tree = ast.parse(path.read_text())
+    toolkit_import = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                      and (node.level or (node.module or "").startswith("ragged_toolkit"))]
+    short = {m.rsplit(".", 1)[-1] for m in MODULES}
+    modules = {a.asname or a.name for node in toolkit_import for a in node.names if a.name in short}
+    found = [(node.lineno, f"from {'.' * node.level}{node.module or ''} import {a.name}")
+             for node in toolkit_import for a in node.names if a.name.startswith("_")]
+    found += [(node.lineno, f"{node.value.id}.{node.attr}") for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in modules and node.attr.startswith("_") and not node.attr.startswith("__")]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", sorted(FILES), ids=str)
+def test_no_module_reaches_into_another_modules_private_names(name):
+    found = private_reaches(FILES[name])
+    assert not found, f"{FILES[name].name} uses another module's private names: " + \
+        "; ".join(f"line {line}: {what}" for line, what in found)
+
+
+def test_the_private_check_finds_a_reach(tmp_path):
+    module = tmp_path / "reach.py"
+    module.write_text("from . import flex\nfrom .plan import _lengths\n\n\ndef f():\n    return flex._compiled\n")
+    assert private_reaches(module) == [(2, "from .plan import _lengths"), (6, "flex._compiled")]
+
+
+@pytest.mark.parametrize("name", sorted(FILES), ids=str)
+def test_every_module_names_its_public_api(name):
+    module = MODULES[name]
+    assert hasattr(module, "__all__"), f"{name} has no __all__"
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert not missing, f"{name}.__all__ names what it does not define: {missing}"
+    defined = {n for n, v in vars(module).items() if not n.startswith("_")
+               and getattr(v, "__module__", name) == name and callable(v)}
+    unlisted = sorted(defined - set(module.__all__))
+    assert not unlisted, f"{name} defines public functions or classes not in __all__: {unlisted} (list or rename _)"

@@ -96,12 +96,12 @@ def causal_conv(x, weight, pos):
     Returns (..., L, D).
     """
     width, length = weight.shape[1], x.shape[-2]
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(_wide(x))
     for m in range(width):                                    # tap m reads the token m places back
         back = F.pad(x, (0, 0, m, 0))[..., :length, :]        # x[t - m], zeros before the row's start
         inside = (pos >= m)[..., None]                        # (..., L, 1): still in t's document
-        out = out + weight[:, width - 1 - m] * back * inside
-    return out
+        out = out + _wide(weight[:, width - 1 - m]) * back * inside
+    return out.to(x.dtype)
 
 
 def conv_tail(x, offsets, width):
@@ -296,11 +296,11 @@ class _RecurrentLayer(nn.Module):
         a, b = ab.chunk(2, -1) if self.delta else (ab, None)
         step = F.softplus(_wide(a) + self.dt_bias)                 # (..., H) the step size
         g = -_wide(self.A_log).exp() * step                        # log decay <= 0
+        q, k = l2norm(_wide(q)) * self.head_dim**-0.5, l2norm(_wide(k))
         if self.delta:
-            q, k, beta = l2norm(_wide(q)), l2norm(_wide(k)), _wide(b).sigmoid()
+            beta = _wide(b).sigmoid()                              # (..., H) how much of v_t to write
         else:                                                      # Mamba-2: the input scaled by its step
             v, beta = v * step[..., None].to(v.dtype), None
-        q = q * self.head_dim**-0.5
         share = self.heads // self.key_heads                       # value heads per q/k head
         q, k = (t.repeat_interleave(share, -2).to(v.dtype) for t in (q, k))
         return q, k, v, g, beta
@@ -349,6 +349,9 @@ class _RecurrentLayer(nn.Module):
         outs, states = [], []
         for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
             xd, width = x[start:end], self.conv_weight.shape[1]   # (L, E): one document
+            if end == start:                                      # empty: no output, a zero state
+                states.append(x.new_zeros(self.heads, self.head_dim, self.head_dim))
+                continue
             conv = F.conv1d(self.qkv_proj(xd).T[None], self.conv_weight[:, None], padding=width - 1,
                             groups=self.channels)[0, :, :end - start].T
             q, k, v, g, beta = self.mixer_inputs(F.silu(conv), self.ab_proj(xd))

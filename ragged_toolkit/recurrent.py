@@ -267,8 +267,9 @@ class _RecurrentLayer(nn.Module):
     """A recurrent token mixer, in the layout of Qwen3-Next's GatedDeltaNet:
     q, k, v through a causal depthwise convolution and SiLU, a per-head
     decay ``g = -exp(A_log) softplus(a + dt_bias)``, the recurrence, an RMS
-    norm per head gated by SiLU(z), and an output projection. ``key_heads``
-    (default ``heads``) q/k heads are shared by ``heads`` value heads."""
+    norm per head gated by SiLU(z), and an output projection; q and k are
+    L2-normalised and q scaled by K^-1/2. ``key_heads`` (default ``heads``)
+    q/k heads are shared by ``heads`` value heads. K = V = ``head_dim``."""
 
     delta = False
 
@@ -284,7 +285,7 @@ class _RecurrentLayer(nn.Module):
         self.ab_proj = nn.Linear(embed, heads * (2 if self.delta else 1), **kw)  # a (decay step), b (beta)
         fk = {"device": device, "dtype": dtype}
         self.conv_weight = nn.Parameter(torch.randn(self.channels, conv_width, **fk) / conv_width**0.5)
-        self.A_log = nn.Parameter(torch.empty(heads, **fk).uniform_(1, 16).log())
+        self.A_log = nn.Parameter(torch.empty(heads, **fk).uniform_(0.01, 16).log())  # as Qwen3-Next
         self.dt_bias = nn.Parameter(torch.ones(heads, **fk))
         self.norm_weight = nn.Parameter(torch.ones(head_dim, **fk))
         self.out_proj = nn.Linear(heads * head_dim, embed, **kw)
@@ -363,7 +364,9 @@ class _RecurrentLayer(nn.Module):
 
 class ScalarDecayLayer(_RecurrentLayer):
     """Gated linear attention with one decay per head and token (Mamba-2's
-    state-space duality form): S_t = exp(g_t) S_{t-1} + k_t (dt_t v_t)^T."""
+    state-space duality form): S_t = exp(g_t) S_{t-1} + k_t (dt_t v_t)^T, the
+    input scaled by its step dt_t as Mamba-2 does (which leaves q and k
+    unnormalised; here they are normalised as in :class:`GatedDeltaLayer`)."""
 
     delta = False
 

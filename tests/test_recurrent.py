@@ -259,3 +259,30 @@ def test_planted_fault_is_caught(fault, monkeypatch):
     for cls in LAYERS:
         with pytest.raises(AssertionError):
             check_layer_float32(cls, LENGTHS)
+
+
+# --- transformers: Qwen3-Next's Gated DeltaNet swapped for the packed layer -------------------
+
+
+def test_qwen3_next_keeps_packed_documents_apart_with_the_swapped_layers():
+    transformers = pytest.importorskip("transformers")
+    from ragged_toolkit.recurrent_hf import document_differences, swap_gated_delta_layers
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0,
+        layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 64, (n,), generator=gen) for n in (21, 1, 70)]  # the last over a chunk
+    stock = document_differences(model, docs)
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        document_differences(model, docs, boundaries=True)
+    swapped, n = swap_gated_delta_layers(copy.deepcopy(model))
+    ours = document_differences(swapped, docs, boundaries=True)
+    assert n == 3
+    assert stock[0] < 1e-5, stock  # the first document has nothing before it
+    assert min(stock[1:]) > 1e-3, stock  # the others read the documents before them
+    assert max(ours) < 1e-5, ours

@@ -201,6 +201,8 @@ def chunked_recurrence(q, k, v, g, beta, doc, pos, ends, chunk=64):
         u, w = v, None                                        # scalar decay: every token writes v
     else:
         u, w = delta_values(k, v, _chunks(_wide(beta), chunk).transpose(2, 3), decay, carry)
+    # the state leaving a chunk is its last document's: decay[..., -1, :] and carry[..., -1] are zero
+    # for the tokens of other documents, and for the carried state if that document began in the chunk
     to_end = decay[..., -1, :, None] * k                      # (R, N, H, C, K): k_j decayed to the chunk's end
     entering = carry_states(carry[..., -1, None, None], to_end.mT @ u,
                             None if w is None else to_end.mT @ w)  # (R, N, H, K, V)
@@ -338,7 +340,7 @@ class _RecurrentLayer(nn.Module):
         """One new token per request: x (B, E) and its cache -> (B, E) and the
         new cache. The state is updated by :func:`recurrent_step`."""
         window = torch.cat([cache.conv, self.qkv_proj(x)[:, None]], 1)  # (B, W, channels)
-        mixed = F.silu((window * self.conv_weight.T).sum(1))            # (B, channels)
+        mixed = F.silu((_wide(window) * _wide(self.conv_weight).T).sum(1).to(x.dtype))  # (B, channels)
         q, k, v, g, beta = self.mixer_inputs(mixed, self.ab_proj(x))
         o, state = recurrent_step(cache.state, _wide(q), _wide(k), _wide(v), g, beta)
         return self.output(o.to(x.dtype), x), RecurrentCache(state, window[:, 1:])

@@ -25,7 +25,7 @@ __all__ = ["gated_delta_from_qwen3_next", "PackedGatedDeltaNet", "swap_gated_del
 
 @torch.no_grad()
 def gated_delta_from_qwen3_next(hf, chunk=64):
-    """A :class:`GatedDeltaLayer` with the weights of ``hf``, a
+    """A :class:`~ragged_toolkit.recurrent.GatedDeltaLayer` with the weights of ``hf``, a
     ``Qwen3NextGatedDeltaNet``. ``in_proj_qkvz`` holds, for each of the Hk
     q/k heads, its q (K), k (K), v (r V) and z (r V) rows, r = Hv / Hk;
     ``in_proj_ba`` its b (r) and a (r) rows. They are regrouped as

@@ -76,6 +76,16 @@ FAULTS = {"no_reset": _no_reset, "late_reset": _late_reset, "conv_across": _conv
           "decay_across": _decay_across}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One CPU thread: these small tensors gain nothing from two, and on a
+    busy machine a second thread makes every operator wait for it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _planted_from_environment(monkeypatch):
     name = os.environ.get("RECURRENT_FAULT")

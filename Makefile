@@ -27,7 +27,7 @@ help:
 	@echo "make test                      run the test suite (builds the site once)"
 	@echo "make serve [PORT=8000]         serve _build/html on http://localhost:PORT"
 	@echo "make check-versions            run every page under the oldest, pinned and newest PyTorch"
-	@echo "make gpu-check                 on a CUDA machine: preflight, every page quick, full size as time allows"
+	@echo "make gpu-check                 on a CUDA machine, 540 s: preflight, full size while it fits, then quick"
 	@echo "make clean                     remove every build output"
 
 venv: $(STAMP)
@@ -86,9 +86,11 @@ check-versions:
 .PHONY: gpu-check
 
 # On a bare CUDA machine (PyTorch, numpy and matplotlib; no Sphinx, no
-# network): preflight, every page in quick mode, then full size while it fits
-# the limit; outputs and summary.json in gpu-check/. Uses the machine's own
-# python, not the virtual environment. Stops at once, naming CUDA, where there
-# is none. Without make: python scripts/gpu_check.py --out gpu-check --limit 330
+# network), one command of at most 540 s: a short preflight, full size for
+# the decision page and the building blocks, then the others while they fit,
+# then quick mode for the pages left; outputs and summary.json in gpu-check/.
+# GPU_CHECK_ARGS=--dry-run prints the expected timeline (anywhere). Uses the
+# machine's own python, not the virtual environment. Stops at once, naming
+# CUDA, where there is none. Without make: python scripts/gpu_check.py --out gpu-check
 gpu-check:
-	$(PYTHON) scripts/gpu_check.py --out gpu-check --limit 330 $(GPU_CHECK_ARGS)
+	$(PYTHON) scripts/gpu_check.py --out gpu-check --limit 540 $(GPU_CHECK_ARGS)

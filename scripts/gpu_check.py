@@ -1,37 +1,47 @@
-"""The GPU check: every tutorial as a plain script on a CUDA GPU, in stages
-that fit one lease of a GPU machine; and the record of a run for the site.
+"""The GPU check: every tutorial as a plain script on a CUDA GPU, planned to
+record the most in one lease of a GPU machine; and the record of a run for
+the site.
 
 For a bare GPU machine with only PyTorch, numpy and matplotlib (no Sphinx,
 no network, no ``make``)::
 
-    python scripts/gpu_check.py --out gpu-check --limit 330            # a run
-    python scripts/gpu_check.py --out gpu-check --limit 330 --dry-run  # its plan only
-    python scripts/gpu_check.py record gpu-check --commit SHA          # into gpu-results/
+    python scripts/gpu_check.py --out gpu-check --dry-run   # its timeline only (runs anywhere)
+    python scripts/gpu_check.py --out gpu-check             # a run, at most 540 s (--limit)
+    python scripts/gpu_check.py record gpu-check --commit SHA   # into gpu-results/
 
 A run has three stages; each prints a line as each of its steps finishes and
 rewrites ``summary.json``, so a run cut off from outside still leaves what
 it found:
 
-1. ``preflight`` (at most 60 s): the torch, CUDA, cuDNN and triton versions,
+1. ``preflight`` (at most 45 s): the torch, CUDA, cuDNN and triton versions,
    ``varlen_attn``'s signature, the SDPA kernel a ``bfloat16`` causal call
    picks, whether a tiny ``torch.compile`` and a tiny compiled
    ``flex_attention`` build, and the cost of cuDNN attention's first call
    for each of a few shapes.
-2. ``quick``: every page (``tutorial_sources``, in ``READING_ORDER``) with
-   ``TUTORIALS_QUICK=1``, each under its own limit (``--page-limit``).
-3. ``full``: full size for the pages that passed in quick mode, in the order
-   of :data:`FULL_SIZE_FIRST` and then the others, each group longest-known
-   last (``.github/tutorial-durations.json``); a page starts only if its
-   recorded duration fits what is left of ``--limit``.
+2. ``full``: full size, first :data:`FULL_SIZE_FIRST` (the decision page and
+   the building blocks, in that order), then every other page, shortest
+   expected first; a page starts only when its expected time fits what is
+   left of ``--limit``.
+3. ``quick``: ``TUTORIALS_QUICK=1`` for the pages that did not get a full-size
+   run (only those), in the same order, each while its expected time fits.
 
-Every stage keeps within ``--limit`` (the whole run, in seconds): a page
-runs at most until it is reached, and one still running then is stopped
-and counted as cut, not failed. A page past its own limit is stopped with
-every process it started, and fails, named; what it printed is kept. Every
-page compiles into one cache, ``compile-cache/`` under ``--out``. Under
-``--out``: ``summary.json``, ``preflight.txt``, and for each page and mode
-``PAGE/MODE/output.txt`` (its standard output and error), ``figure_N.png``
-(each figure it shows) and ``peak.json`` (the peak memory of its process).
+A page's expected time (:func:`expected_times`) is the duration a recorded
+GPU run measured for it in that mode (``gpu-results/summary.json``, a run
+that passed), else its CPU build's duration (``.github/tutorial-durations.json``)
+times :data:`GPU_FACTOR` for the mode: an assumption, stated by the dry run,
+until a GPU run is recorded. ``--dry-run`` prints the timeline this gives:
+the start and end second of every step, where each expected time comes
+from, and every page that will not fit (and in which mode it runs instead).
+
+Every step keeps within ``--limit`` (the whole run, in seconds): a page runs
+at most until it is reached, and one still running then is stopped and
+counted as cut, not failed. A page past its own limit (``--page-limit``) is
+stopped with every process it started, and fails, named; what it printed is
+kept. Every page compiles into one cache, ``compile-cache/`` under ``--out``.
+Under ``--out``: ``summary.json``, ``preflight.txt``, and for each page and
+mode ``PAGE/MODE/output.txt`` (its standard output and error),
+``figure_N.png`` (each figure it shows) and ``peak.json`` (the peak memory
+of its process).
 
 A page that imports a package this Python lacks beyond PyTorch, numpy and
 matplotlib (``transformers`` for ``hf_packed_training``) is not run: its
@@ -42,7 +52,8 @@ pages then pick their CPU sizes).
 
 ``record OUTDIR`` copies a run's summary, the key lines of each page and its
 figures into ``gpu-results/`` (``--into``), the record the site's page "GPU
-results" shows (``sphinxext/gpu_results.py``).
+results" shows (``sphinxext/gpu_results.py``), and whose durations the next
+plan expects.
 """
 
 from __future__ import annotations
@@ -67,19 +78,31 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
 from gallery_layout import reading_order_key, tutorial_sources  # noqa: E402  (standard library only)
 
-# Full size (stage 3): these pages first (the decision page and the building
-# blocks), then every other page; within each group the order is longest-
-# known last, from the durations file (a page with none comes last).
+# Full size (stage 2): these pages first, in this order (the decision page,
+# then the building blocks), then every other page, shortest expected first.
 FULL_SIZE_FIRST = ["which_attention_path", "transformer_building_blocks"]
 DURATIONS = Path(".github") / "tutorial-durations.json"  # in the site's folder, written by scripts/shards.py
-UNKNOWN_FULL_S = 120.0  # the full-size estimate of a page with no recorded duration
 
-DEFAULT_LIMIT_S = 330.0  # the whole run: a first run of about 6 minutes with the start-up
-PREFLIGHT_LIMIT_S = 60.0
-PAGE_LIMIT_S = 120.0  # each page in quick mode
+# What a page takes on the GPU machine, until a GPU run is recorded: its CPU
+# build's duration (full size, 2 cores) times a factor per mode. Assumptions,
+# stated by the dry run: quick mode at CPU-build time (the estimate of issue
+# 35, 460-740 s for every page in quick mode, cold, against 439 s of CPU
+# builds, was made with FlexAttention recompiling per shape and profiler
+# sessions in quick mode, both gone: compiling dominates a quick run on the
+# GPU as it does on the CPU); full size at twice that (the same compiles,
+# plus timed runs of 0.5-1 s per comparison where the CPU pages time 0.2-0.3
+# s, and the decision page's profiler sessions). Where a page has no CPU
+# duration, the CPU budget of CONTRIBUTING.md (90 s) stands in for it.
+GPU_FACTOR = {"full": 2.0, "quick": 1.0}
+UNKNOWN_CPU_S = 90.0
+PREFLIGHT_EXPECTED_S = 30.0  # until a recorded run's preflight says how long it took
+
+DEFAULT_LIMIT_S = 540.0  # the whole run: one command of a 15-minute lease, with the machine's start
+PREFLIGHT_LIMIT_S = 45.0
+PAGE_LIMIT_S = 300.0  # each page, in either mode
 MIN_START_S = 10.0  # no page starts with less than this left of the overall limit
 GRACE_S = 5.0  # after SIGTERM, before SIGKILL
-STAGES = ("preflight", "quick", "full")
+STAGES = ("preflight", "full", "quick")
 RESULTS = ROOT / "gpu-results"  # where `record` writes; sphinxext/gpu_results.py reads it (RESULTS_DIR)
 RECORD_FILE = "summary.json"
 
@@ -489,6 +512,7 @@ def run_preflight(out: Path, limit: float, env: dict) -> dict:
 # --- the plan ------------------------------------------------------------------------
 
 def load_durations(src_dir: Path) -> dict[str, float]:
+    """Each page's CPU build duration at full size, in seconds (``.github/tutorial-durations.json``)."""
     path = Path(src_dir) / DURATIONS
     if not path.exists():
         return {}
@@ -496,13 +520,126 @@ def load_durations(src_dir: Path) -> dict[str, float]:
             if "seconds" in rec}
 
 
-def full_size_order(stems: list[str], durations: dict[str, float]) -> list[str]:
-    """:data:`FULL_SIZE_FIRST`, then the other pages; each group longest-known
-    last (a page with no recorded duration after those with one)."""
+def load_gpu_record(src_dir: Path) -> tuple[dict[tuple[str, str], float], float | None, str | None]:
+    """From the recorded GPU run (``gpu-results/summary.json``, written by
+    ``record``): the seconds of each (page, mode) that passed, the
+    preflight's seconds where it passed, and which run it was (None where
+    none is recorded)."""
+    path = Path(src_dir) / RESULTS.name / RECORD_FILE
+    if not path.exists():
+        return {}, None, None
+    rec = json.loads(path.read_text())
+    seconds = {(stem, run["mode"]): float(run["seconds"]) for stem, page in rec.get("pages", {}).items()
+               for run in page.get("runs", []) if run.get("status") == "pass" and run.get("seconds")}
+    pre = rec.get("preflight") or {}
+    pre_s = float(pre["seconds"]) if pre.get("status") == "pass" and pre.get("seconds") else None
+    about = f"{rec.get('device', 'a GPU')}, {rec.get('date', 'undated')}, commit {str(rec.get('commit'))[:7]}"
+    return seconds, pre_s, about
+
+
+class Estimate(NamedTuple):
+    seconds: float
+    source: str  # where the figure comes from, as the dry run and a not-run line say it
+    measured: bool  # a recorded GPU run's own duration
+
+
+class Expected:
+    """What each step is expected to take on the GPU machine: a recorded GPU
+    run's duration for that page and mode where one passed, else the CPU
+    build's duration times :data:`GPU_FACTOR` for the mode (a page with no
+    CPU duration: :data:`UNKNOWN_CPU_S`); the preflight's recorded
+    duration, else :data:`PREFLIGHT_EXPECTED_S`."""
+
+    def __init__(self, src_dir: Path):
+        self.cpu = load_durations(src_dir)
+        self.gpu, self.gpu_preflight, self.gpu_run = load_gpu_record(src_dir)
+
+    def page(self, stem: str, mode: str) -> Estimate:
+        if (stem, mode) in self.gpu:
+            return Estimate(self.gpu[stem, mode], "recorded GPU run", True)
+        factor = GPU_FACTOR[mode]
+        if stem in self.cpu:
+            return Estimate(self.cpu[stem] * factor, f"CPU {self.cpu[stem]:.1f} s x {factor:.1f}", False)
+        return Estimate(UNKNOWN_CPU_S * factor, f"no CPU duration: {UNKNOWN_CPU_S:.0f} s x {factor:.1f}", False)
+
+    def preflight(self) -> Estimate:
+        if self.gpu_preflight is not None:
+            return Estimate(self.gpu_preflight, "recorded GPU run", True)
+        return Estimate(PREFLIGHT_EXPECTED_S, "assumed", False)
+
+    def known(self, stem: str) -> bool:
+        return stem in self.cpu or any(s == stem for s, _ in self.gpu)
+
+    def describe(self) -> str:
+        """Where the expected times come from, and the factors assumed."""
+        factors = ", ".join(f"{'full size' if m == 'full' else 'quick mode'} x{f:.1f}" for m, f in GPU_FACTOR.items())
+        record = (f"a recorded GPU run's own duration where {RESULTS.name}/{RECORD_FILE} has one that passed "
+                  f"({self.gpu_run}: {len(self.gpu)} page runs), else " if self.gpu_run else
+                  f"no GPU run recorded ({RESULTS.name}/{RECORD_FILE}): ")
+        return (f"expected times: {record}the CPU build's duration ({DURATIONS.as_posix()}) times a CPU-to-GPU "
+                f"factor, assumed until a GPU run is recorded: {factors}; a page with no CPU duration counts as "
+                f"{UNKNOWN_CPU_S:.0f} s (the CPU budget); the preflight as "
+                + (f"{self.gpu_preflight:.0f} s (recorded)" if self.gpu_preflight is not None else
+                   f"{PREFLIGHT_EXPECTED_S:.0f} s (assumed)"))
+
+
+def full_size_order(stems: list[str], expected: Expected) -> list[str]:
+    """:data:`FULL_SIZE_FIRST` in its order, then the other pages, shortest
+    expected first (a page with no duration on record after those with one)."""
     def key(stem):
-        return (stem not in FULL_SIZE_FIRST, stem not in durations, durations.get(stem, 0.0),
-                reading_order_key(stem))
+        first = FULL_SIZE_FIRST.index(stem) if stem in FULL_SIZE_FIRST else len(FULL_SIZE_FIRST)
+        return (first, not expected.known(stem), expected.page(stem, "full").seconds, reading_order_key(stem))
     return sorted(stems, key=key)
+
+
+def quick_order(stems: list[str], expected: Expected) -> list[str]:
+    """The pages for quick mode in the order of :func:`full_size_order`,
+    the others by their expected time in quick mode."""
+    def key(stem):
+        first = FULL_SIZE_FIRST.index(stem) if stem in FULL_SIZE_FIRST else len(FULL_SIZE_FIRST)
+        return (first, not expected.known(stem), expected.page(stem, "quick").seconds, reading_order_key(stem))
+    return sorted(stems, key=key)
+
+
+def fits(estimate: Estimate, left: float) -> bool:
+    """Whether a step expected to take ``estimate`` starts with ``left`` seconds left."""
+    return left >= max(estimate.seconds, MIN_START_S)
+
+
+class Step(NamedTuple):
+    stem: str  # "preflight" for the preflight
+    mode: str  # "full", "quick"; "" for the preflight
+    expected: Estimate
+    start: float | None  # seconds from the start of the run; None where it does not fit
+
+
+def plan(stems: list[str], expected: Expected, limit: float, stages: list[str],
+         preflight_limit: float = PREFLIGHT_LIMIT_S) -> list[Step]:
+    """The run's timeline as expected: the preflight, every page at full size
+    whose expected time fits what is left (:func:`full_size_order`), then
+    quick mode for the pages that did not fit at full size, while they fit.
+    A step that does not fit has ``start`` None; the run's own decisions are
+    the same ones, taken against its real clock."""
+    steps, now = [], 0.0
+
+    def take(stem, mode, estimate):
+        nonlocal now
+        start = now if fits(estimate, limit - now) else None
+        now += estimate.seconds if start is not None else 0.0
+        steps.append(Step(stem, mode, estimate, start))
+        return start is not None
+
+    if "preflight" in stages:
+        pre = expected.preflight()
+        take("preflight", "", pre._replace(seconds=min(pre.seconds, preflight_limit)))
+    quick = stems
+    if "full" in stages:
+        quick = [stem for stem in full_size_order(stems, expected)
+                 if not take(stem, "full", expected.page(stem, "full"))]
+    if "quick" in stages:
+        for stem in quick_order(quick, expected):
+            take(stem, "quick", expected.page(stem, "quick"))
+    return steps
 
 
 def pages_of(src_dir: Path, pattern: str) -> list[Path]:
@@ -524,34 +661,53 @@ def page_env(out: Path, quick: bool) -> dict:
     return env
 
 
-def print_plan(args, pages: list[Path], durations: dict[str, float], status: str) -> None:
+def print_plan(args, pages: list[Path], expected: Expected, status: str) -> list[Step]:
+    """The dry run: the timeline :func:`plan` expects, from the expected
+    times and their sources, and every page that will not fit."""
     out = args.out
+    skipped = {p.stem: missing_packages(p) for p in pages if missing_packages(p)}
+    steps = plan([p.stem for p in pages if p.stem not in skipped], expected, args.limit, args.stages,
+                 args.preflight_limit)
     print(f"gpu-check plan (dry run: nothing runs); {status}")
-    print(f"overall limit {args.limit:.0f} s; every page compiles into {out / 'compile-cache'} "
-          "(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
-    files = "output.txt, figure_N.png, peak.json"
-    number = 0
-    if "preflight" in args.stages:
-        number += 1
-        print(f"stage {number}, preflight: limit {min(PREFLIGHT_LIMIT_S, args.limit):.0f} s -> {out / 'preflight.txt'}")
-    if "quick" in args.stages:
-        number += 1
-        print(f"stage {number}, quick (TUTORIALS_QUICK=1), every page in reading order, each until its limit "
-              "or the overall limit:")
-        for path in pages:
-            skip = missing_packages(path)
-            print(f"  {path.stem:40s} quick limit {args.page_limit:4.0f} s -> {out / path.stem / 'quick'}/{{{files}}}"
-                  + (f"  (skipped: needs {', '.join(skip)})" if skip else ""))
-    if "full" in args.stages:
-        number += 1
-        print(f"stage {number}, full size, in this order, each page that passed in quick mode while its "
-              "recorded duration fits what is left:")
-        for stem in full_size_order([p.stem for p in pages if not missing_packages(p)], durations):
-            known = f"recorded {durations[stem]:5.1f} s" if stem in durations else \
-                f"no recorded duration (taken as {UNKNOWN_FULL_S:.0f} s)"
-            print(f"  {stem:40s} full  {known}{'  (preferred)' if stem in FULL_SIZE_FIRST else ''} -> "
-                  f"{out / stem / 'full'}/{{{files}}}")
-    print(f"summary -> {out / 'summary.json'} (rewritten after every step)")
+    print(f"overall limit {args.limit:.0f} s, each page at most {args.page_limit:.0f} s of its own; every page "
+          f"compiles into {out / 'compile-cache'} (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
+    print(expected.describe())
+    print("timeline, in seconds from the start:")
+    end = 0.0
+    for step in steps:
+        if step.start is None:
+            continue
+        end = step.start + step.expected.seconds
+        where = out / "preflight.txt" if step.stem == "preflight" else f"{out / step.stem / step.mode}/"
+        limit = f", limit {min(args.preflight_limit, args.limit):.0f} s" if step.stem == "preflight" else ""
+        print(f"  {step.start:5.0f} - {end:5.0f}  {step.stem:40s} {step.mode:5s} "
+              f"expected {step.expected.seconds:4.0f} s "
+              f"({step.expected.source}{limit}) -> {where}")
+    print(f"  {end:5.0f} - {args.limit:5.0f}  {args.limit - end:.0f} s left, expected unused: no other step fits")
+    ran = {(s.stem, s.mode) for s in steps if s.start is not None}
+    missed = [s for s in steps if s.start is None and s.mode == "full"]
+    if missed:
+        print(f"will not fit at full size ({len(missed)} pages):")
+        for s in missed:
+            if (s.stem, "quick") in ran:
+                instead = f"runs in quick mode instead (expected {expected.page(s.stem, 'quick').seconds:.0f} s)"
+            elif "quick" in args.stages:
+                instead = (f"not run in quick mode either (expected {expected.page(s.stem, 'quick').seconds:.0f} "
+                           "s, does not fit)")
+            else:
+                instead = "not run (no quick stage)"
+            print(f"  {s.stem}: expected {s.expected.seconds:.0f} s at full size ({s.expected.source}); {instead}")
+    elif "full" in args.stages:
+        print("every page fits at full size")
+    missed_quick = [s for s in steps if s.start is None and s.mode == "quick" and "full" not in args.stages]
+    if missed_quick:
+        print(f"will not fit in quick mode ({len(missed_quick)} pages): "
+              + ", ".join(f"{s.stem} (expected {s.expected.seconds:.0f} s)" for s in missed_quick))
+    for stem, missing in skipped.items():
+        print(f"skipped, a package missing in this Python: {stem} needs {', '.join(missing)}")
+    print(f"files: {out}/PAGE/MODE/{{output.txt, figure_N.png, peak.json}}; summary -> {out / 'summary.json'} "
+          "(rewritten after every step)")
+    return steps
 
 
 # --- a run ---------------------------------------------------------------------------
@@ -587,9 +743,10 @@ class Run:
         self.add({"page": path.stem, "mode": mode, "status": "not run", "passed": None, "reason": reason,
                   "seconds": 0.0, "md5": source_md5(path), "summary": line})
 
-    def page(self, path: Path, mode: str, own_limit: float | None) -> dict:
+    def page(self, path: Path, mode: str, own_limit: float | None, expected: Estimate | None = None) -> dict:
         """Run one page until ``own_limit`` (None: none of its own) or the
-        overall limit, whichever comes first."""
+        overall limit, whichever comes first; ``expected``: what the plan
+        expected it to take, kept in the summary beside what it took."""
         left = self.left()
         overall = own_limit is None or left < own_limit
         limit = left if overall else own_limit
@@ -601,6 +758,7 @@ class Run:
         entry = {"page": path.stem, "mode": mode, "status": status,
                  "passed": True if ran.passed else (None if status == "cut" else False),
                  "seconds": round(ran.seconds, 1), "limit_s": round(limit, 1),
+                 **({"expected_s": round(expected.seconds, 1), "expected_from": expected.source} if expected else {}),
                  "fractions": [float(f) for f in FRACTION.findall(ran.output)], **key_lines(ran.output),
                  "key_lines": ordered_key_lines(ran.output), "peak_mib": peak, "figures": figures(folder),
                  "folder": f"{path.stem}/{mode}", "md5": source_md5(path),
@@ -615,7 +773,7 @@ class Run:
 
 def totals(entries: list[dict]) -> dict:
     out = {}
-    for mode in ("quick", "full"):
+    for mode in ("full", "quick"):
         rows = [e for e in entries if e["mode"] == mode]
         if rows:
             out[mode] = {status: sum(e["status"] == status for e in rows)
@@ -644,9 +802,10 @@ def check(args) -> int:
     start = time.monotonic()  # the overall limit counts from here
     info, reason = probe_environment()
     ok, status = cuda_status(info, reason)
+    expected = Expected(args.source)
     if args.dry_run:
         pages = pages_of(args.source, args.pages)
-        print_plan(args, pages, load_durations(args.source), status)
+        print_plan(args, pages, expected, status)
         return 0 if pages else 1
     if not ok and not args.allow_cpu:
         print(f"error: {status}", file=sys.stderr)
@@ -659,45 +818,47 @@ def check(args) -> int:
     run = Run(args, info, status, start)
     run.save()
     if "preflight" in args.stages:
-        limit = min(PREFLIGHT_LIMIT_S, run.left())
+        limit = min(args.preflight_limit, run.left())
         print(f"== preflight (limit {limit:.0f} s)", flush=True)
         pre = run_preflight(args.out, limit, page_env(args.out, quick=False))
         for line in pre["lines"]:
             print(f"   {line}")
         run.summary["preflight"] = pre
         run.save()
-    runnable = []
+    runnable = {}
     for path in pages:
         missing = missing_packages(path)
         if missing:
             line = (f"SKIP {path.stem:40s} needs {', '.join(missing)}, not installed here: "
                     + "; ".join(OPTIONAL[m] for m in missing))
-            run.add({"page": path.stem, "mode": "quick" if "quick" in args.stages else "full", "status": "skip",
+            run.add({"page": path.stem, "mode": "full" if "full" in args.stages else "quick", "status": "skip",
                      "passed": None, "skipped": f"needs {', '.join(missing)}", "seconds": 0.0, "fractions": [],
                      "md5": source_md5(path), "summary": line})
         else:
-            runnable.append(path)
-    if "quick" in args.stages:
-        print(f"== quick mode, {len(runnable)} pages (limit {args.page_limit:.0f} s each)", flush=True)
-        passed = []
-        for path in runnable:
-            if run.left() < MIN_START_S:
-                run.not_run(path, "quick", f"{max(run.left(), 0):.0f} s left of the overall limit")
-            elif run.page(path, "quick", args.page_limit)["status"] == "pass":
-                passed.append(path)
-        runnable = passed
+            runnable[path.stem] = path
+    quick = list(runnable)  # the pages quick mode is for: those without a full-size run
     if "full" in args.stages:
-        durations = load_durations(args.source)
-        by_stem = {p.stem: p for p in runnable}
-        print(f"== full size, {len(by_stem)} pages while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
-        for stem in full_size_order(list(by_stem), durations):
-            estimate = durations.get(stem, UNKNOWN_FULL_S)
-            if run.left() < max(estimate, MIN_START_S):
-                known = "recorded" if stem in durations else "taken as"
-                run.not_run(by_stem[stem], "full", f"{known} {estimate:.0f} s, {max(run.left(), 0):.0f} s left "
-                            "of the overall limit")
+        print(f"== full size, {len(runnable)} pages while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
+        quick = []
+        for stem in full_size_order(list(runnable), expected):
+            estimate = expected.page(stem, "full")
+            if fits(estimate, run.left()):
+                run.page(runnable[stem], "full", args.page_limit, estimate)
             else:
-                run.page(by_stem[stem], "full", None)
+                instead = "; quick mode instead, if it fits" if "quick" in args.stages else ""
+                run.not_run(runnable[stem], "full", f"expected {estimate.seconds:.0f} s ({estimate.source}), "
+                            f"{max(run.left(), 0):.0f} s left of the overall limit{instead}")
+                quick.append(stem)
+    if "quick" in args.stages:
+        print(f"== quick mode, {len(quick)} pages {'without a full-size run ' if 'full' in args.stages else ''}"
+              f"while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
+        for stem in quick_order(quick, expected):
+            estimate = expected.page(stem, "quick")
+            if fits(estimate, run.left()):
+                run.page(runnable[stem], "quick", args.page_limit, estimate)
+            else:
+                run.not_run(runnable[stem], "quick", f"expected {estimate.seconds:.0f} s ({estimate.source}), "
+                            f"{max(run.left(), 0):.0f} s left of the overall limit")
     run.save()
     print(total_line(run), flush=True)
     failed = any(e["status"] == "fail" for e in run.summary["pages"])
@@ -747,7 +908,8 @@ def record(out: Path, into: Path, commit: str | None = None, allow_cpu: bool = F
            "device": env.get("device") or "CPU", "versions": {k: env.get(k) for k in (
                "torch", "cuda", "cudnn", "triton", "transformers", "numpy", "matplotlib", "python")},
            "limit_s": summary.get("limit_s"), "seconds": summary.get("seconds"), "totals": summary.get("totals"),
-           "preflight": {"status": pre.get("status"), "lines": pre.get("lines", [])} if pre else None,
+           "preflight": {"status": pre.get("status"), "seconds": pre.get("seconds"), "lines": pre.get("lines", [])}
+           if pre else None,
            "pages": pages}
     into.mkdir(parents=True, exist_ok=True)
     (into / RECORD_FILE).write_text(json.dumps(rec, indent=1) + "\n")
@@ -762,11 +924,15 @@ def parse_args(argv):
     ap.add_argument("--limit", type=float, default=DEFAULT_LIMIT_S,
                     help=f"seconds for the whole run (default {DEFAULT_LIMIT_S:.0f})")
     ap.add_argument("--page-limit", type=float, default=PAGE_LIMIT_S,
-                    help=f"seconds one page may take in quick mode (default {PAGE_LIMIT_S:.0f})")
+                    help=f"seconds one page may take, in either mode (default {PAGE_LIMIT_S:.0f})")
+    ap.add_argument("--preflight-limit", type=float, default=PREFLIGHT_LIMIT_S,
+                    help=f"seconds the preflight may take (default {PREFLIGHT_LIMIT_S:.0f}; a CPU compiles slower)")
     ap.add_argument("--pages", default="", help="run only the pages whose name matches (a substring or regex)")
     ap.add_argument("--stages", default=",".join(STAGES),
                     help=f"which stages, comma-separated (default {','.join(STAGES)})")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan (stages, limits, files); run nothing")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the expected timeline (each step's start and end, the factors assumed, "
+                         "the pages that will not fit); run nothing")
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
     ap.add_argument("--commit", help="the commit the pages are at, where this copy has no git")
     ap.add_argument("--source", type=Path, default=ROOT, help="the site folder whose tutorials/ run (tests)")

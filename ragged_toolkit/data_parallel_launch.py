@@ -60,7 +60,10 @@ class DataParallelJob:
 
 #: The script each rank runs, ``worker.py``: it calls :func:`data_parallel_worker`.
 DATA_PARALLEL_SCRIPT = """\
+import faulthandler
 import sys
+
+faulthandler.enable(all_threads=True)  # a rank that aborts prints where each thread was
 
 from ragged_toolkit.data_parallel_launch import data_parallel_worker
 

@@ -10,7 +10,7 @@ import inspect
 
 import torch
 
-__all__ = ["varlen_attn", "VARLEN_KEYWORDS", "VarlenUnavailable", "varlen_kwargs", "varlen_missing",
+__all__ = ["VARLEN_KEYWORDS", "VarlenUnavailable", "varlen_kwargs", "varlen_missing",
            "prepare_varlen", "varlen_backend"]
 
 try:

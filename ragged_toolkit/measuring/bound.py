@@ -1,6 +1,6 @@
 """The work bound: the work the padded side does over the work the ragged
 side does, each counted for what it computes. A speedup is printed beside
-it, with the fraction of it reached (:doc:`measuring_ragged_batches` says
+it, with the fraction of it reached (:doc:`/auto_tutorials/measuring_ragged_batches` says
 what that fraction means)."""
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ __all__ = ["build_step", "forward_step"]
 
 
 def build_step(cache, work, device, path="gathered", backend=None):
-    """The tokens (T,), positions (T,) and :class:`PagedLayout` of a step
+    """The tokens (T,), positions (T,) and
+    :class:`~ragged_toolkit.serving.paged_attention.PagedLayout` of a step
     that feeds each ``(request, n)`` of ``work`` its next ``n`` tokens, into
     rows already reserved. ``n = 0``: an idle slot, one padding token at the
     request's next position, whose key nothing reads. What ``path`` reads the

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,9 +78,9 @@ def data_parallel_worker(folder):
     ``job.json`` and ``data.pt`` from ``folder``; runs the gradient runs
     (rank 0 saves the whole gradients) and the timed steps; writes
     ``rank<R>.json``, what this rank measured, or ``rank<R>.error``, the
-    traceback it stopped with. Every rank reaches a barrier before the
-    process group is destroyed, so that no rank tears down a connection its
-    peer still uses (gloo then aborts the peer)."""
+    traceback it stopped with. The ranks leave together
+    (:func:`_leave_together`) before the process group is destroyed; a rank
+    that fails destroys nothing (the launcher stops the others)."""
     folder, rank = Path(folder), int(os.environ["RANK"])
     job = DataParallelJob.from_json((folder / "job.json").read_text())
     data = torch.load(folder / "data.pt", weights_only=True)
@@ -89,15 +90,30 @@ def data_parallel_worker(folder):
                   "device": str(device), "threads": torch.get_num_threads()}
         _gradient_runs(job, data, device, folder, rank)
         report["timing"] = _timed_steps(job, data, device, rank)
-        dist.barrier()  # every rank is done with the others before any leaves
+        dist.barrier()  # the last collective: every rank is done with the others
     except BaseException:
         import traceback
 
         (folder / f"rank{rank}.error").write_text(traceback.format_exc())
         raise
-    finally:
-        dist.destroy_process_group()
+    _leave_together(folder, rank, dist.get_world_size())
+    dist.destroy_process_group()
     (folder / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def _leave_together(folder, rank, world, timeout_s=120.0):
+    # Wait, outside the process group, until every rank has returned from the
+    # last collective. A gloo barrier alone is not enough: a rank that leaves
+    # it first and tears its connections down can close a socket while its
+    # peer still sends the barrier's last message, and the peer aborts
+    # ("terminate called without an active exception"; gloo issue 155). Ranks
+    # on one machine share the job's folder: each marks itself done there.
+    (folder / f"rank{rank}.done").touch()
+    deadline = time.monotonic() + timeout_s
+    while not all((folder / f"rank{r}.done").exists() for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other ranks did not finish within {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 def _init_rank(job):

@@ -6,7 +6,7 @@ import numpy as np
 from .batches import offsets_from_lengths, token_index
 
 __all__ = ["FIGURE_STYLE", "block_grid", "draw_batch", "draw_block_mask", "draw_scores", "draw_kv_cache",
-           "draw_token_budget"]
+           "draw_token_budget", "draw_speedups"]
 
 # 12-point text at 100 dpi is about 17 px, as large as the page's body text
 # when a figure of at most 8 inches (800 px) is shown at its natural size in
@@ -190,5 +190,32 @@ def draw_token_budget(lengths, budget, micro_batches=None):
            f"(budget {budget})", yticks=range(rows), yticklabels=[f"{r}" for r in range(rows)],
            ylabel="micro-batch")
     ax.set_title(f"{rows} micro-batches; a black edge: a document cut there ({cuts}), its rest opens the next")
+    fig.tight_layout()
+    return fig
+
+
+def draw_speedups(speedup, rows, columns, bounds, title=""):
+    """Measured speedups over a baseline as a grid: ``speedup`` (rows,
+    columns), NaN where a row cannot take a column's job, each cell colored
+    on a log scale from 1/8 to 8 (green: faster than the baseline), with its
+    speedup and, below it, its fraction of the column's work bound
+    (``bounds``, one per column); the first row is the baseline itself."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    fig, ax = plt.subplots(figsize=(8, 6))
+    image = ax.imshow(speedup, cmap="RdYlGn", norm=LogNorm(1 / 8, 8), aspect="auto")
+    for (i, j), s in np.ndenumerate(speedup):
+        text = "n/a" if np.isnan(s) else f"{s:.{1 if s >= 1 else 2}f}x"  # 0.04x, not 0.0x
+        if i and not np.isnan(s):
+            text += f"\n({s / bounds[j]:.2f})"
+        dark = not np.isnan(s) and abs(np.log2(s)) > 2  # white text on the darkest cells
+        ax.text(j, i, text, ha="center", va="center", color="white" if dark else "black")
+    ax.set_xticks(range(len(columns)), columns)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_title(title)
+    bar = fig.colorbar(image, ax=ax, label="speedup (log scale)")
+    bar.ax.minorticks_off()
+    bar.set_ticks([2.0**e for e in range(-3, 4)], labels=["1/8", "1/4", "1/2", "1", "2", "4", "8"])
     fig.tight_layout()
     return fig

@@ -13,10 +13,14 @@ __all__ = ["compare_backends"]
 
 
 def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                     backward=False, backends=BACKENDS, min_run_time=0.5):
+                     backward=False, backends=BACKENDS, min_run_time=0.5, profile=True,
+                     plan_per_call=False):
     """Check and time one attention job on each backend, each with its plan
     built once, before timing (``plan_batch``: the per-batch bookkeeping is
-    not in the timed call). Returns name ->
+    not in the timed call); ``profile``: also profile one call of each for
+    its peak memory and kernels (``measure``'s ``profile``);
+    ``plan_per_call``: build the plan inside every timed call instead, as a
+    decoding step does (its lengths change at every step). Returns name ->
     :class:`~ragged_toolkit.measuring.timing.Timing`, or name -> the reason
     :func:`~ragged_toolkit.attention.backend_support` gives for not running it; prints one line per
     backend. A backend that should run and raises, or disagrees with the
@@ -52,7 +56,9 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
             torch.testing.assert_close(got.float(), want, **tolerances(q.dtype),
                                        msg=lambda m, n=name, w=what: f"{n}: {w} disagrees with the reference: {m}")
         runs[name] = lambda run=run, plan=plan: run(plan)
-    results.update(measure(runs, min_run_time=min_run_time))
+        if plan_per_call:
+            runs[name] = lambda run=run, name=name: run(plan_batch(q_offsets, kv_offsets, backend=name, **kw))
+    results.update(measure(runs, min_run_time=min_run_time, profile=profile))
     results = {name: results[name] for name in backends}
     print_timings(results)
     return results

@@ -1,10 +1,16 @@
-"""Measured figures as the pages print them."""
+"""Measured figures as the pages print them: timings one per line
+(:func:`print_timings`), and tables that keep every cell readable at any
+width (:class:`Table`)."""
 
 from __future__ import annotations
 
+import html
+from dataclasses import dataclass
+from itertools import zip_longest
+
 from .timing import Timing
 
-__all__ = ["print_timings"]
+__all__ = ["print_timings", "Table"]
 
 
 def print_timings(results):
@@ -13,3 +19,38 @@ def print_timings(results):
     width = max(map(len, results), default=0)
     for name, r in results.items():
         print(f"  {name:{width}s} {r}" if isinstance(r, Timing) else f"  {name:{width}s} not available: {r}")
+
+
+@dataclass
+class Table:
+    """A table of a page's figures: ``header``, the column names, and
+    ``rows``, each a list of cells (strings; ``"\\n"`` breaks a cell's
+    line), the first cell naming the row. Where a page or a notebook shows
+    the last value of a cell, it is an HTML ``<table>`` of class
+    ``css_class`` whose cells wrap their words (the site's stylesheet
+    stacks them in a narrow window), so nothing is cut off or hidden in a
+    scrolling box; printed, it is text, columns aligned."""
+
+    header: list
+    rows: list
+    css_class: str = "figures-table"
+
+    def _repr_html_(self):
+        def cell(tag, text, label):
+            lines = "<br>".join(html.escape(line) for line in str(text).split("\n"))
+            return f'<{tag} data-label="{html.escape(label)}">{lines}</{tag}>'
+
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
+        body = "".join("<tr>" + "".join(cell("th" if i == 0 else "td", c, h)
+                                        for i, (c, h) in enumerate(zip(row, self.header))) + "</tr>"
+                       for row in self.rows)
+        return f'<table class="{self.css_class}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+    def __str__(self):
+        cells = [[str(c).split("\n") for c in row] for row in [self.header, *self.rows]]
+        widths = [max(len(line) for row in cells for line in row[i]) for i in range(len(self.header))]
+        out = []
+        for row in cells:
+            for lines in zip_longest(*row, fillvalue=""):
+                out.append("  ".join(f"{line:{w}s}" for line, w in zip(lines, widths)).rstrip())
+        return "\n".join(out)

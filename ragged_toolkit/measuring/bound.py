@@ -13,7 +13,7 @@ import torch.nn as nn
 from .noise import outside_noise
 
 __all__ = ["Work", "attention_layer_work", "model_work", "pairs_scored", "work_bound", "work_per_token",
-           "speedup_line", "throughput_line"]
+           "generation_work", "speedup_line", "throughput_line"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,23 @@ def work_per_token(batches, work, *, padded=False, causal=True):
             total += work.per_token * float(n.sum()) + work.per_pair * pairs_scored(n, n, True)
         tokens += float(n.sum())
     return total / tokens
+
+
+def generation_work(prompt_lengths, n_new, work, *, cache=True):
+    """The work of ``n_new`` greedy tokens for each prompt of
+    ``prompt_lengths`` (B,), counted with ``work``. With a KV cache: the
+    packed prefill (each prompt's causal half), then ``n_new - 1`` steps of
+    one token per sequence, each scoring the keys its sequence has then.
+    Without (``cache=False``): the whole history, the prompt and the tokens
+    so far, run again at every one of the ``n_new`` steps."""
+    prompt = torch.as_tensor(prompt_lengths).double()
+    grown = prompt[:, None] + torch.arange(n_new)  # (B, n_new): each sequence's length at each step
+    if not cache:
+        every = grown.flatten()
+        return work.per_token * float(every.sum()) + work.per_pair * pairs_scored(every, every, True)
+    steps = grown[:, 1:]  # the keys each decoding step's query scores
+    return (work.per_token * float(prompt.sum() + steps.numel())
+            + work.per_pair * (pairs_scored(prompt, prompt, True) + float(steps.sum())))
 
 
 def speedup_line(label, padded, ragged, bound):

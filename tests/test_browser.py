@@ -354,3 +354,39 @@ def test_no_sideways_scroll_when_narrow(at_width, browser, rel):
         out = driver.execute_script(STICKING_OUT_JS)
         pytest.fail(f"{rel} at {NARROW} px: the page is {page} px wide in a {room} px window; "
                     "sticking out:\n  " + "\n  ".join(out), pytrace=False)
+
+
+# The decision guide of which_attention_path, a table the page prints as
+# HTML: at either width its last row, the last job's verdict, shows whole in
+# the page, not inside a box that scrolls or clips it (issue 32: printed as
+# text, its last verdicts sat below the output box's height cap, and at
+# 400 px its lines were cut off mid-word).
+GUIDE_PAGE = "auto_tutorials/which_attention_path.html"
+GUIDE_LAST_ROW_HIDDEN_JS = r"""
+const table = document.querySelector('table.decision-guide');
+if (!table) return 'no table.decision-guide on the page';
+const row = table.querySelector('tbody tr:last-child');
+if (!row || !/serving/.test(row.cells[0].textContent)) return 'its last row is not the serving job';
+const r = row.getBoundingClientRect(), room = document.documentElement.clientWidth;
+if (r.left < -1 || r.right > room + 1) return `its last row spans ${Math.round(r.left)}..${Math.round(r.right)} px`;
+for (let p = row.parentElement; p && p !== document.body; p = p.parentElement) {
+  const cs = getComputedStyle(p);
+  if (cs.overflowX === 'visible' && cs.overflowY === 'visible') continue;
+  const name = p.tagName.toLowerCase() + [...p.classList].slice(0, 3).map(c => '.' + c).join('');
+  if (p.scrollHeight > p.clientHeight + 1 || p.scrollWidth > p.clientWidth + 1)
+    return `${name} scrolls (${p.scrollWidth}x${p.scrollHeight} px in ${p.clientWidth}x${p.clientHeight})`;
+  const b = p.getBoundingClientRect();
+  if (r.top < b.top - 1 || r.bottom > b.bottom + 1 || r.left < b.left - 1 || r.right > b.right + 1)
+    return `${name} clips its last row`;
+}
+for (const cell of table.querySelectorAll('th, td'))
+  if (cell.scrollWidth > cell.clientWidth + 1) return `a cell is cut: ${JSON.stringify(cell.textContent.slice(0, 60))}`;
+return null;
+"""
+
+
+@pytest.mark.parametrize("width", [WIDE, NARROW])
+def test_decision_guide_shows_whole(at_width, browser, width):
+    at_width(GUIDE_PAGE, width)
+    problem = browser[0].execute_script(GUIDE_LAST_ROW_HIDDEN_JS)
+    assert problem is None, f"{GUIDE_PAGE} at {width} px: {problem}"

@@ -56,7 +56,7 @@ SIZES = {
     "cpu": dict(model=dict(vocab_size=512, dim=128, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=352,
                            max_seq_len=1024),
                 prompts=16, zipf_alpha=1.2, new_tokens=32, gen_lengths=(8, 32), run_time=0.25),
-    # head size 16 on either device (CUDA's kernels: a multiple of 8, at least 16)
+    # head size 16 on either device (the CUDA kernels want a multiple of 8, at least 16)
     "quick": dict(model=dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176),
                   prompts=6, new_tokens=8, gen_lengths=(4, 8), run_time=0.1),
 }
@@ -125,7 +125,7 @@ plt.show()
 # A batch of prompts, two models
 # ------------------------------
 # Prompt lengths come from the site's length generator: most prompts are
-# short, a few are long. The GPT's attention takes a *layout*, the object
+# short, a few are long. The attention of the GPT takes a *layout*, the object
 # that knows how the batch is laid out (:doc:`packed_gpt_training`). Two
 # models share everything but the number of key/value heads: multi-head
 # attention (MHA, one key/value head per query head) and GQA (``n_heads /

@@ -71,7 +71,7 @@ import torch
 from ragged_toolkit.device import page_setup
 
 SIZES = {
-    # a serving batch; blocks of 256 rows, as FlashAttention's paged kernel needs
+    # a serving batch; blocks of 256 rows, as the paged kernel of FlashAttention needs
     "cuda": dict(batch=256, heads=16, head_dim=64, zipf_alpha=1.1, block=256, run_time=0.5),
     # 90 s on 2 cores; real batches are the CUDA size and larger
     "cpu": dict(batch=48, heads=8, head_dim=32, zipf_alpha=1.2, block=16, run_time=0.2),
@@ -133,7 +133,7 @@ for job, (tensors, keywords) in JOBS.items():
 # %%
 # varlen_attn in this release
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``varlen_attn`` is FlashAttention's variable-length kernel: CUDA only, in
+# ``varlen_attn`` is the variable-length kernel of FlashAttention: CUDA only, in
 # ``float16`` or ``bfloat16``, which is why a CPU prints "not available"
 # above. Its keyword arguments changed in every release from 2.10 to 2.12
 # (causal as ``is_causal``, then as ``window_size``; ``enable_gqa``,
@@ -225,7 +225,7 @@ from ragged_toolkit.measuring.tables import print_timings
 
 qh, kh, vh = (to_padded(t, offsets)[0].transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, S, D)
 grad_packed = randn(T, S.heads, S.head_dim)  # the gradient of a loss, zero at padding:
-grad_h = to_padded(grad_packed, offsets)[0].transpose(1, 2)  # padding adds nothing to dk, dv
+grad_h = to_padded(grad_packed, offsets)[0].transpose(1, 2)  # padding adds nothing to ``dk``, ``dv``
 qh_train, kh_train, vh_train = (t.detach().requires_grad_() for t in (qh, kh, vh))
 n_used = int(used.max())
 seq_id, position = token_index(offsets)[0], torch.arange(T, device=DEVICE)
@@ -273,7 +273,8 @@ def one_query(out):  # (B, H, 1, D) -> (B, H, D)
     return out[:, :, 0].float()
 
 
-kh_gqa, vh_gqa, kr_gqa, vr_gqa = kh[:, :KV_HEADS], vh[:, :KV_HEADS], kr[:, :KV_HEADS], vr[:, :KV_HEADS]
+kh_gqa, vh_gqa = kh[:, :KV_HEADS].contiguous(), vh[:, :KV_HEADS].contiguous()  # as a GQA model holds them
+kr_gqa, vr_gqa = kr[:, :KV_HEADS], vr[:, :KV_HEADS]
 OTHER_PATHS = {  # (job, path) -> the call, and how its output becomes packed (T, H, D)
     ("inference", "padded tensors"): (padded_inference, unpad),
     ("training", "padded tensors"): (padded_training, unpad),
@@ -282,13 +283,13 @@ OTHER_PATHS = {  # (job, path) -> the call, and how its output becomes packed (T
     ("inference", "one row + mask"): (row_inference, unrow),
     ("training", "one row + mask"): (row_training, unrow),
     ("GQA", "one row + mask"): (lambda: row_inference(kr_gqa, vr_gqa), unrow),
-    ("decoding", "flex, refreshed"): (flex_refreshed, one_query),
+    ("decoding", "flex (refreshed)"): (flex_refreshed, one_query),
 }
 q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
 causal = reference_attention(q32, k32, v32, offsets, is_causal=True)
 REFERENCE = {  # job -> what its paths must return, in float32
     "inference": (causal.detach(),),
-    "training": torch.autograd.grad(causal, (q32, k32, v32), grad_packed.float()),  # dq, dk, dv
+    "training": torch.autograd.grad(causal, (q32, k32, v32), grad_packed.float()),  # ``dq``, ``dk``, ``dv``
     "decoding": (reference_attention(q_one, k_cache, v_cache, one_each, cache_offsets, kv_used=used),),
     "GQA": (reference_attention(q, k_gqa, v_gqa, offsets, is_causal=True),),
 }
@@ -302,7 +303,7 @@ for key, timing in other_times.items():  # key: (job, path)
     table[key[0]][key[1]] = timing
 print_timings({", ".join(key): timing for key, timing in other_times.items()})
 table["decoding"]["one row + mask"] = "a cache with spare rows needs kv_used, not one row"
-rebuilt, refreshed = table["decoding"].get("flex"), table["decoding"]["flex, refreshed"]
+rebuilt, refreshed = table["decoding"].get("flex"), table["decoding"]["flex (refreshed)"]
 if hasattr(rebuilt, "median_ms"):
     print(f"flex, one decoding step: mask rebuilt {rebuilt.median_ms:.2f} ms, refreshed "
           f"{refreshed.median_ms:.2f} ms: {rebuilt.median_ms / refreshed.median_ms:.1f}x")
@@ -451,7 +452,7 @@ serving_reference = reference_attention(q_step, keys, values, step.q_offsets, of
 
 
 def padded_apart(group):
-    """The requests of ``group`` ((B,) bool) as padded tensors: queries
+    """The requests where ``group`` (``(B,)``) is true, as padded tensors: queries
     (B_g, H, S_q, D), keys and values (B_g, H, S_kv, D), the mask of the keys
     each query sees (B_g, 1, S_q, S_kv), and the queries' offsets."""
     q_offsets = offsets_from_lengths(q_len[group], DEVICE)
@@ -528,7 +529,7 @@ causal_bound = work_bound(lengths, work=PAIRS, causal=True)
 BOUND = {"inference": causal_bound, "training": causal_bound, "GQA": causal_bound,
          "decoding": work_bound(torch.ones_like(lengths), lengths, work=PAIRS),  # one query, its keys in use
          "score_mod": work_bound(lengths, work=PAIRS), "serving": padded_pairs / serving_pairs}
-ROWS = ("padded tensors", "one row + mask", *BACKENDS, "flex, refreshed")  # every path, the baseline first
+ROWS = ("padded tensors", "one row + mask", *BACKENDS, "flex (refreshed)")  # every path, the baseline first
 guide = []
 for job, results in table.items():
     ran = {name: r for name, r in results.items() if isinstance(r, Timing)}

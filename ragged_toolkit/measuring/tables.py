@@ -27,13 +27,13 @@ class Table:
     ``rows``, each a list of cells (strings; ``"\\n"`` breaks a cell's
     line), the first cell naming the row. Where a page or a notebook shows
     the last value of a cell, it is an HTML ``<table>`` of class
-    ``css_class`` whose cells wrap their words (the site's stylesheet
-    stacks them in a narrow window), so nothing is cut off or hidden in a
-    scrolling box; printed, it is text, columns aligned."""
+    ``figures-table`` (and ``css_class``) whose cells wrap their words (the
+    site's stylesheet stacks them in a narrow window), so nothing is cut off
+    or hidden in a scrolling box; printed, it is text, columns aligned."""
 
     header: list
     rows: list
-    css_class: str = "figures-table"
+    css_class: str = ""
 
     def _repr_html_(self):
         def cell(tag, text, label):
@@ -44,7 +44,7 @@ class Table:
         body = "".join("<tr>" + "".join(cell("th" if i == 0 else "td", c, h)
                                         for i, (c, h) in enumerate(zip(row, self.header))) + "</tr>"
                        for row in self.rows)
-        return f'<table class="{self.css_class}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        return f'<table class="{" ".join(["figures-table", self.css_class]).strip()}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
     def __str__(self):
         cells = [[str(c).split("\n") for c in row] for row in [self.header, *self.rows]]

@@ -44,15 +44,13 @@ guide built from those measurements.
 # depends on the device, the dtype, the lengths and the job. This page runs
 # six jobs on one ragged batch:
 #
-# * **inference**: causal self-attention, forward only;
-# * **training**: the same, forward and backward;
-# * **decoding**: one new query per sequence against that sequence's keys in
-#   a KV cache with spare room (``kv_used``), as in every generation step,
-#   with the step's bookkeeping; a single query sees every key in use, so
-#   it needs no causal mask;
+# * **inference**: causal self-attention, forward only; **training**: the
+#   same, forward and backward;
+# * **decoding**: a generation step, its bookkeeping included: one new query
+#   per sequence against the keys it has in a KV cache with spare room
+#   (``kv_used``), which a single query sees all of (no causal mask);
 # * **GQA**: inference with four query heads per key/value head;
-# * **score_mod**: inference with a custom score function, the distance
-#   penalty of ALiBi;
+# * **score_mod**: inference with a custom score function, the penalty of ALiBi;
 # * **serving**: one step of continuous batching over a paged KV cache,
 #   prompt chunks and decode tokens in one packed batch.
 #
@@ -134,19 +132,16 @@ for job, (tensors, keywords) in JOBS.items():
 # varlen_attn in this release
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``varlen_attn`` is the variable-length kernel of FlashAttention: CUDA only, in
-# ``float16`` or ``bfloat16``, which is why a CPU prints "not available"
-# above. Its keyword arguments changed in every release from 2.10 to 2.12
-# (causal as ``is_causal``, then as ``window_size``; ``enable_gqa``,
-# ``seqused_k`` and ``block_table`` later), so the toolkit adapts every call
-# in one place, from the keywords of the installed release
-# (``VARLEN_KEYWORDS``, read from its signature); a feature the release
-# lacks raises ``VarlenUnavailable``, naming it, and is never dropped:
+# ``float16`` or ``bfloat16`` (hence "not available" on a CPU). Its keyword
+# arguments changed in every release from 2.10 to 2.12 (causal as
+# ``is_causal``, then as ``window_size``; ``enable_gqa``, ``seqused_k`` and
+# ``block_table`` later), so the toolkit adapts every call in one place, to
+# the keywords of the installed release (``VARLEN_KEYWORDS``, read from its
+# signature); a feature the release lacks raises ``VarlenUnavailable``,
+# naming it, and is never dropped. What this release takes:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/varlen.py
 #    :pyobject: varlen_kwargs
-#
-# What this release takes, and what the toolkit does where it lacks a
-# feature:
 
 from ragged_toolkit.attention import backend_support
 from ragged_toolkit.attention.varlen import VARLEN_KEYWORDS, VarlenUnavailable, varlen_kwargs, varlen_missing
@@ -311,13 +306,11 @@ if hasattr(rebuilt, "median_ms"):
 # %%
 # A custom score function
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# ``ragged_attention`` takes no score function: of the backends, only
-# FlexAttention accepts arbitrary Python (``score_mod``) and compiles it into
-# its kernel. A dense SDPA call can take a precomputed additive bias instead,
-# which works for the per-sequence loop (one bias per sequence) and for
-# padding (one bias for the padded square). ``varlen_attn`` and SDPA on
-# nested tensors take neither. Each path that can is checked against the
-# float32 reference with the bias built explicitly.
+# ``ragged_attention`` takes no score function: only FlexAttention accepts
+# arbitrary Python (``score_mod``), compiled into its kernel. A dense SDPA
+# call takes a precomputed additive bias instead: one per sequence for the
+# loop, one for the padded square. ``varlen_attn`` and SDPA on nested tensors
+# take neither. Each path is checked against a float32 reference.
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -437,12 +430,12 @@ work = [(r, r.pending()) for r in requests]  # (request, tokens it feeds)
 def paged_call(path, backend=None):
     """The step's attention through ``path``: its layout built once, as
     every layer of the step shares it; returns the call."""
-    layout = build_step(cache, work, DEVICE, path, backend)[2]
+    _, _, layout = build_step(cache, work, DEVICE, path, backend)  # tokens, positions, layout
     q_step = q[:int(layout.q_offsets[-1])]  # (T_step, H, D)
     return lambda: PAGED_PATHS[path](q_step, layout, 0)
 
 
-step = build_step(cache, work, DEVICE, "varlen")[2]  # the step's offsets, lengths and block table
+_, _, step = build_step(cache, work, DEVICE, "varlen")  # the step's offsets, lengths and block table
 q_len, kv_len = step.q_offsets.diff(), step.kv_lengths
 q_step, q_seq = q[:int(step.q_offsets[-1])], token_index(step.q_offsets)[0]
 rows = paged_rows(step.block_table, kv_len, S.block)  # every key in use, request after request
@@ -454,7 +447,7 @@ serving_reference = reference_attention(q_step, keys, values, step.q_offsets, of
 def padded_apart(group):
     """The requests where ``group`` (``(B,)``) is true, as padded tensors: queries
     (B_g, H, S_q, D), keys and values (B_g, H, S_kv, D), the mask of the keys
-    each query sees (B_g, 1, S_q, S_kv), and the queries' offsets."""
+    each query sees (B_g, 1, S_q, S_kv), and the queries' offsets, by name."""
     q_offsets = offsets_from_lengths(q_len[group], DEVICE)
     qp = to_padded(q_step[group[q_seq]], q_offsets)[0].transpose(1, 2)
     kp, vp = (to_padded(t[group[kv_seq]], offsets_from_lengths(kv_len[group], DEVICE))[0].transpose(1, 2)
@@ -462,7 +455,7 @@ def padded_apart(group):
     i, j = torch.arange(qp.shape[2], device=DEVICE), torch.arange(kp.shape[2], device=DEVICE)
     shift = (kv_len - q_len)[group][:, None, None]  # a query at i sees the keys up to i + shift
     sees = (j <= i[:, None] + shift) & (j < kv_len[group][:, None, None])
-    return qp, kp, vp, sees[:, None], q_offsets
+    return dict(q=qp, k=kp, v=vp, mask=sees[:, None], q_offsets=q_offsets)
 
 
 GROUPS = {"decode tokens": q_len == 1, "prompt chunks": q_len > 1}
@@ -471,12 +464,12 @@ PADDED_APART = {name: padded_apart(group) for name, group in GROUPS.items()}
 
 @torch.no_grad()
 def serving_padded():  # two SDPA calls: the decode rows, the prompt chunks
-    return {name: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=sees)
-            for name, (qp, kp, vp, sees, _) in PADDED_APART.items()}
+    return {name: F.scaled_dot_product_attention(g["q"], g["k"], g["v"], attn_mask=g["mask"])
+            for name, g in PADDED_APART.items()}
 
 
 for name, out in serving_padded().items():
-    torch.testing.assert_close(from_padded(out.transpose(1, 2), PADDED_APART[name][4]).float(),
+    torch.testing.assert_close(from_padded(out.transpose(1, 2), PADDED_APART[name]["q_offsets"]).float(),
                                serving_reference[GROUPS[name][q_seq]], **tolerances(DTYPE))
 serving_runs = {"padded tensors": serving_padded, "flex": paged_call("flex"),
                 **{name: paged_call("gathered", name) for name in ("loop", "bucketed", "padded")}}
@@ -490,7 +483,7 @@ with torch.no_grad():
                                        msg=lambda m, p=path: f"serving, {p}: {m}")
 # the query-key pairs each side scores: the padded groups their rectangles,
 # the ragged step each query's keys up to its own position
-padded_pairs = sum(qp.shape[0] * qp.shape[2] * kp.shape[2] for qp, kp, *_ in PADDED_APART.values())
+padded_pairs = sum(g["mask"].numel() for g in PADDED_APART.values())  # (B_g, 1, S_q, S_kv) each
 serving_pairs = float((q_len * kv_len - q_len * (q_len - 1) / 2).sum())
 table["serving"] = {
     "one row + mask": "not written for a paged cache",
@@ -505,22 +498,21 @@ print_timings(table["serving"])
 # %%
 # The decision guide, from this build
 # -----------------------------------
-# For each job: the path chosen here, its median and the kernels that ran,
-# its speedup over the padded tensors beside the job's :term:`work bound`
-# and the :term:`fraction of the bound` it reaches, what to use next, and
-# which paths cannot take the job here (the lines above say why). ``choose``
-# takes the fastest path only where its interquartile range (IQR) does not
-# overlap the next one's; within the noise it keeps the default,
-# ``default_backend`` (the loop on a CPU), as every page does. The bound
-# counts query-key pairs: the causal half on both sides for causal jobs
-# (a causal kernel skips the rest); the whole square for the score
-# function, whose padded baseline and loop add a bias to all of it; for
-# decoding, every cached row up to the longest in use; for serving, the
+# For each job: the path chosen here, its median and kernels, its speedup
+# over the padded tensors beside the job's :term:`work bound` and the
+# :term:`fraction of the bound` it reaches, what to use next, and which
+# paths cannot take the job here (the lines above say why). ``choose`` takes
+# the fastest path only where its interquartile range (IQR) does not overlap
+# the next one's; within the noise it keeps the default, ``default_backend``
+# (the loop on a CPU). The bound counts query-key pairs: the causal half for
+# causal jobs (a causal kernel skips the rest); the whole square for the
+# score function (its padded baseline and loop bias all of it); for
+# decoding, the cached rows up to the longest in use; for serving, the
 # rectangles of the two padded groups.
 
 from ragged_toolkit.attention import BACKENDS, default_backend
 from ragged_toolkit.measuring.bound import Work, speedup_line, work_bound
-from ragged_toolkit.measuring.noise import choose
+from ragged_toolkit.measuring.noise import choose, outside_noise
 from ragged_toolkit.measuring.tables import Table
 from ragged_toolkit.measuring.timing import Timing
 
@@ -536,11 +528,12 @@ for job, results in table.items():
     best = choose(ran, (default_backend(DEVICE, DTYPE, S.head_dim), "loop"), f"{job} path")
     then = sorted((name for name in ran if name != best), key=lambda name: ran[name].median_ms)
     ragged = best if best != "padded tensors" else then[0]  # where padding wins, the best of the others
-    against = speedup_line(f"{job}, {ragged} against padded tensors", ran["padded tensors"], ran[ragged],
-                           BOUND[job])
-    print(against)
+    padded, bound = ran["padded tensors"], BOUND[job]
+    print(speedup_line(f"{job}, {ragged} against padded tensors", padded, ran[ragged], bound))
+    gain = padded.median_ms / ran[ragged].median_ms
     chosen = f"{best}, {ran[best].median_ms:.2f} ms" + (f"\nkernels: {ran[best].kernels}" if ran[best].kernels else "")
-    versus = (f"{ragged}: " if ragged != best else "") + against.split(": ", 1)[1].replace(", ", "\n")
+    versus = ((f"{ragged}: " if ragged != best else "") + f"speedup {gain:.2f}x\nwork bound {bound:.2f}x\n"
+              f"fraction {gain / bound:.2f}" + ("" if outside_noise(padded, ran[ragged]) else " (within noise)"))
     guide.append([job, chosen, versus, ", ".join(then),
                   ", ".join(name for name, r in results.items() if not isinstance(r, Timing))])
 Table(["job", "chosen here", "against padded tensors", "then", "not here"], guide, css_class="decision-guide")
@@ -582,14 +575,11 @@ plt.show()
 # * a decoding step pays for whatever its path prepares per batch, at every
 #   step: a plan that needs no mask, or a mask refreshed in place, keeps
 #   that cost small;
-# * FlexAttention is the only path here that takes an arbitrary score
-#   function; whether it has a backward on this device, ``backend_support``
-#   says (on a CPU it has none);
 # * one row with a mask scores every pair of the row, so its cost grows with
 #   the square of the batch's tokens, not with the sum of its sequences';
-# * ``varlen_attn`` needs CUDA and a half-precision dtype, and reads a KV
-#   cache with spare room directly (``seqused_k``), or a paged one
-#   (``block_table``), where its release has them.
+# * FlexAttention is the only path here that takes an arbitrary score
+#   function; whether it has a backward on this device, ``backend_support``
+#   says (on a CPU it has none).
 #
 # References
 # ----------

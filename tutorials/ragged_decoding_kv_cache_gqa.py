@@ -236,11 +236,9 @@ def generate_no_cache(model, n_new):
     for _ in range(n_new):
         logits = model(tokens, token_index(offsets)[1], PackedLayout.of(offsets, DECODE_BACKEND))
         out.append(logits[offsets[1:] - 1].argmax(-1))  # (B,): each sequence's next token
-        grown = offsets_from_lengths(offsets.diff() + 1, DEVICE)  # each sequence one token longer
-        is_new = torch.zeros(len(tokens) + len(out[-1]), dtype=torch.bool, device=DEVICE)
-        is_new[grown[1:] - 1] = True
-        tokens = torch.empty_like(is_new, dtype=tokens.dtype).masked_scatter_(~is_new, tokens)
-        tokens[is_new], offsets = out[-1], grown
+        history = tokens.split(offsets.diff().tolist())  # each sequence's tokens, then its new one
+        tokens = torch.cat([t for seq, new in zip(history, out[-1]) for t in (seq, new[None])])
+        offsets = offsets_from_lengths(offsets.diff() + 1, DEVICE)
     return torch.stack(out, 1)  # (B, n_new)
 
 

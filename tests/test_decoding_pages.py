@@ -1,55 +1,16 @@
-"""The decoding page and the decision page, without running them: their
-sizes suit CUDA's kernels in every mode, and the toolkit pieces only they
-use (``compare_backends``' ``plan_per_call`` and ``profile``, ``Table``,
-``draw_speedups``, ``generation_work``) do what the pages say."""
+"""What the decoding page and the decision page rely on, without running
+them: the toolkit pieces only they use (``compare_backends``'
+``plan_per_call`` and ``profile``, ``Table``, ``draw_speedups``,
+``generation_work``) do what the pages say. (Their CUDA sizes are checked
+with every page's by ``tests/test_cuda_audit.py``.)"""
 
 from __future__ import annotations
 
-import ast
-
 import numpy as np
-import pytest
 import torch
 
-from sitebuild import REPO
 from toolkit_api import MODULES
 from toolkit_api import tk as toolkit
-
-PAGES = {stem: REPO / "tutorials" / f"{stem}.py" for stem in ("ragged_decoding_kv_cache_gqa", "which_attention_path")}
-
-
-def literal(node):
-    """A literal, where ``dict(key=...)`` counts as one (CONTRIBUTING's form)."""
-    if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "dict" and not node.args:
-        return {kw.arg: literal(kw.value) for kw in node.keywords}
-    if isinstance(node, ast.Dict):
-        return {literal(key): literal(value) for key, value in zip(node.keys, node.values)}
-    return ast.literal_eval(node)
-
-
-def page_sizes_literal(path):
-    """The page's SIZES dict, read from its source without running it."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "SIZES" for t in node.targets):
-            return literal(node.value)
-    raise AssertionError(f"{path.name}: no literal SIZES dict")
-
-
-def head_size(sizes):
-    model = sizes.get("model")
-    return model["dim"] // model["n_heads"] if model else sizes["head_dim"]
-
-
-@pytest.mark.parametrize("stem", PAGES)
-@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
-def test_cuda_sizes_suit_the_kernels(stem, quick):
-    """Issue 35: on CUDA, quick mode kept 16 heads at width 64 (head size 4),
-    which FlexAttention and FlashAttention refuse."""
-    sizes = toolkit.page_sizes(page_sizes_literal(PAGES[stem]), "cuda", quick)
-    d = head_size(sizes)
-    assert d % 8 == 0 and d >= 16, f"{stem}: head size {d} on CUDA ({'quick' if quick else 'full'} mode)"
-    for name in ("flex", "varlen"):  # what backend_support says of that size, without a GPU
-        assert "head size" not in (toolkit.backend_support(name, "cpu", torch.bfloat16, head_dim=d) or "")
 
 
 def test_compare_backends_plans_inside_the_call_when_asked(monkeypatch):

@@ -79,7 +79,7 @@ def data_parallel_worker(folder):
     (rank 0 saves the whole gradients) and the timed steps; writes
     ``rank<R>.json``, what this rank measured, or ``rank<R>.error``, the
     traceback it stopped with. The ranks leave together
-    (:func:`_leave_together`) before the process group is destroyed; a rank
+    (``_leave_together``) before the process group is destroyed; a rank
     that fails destroys nothing (the launcher stops the others)."""
     folder, rank = Path(folder), int(os.environ["RANK"])
     job = DataParallelJob.from_json((folder / "job.json").read_text())

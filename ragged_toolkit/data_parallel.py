@@ -72,12 +72,15 @@ def check_positions(positions, offsets):
 # --- the loss of a step, on every rank ---------------------------------------------
 
 
-def token_loss_sum(model, tokens, offsets, backend=None, dtype=torch.float32):
+def token_loss_sum(model, tokens, offsets, backend=None, dtype=torch.float32, *, layout=None):
     """The sum of the next-token losses of a packed micro-batch and its
-    number of targets (each document's last token has none)."""
+    number of targets (each document's last token has none). ``layout``: how
+    the model's attention reads the micro-batch, built outside the model
+    (default: the packed layout, its plan built here for ``backend``)."""
     targets = document_targets(tokens, offsets)
+    layout = PackedLayout.of(offsets, backend, dtype) if layout is None else layout
     with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = model(tokens, token_index(offsets)[1], PackedLayout.of(offsets, backend, dtype))  # (T, vocab)
+        logits = model(tokens, token_index(offsets)[1], layout)  # (T, vocab)
     loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
     return loss, (targets != -100).sum()
 

@@ -42,42 +42,35 @@ library, one byte per token.
 # Every size is set here, per device; :term:`quick mode` shrinks them. Two
 # ranks run on the CPU over ``gloo`` on every machine; a CUDA machine also
 # runs one rank per GPU over NCCL. The model is the GPT of the training page
-# with a byte vocabulary (256 tokens). (Real runs: thousands of GPUs, a
-# budget of 4096 to 16384 tokens per micro-batch and rank.)
+# with a byte vocabulary (256 tokens). ``corpus_documents`` docstrings are
+# read, cut at ``context`` tokens and packed end to end; the first
+# ``train_tokens`` of that stream are cut into micro-batches, and every
+# figure below reads from them. (Real runs: thousands of GPUs, a budget of
+# 4096 to 16384 tokens per micro-batch and rank.)
 
 import torch
-from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
+from ragged_toolkit.device import page_setup
 
-DEVICE = default_device()
-DTYPE = default_dtype(DEVICE)  # the timed steps; the gradient check runs in float32
-CPU_DTYPE = DTYPE if DEVICE == "cpu" else torch.float32  # what runs on the CPU
-QUICK = quick_mode()
-SEED = 0
-WORLD = 2  # ranks on the CPU, over gloo
-if DEVICE == "cuda":  # the gloo ranks run on the CPU cores of the GPU machine too
-    MODEL = dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
-                 ffn_hidden=688, max_seq_len=2048)
-    CONTEXT, DOCS_PER_MICRO_BATCH, MICRO_BATCHES, STEPS = 2048, 8, 2, 8
-else:
-    MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                 ffn_hidden=352, max_seq_len=1024)
-    CONTEXT, DOCS_PER_MICRO_BATCH, MICRO_BATCHES, STEPS = 1024, 4, 2, 6
-CORPUS_DOCS, MIN_CHARS = 3000, 200
-if QUICK:
-    MODEL.update(dim=64, ffn_hidden=176)
-    CONTEXT, DOCS_PER_MICRO_BATCH, STEPS, CORPUS_DOCS = 512, 2, 4, 1200
+SIZES = {
+    "cuda": dict(model=dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=688,
+                            max_seq_len=2048),
+                 context=2048, docs_per_micro_batch=8, steps=8, corpus_documents=2000, train_tokens=900_000),
+    "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=352,
+                           max_seq_len=1024),  # 90 s on 2 cores
+                context=1024, docs_per_micro_batch=4, steps=6, corpus_documents=2000, train_tokens=800_000),
+    "quick": dict(model=dict(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176), context=512,
+                  docs_per_micro_batch=2, steps=4, corpus_documents=1200, train_tokens=400_000),
+}
+setup = page_setup(SIZES)
+DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
+CPU_DTYPE = DTYPE if DEVICE == "cpu" else torch.float32  # what runs on the CPU (the gloo ranks too)
+WORLD, MICRO_BATCHES = 2, 2  # ranks on the CPU, over gloo; micro-batches per rank and step
 WARMUP_STEPS = 2  # timed steps left out of the figures (first calls)
 GRAD_DOCS = 2  # documents per micro-batch in the gradient check (tiny, float32)
 GRAD_TOL = 1e-4  # float32: the largest gradient difference allowed
-LR = 3e-3
-print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")
-print("model: " + ", ".join(f"{k} {v}" for k, v in MODEL.items()))
-print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {DOCS_PER_MICRO_BATCH} "
-      f"documents or one token budget each, documents cut at {CONTEXT} tokens")
-
-# sphinx_gallery_start_ignore
-quiet_known_notes()
-# sphinx_gallery_end_ignore
+LR, MIN_CHARS = 3e-3, 200  # AdamW's rate; the shortest docstring read
+print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micro_batch} documents "
+      f"or one token budget each, documents cut at {S.context} tokens")
 
 # %%
 # Real text, offline
@@ -94,14 +87,19 @@ quiet_known_notes()
 import numpy as np
 from ragged_toolkit.data import docstring_corpus, pack_documents
 
-documents, source = docstring_corpus(min_chars=MIN_CHARS, limit=CORPUS_DOCS)
+documents, source = docstring_corpus(min_chars=MIN_CHARS, limit=S.corpus_documents)
 lengths = np.array([len(d) for d in documents])
 print(f"corpus: {len(documents)} documents from {source}, lengths min {lengths.min()}, "
       f"median {int(np.median(lengths))}, max {lengths.max()}")
 print(f"the first one: {documents[0][:70].decode()!r}")
-assert len(documents) >= 1000, f"only {len(documents)} documents of {MIN_CHARS}+ chars"
-tokens, offsets = pack_documents(documents, max_len=CONTEXT)  # (T,), (B + 1,)
-print(f"{len(tokens):,} tokens; {(lengths > CONTEXT).sum()} documents cut at {CONTEXT}")
+tokens, offsets = pack_documents(documents, max_len=S.context)  # (T,), (B + 1,)
+assert len(documents) == S.corpus_documents and len(tokens) >= S.train_tokens, (
+    f"this Python's standard library holds {len(documents)} docstrings of {MIN_CHARS}+ characters, "
+    f"{len(tokens)} tokens: lower corpus_documents or train_tokens in SIZES")
+inside = offsets[offsets < S.train_tokens]  # the documents the stream's first train_tokens touch
+tokens, offsets = tokens[:S.train_tokens], torch.cat([inside, inside.new_tensor([S.train_tokens])])
+print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
+      f"{(lengths > S.context).sum()} documents of the corpus cut at {S.context}")
 
 # %%
 # Three packing mistakes, each checked
@@ -116,11 +114,15 @@ print(f"{len(tokens):,} tokens; {(lengths > CONTEXT).sum()} documents cut at {CO
 # 2. **The first token of a document is never a target of the one before.**
 #    Shifting the whole pack by one token makes every document's last token
 #    predict the next document's first: ``document_targets`` puts -100
-#    (ignored) there.
+#    (ignored) there. These are the targets of every loss on this page:
+#
+#    .. literalinclude:: ../ragged_toolkit/data.py
+#       :pyobject: document_targets
+#
 # 3. **Positions restart at every document.** ``token_index`` gives them. With
 #    rotary embeddings the scores depend only on the distance between two
-#    tokens, so a constant shift barely shows in this model's logits (the
-#    page measures it); but a model with learned absolute positions sees other
+#    tokens, so a constant shift moves this model's logits by rounding alone
+#    (the page checks it); but a model with learned absolute positions sees other
 #    inputs, the position table runs out at ``max_seq_len``, and Hugging Face's
 #    padding-free path reads the document boundaries from positions that
 #    restart (``offsets_from_position_ids``).
@@ -134,8 +136,8 @@ from ragged_toolkit.data_parallel import check_documents_apart, check_positions,
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.layouts import PackedLayout
 
-torch.manual_seed(SEED)
-cfg = GPTConfig(**MODEL)
+torch.manual_seed(setup.seed)
+cfg = GPTConfig(**S.model)
 model = GPT(cfg)  # float32, on the CPU: the reference for everything below
 doc = documents[1][:96]
 
@@ -176,9 +178,10 @@ check_positions(right, pair_offsets)
 print(f"3. positions restart: {right.tolist()[36:45]} around the first boundary")
 print(wrapped(shows_failure(check_positions, wrong, pair_offsets)))
 with torch.no_grad():
-    layout = PackedLayout(pair_offsets)
+    layout = PackedLayout.of(pair_offsets, "loop")  # the batch's plan, built once for both calls
     shifted = (model(pair, right, layout) - model(pair, wrong, layout)).abs().max()
 read = len(offsets_from_position_ids(wrong)) - 1
+assert shifted < 1e-3, f"a constant position shift moved this RoPE model's logits by {shifted:.1e}"
 print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e}; "
       f"position_ids read {read} document(s), not 3")
 
@@ -203,12 +206,12 @@ print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e
 #
 # Micro-batches are dealt to the ranks in turn, as ``DistributedSampler``
 # deals samples. The imbalance is the token count of the slowest rank over
-# the mean of the ranks, summed over every step of the corpus: the factor by
+# the mean of the ranks, summed over every step of the stream: the factor by
 # which the step is longer than it would be with perfectly balanced work.
 
 from ragged_toolkit.data import split_by_documents, split_by_token_budget, split_carrying_documents
 
-by_documents = split_by_documents(tokens, offsets, DOCS_PER_MICRO_BATCH)
+by_documents = split_by_documents(tokens, offsets, S.docs_per_micro_batch)
 BUDGET = int(round(np.mean([len(t) for t, _ in by_documents]) / 64)) * 64
 by_budget = split_by_token_budget(tokens, offsets, BUDGET)
 carried = split_carrying_documents(tokens, offsets, BUDGET)
@@ -235,8 +238,8 @@ steps_docs, steps_budget = deal(by_documents), deal(by_budget)
 cuts = torch.arange(BUDGET, len(by_budget) * BUDGET, BUDGET)
 cut = int((~torch.isin(cuts, offsets)).sum())  # cuts that fall inside a document
 padding = 1 - sum(len(t) for t, _ in carried) / (BUDGET * len(carried))
-print(f"token budget {BUDGET} (the mean of {DOCS_PER_MICRO_BATCH} documents); "
-      f"{len(steps_docs)} and {len(steps_budget)} steps of the corpus")
+print(f"token budget {BUDGET} (the mean of {S.docs_per_micro_batch} documents); "
+      f"{len(steps_docs)} and {len(steps_budget)} steps of the stream")
 print(f"token imbalance (max/mean tokens per rank): fixed documents "
       f"{imbalance(steps_docs):.2f}, token budget {imbalance(steps_budget):.2f}")
 print(f"the budget cuts {cut} documents (one target each); carrying them instead "
@@ -272,51 +275,97 @@ plt.show()
 # %%
 # One shape, one compiled graph
 # -----------------------------
-# A fixed budget also gives every micro-batch the same shape, ``(BUDGET,)``
-# tokens. ``torch.compile`` specializes a graph on its input shapes, so a
-# token count that changes every micro-batch recompiles (with static
-# shapes, which CUDA graphs need) or compiles once more with symbolic sizes
-# (the default, after the first change). Past dynamo's recompile limit, 8
-# compiled versions of one function, it stops compiling that function and
-# runs it eagerly, with a warning; the count below lifts the limit so that
-# it counts every graph. One call of this model is several graphs: dynamo
-# breaks the graph at every ``ragged_attention`` call, host-side bookkeeping
-# around the kernels, which it does not trace. The count comes from a
-# backend that counts the graphs dynamo hands it and runs them as they are,
-# so that no kernel is generated; with inductor, each graph is compiled
-# into kernels, which takes seconds (:doc:`packed_gpt_training` times it).
+# A rank computes each micro-batch's loss with ``token_loss_sum``. The
+# layout it hands the model, and the batch's plan in it, is built before the
+# model runs, so ``ragged_attention`` reads nothing back from the device and
+# ``torch.compile(model, fullgraph=True)`` takes a micro-batch's forward
+# whole, with its backward: a graph break would be an error.
+#
+# .. literalinclude:: ../ragged_toolkit/data_parallel.py
+#    :pyobject: token_loss_sum
+#
+# What a compiled graph is specialized on depends on how attention reads
+# the micro-batch, and that decides what a fixed budget buys:
+#
+# * the **rows** layout, ``PackedRows`` (:doc:`packed_gpt_training`): the
+#   micro-batch as one row, one SDPA call with a block-diagonal causal mask
+#   built outside the model. The graph depends on the token count alone. It
+#   scores every pair of the row and masks those across documents (on CUDA,
+#   ``FlexRows`` skips them).
+# * the **packed** layout with the ``loop`` backend's plan, what the ranks
+#   below run on a CPU: one SDPA call per sequence, unrolled into the graph,
+#   which therefore depends on how many sequences the micro-batch holds (and,
+#   with static shapes, on every length), whatever its token count.
+#
+# Each path compiles the first ``COMPILE_STEPS`` micro-batches of each way
+# of filling them: with static shapes (``dynamic=False``, what CUDA graphs
+# need), the default (static, then symbolic sizes where a size changes) and
+# symbolic sizes from the start (``dynamic=True``). ``compile_counter``
+# counts the graphs and graph breaks, with dynamo's recompile limit lifted
+# (past 8 versions of a function it would run it uncompiled). Graphs and
+# breaks are dynamo's, whatever compiles the graphs after it: the ``eager``
+# backend runs each graph as captured, where inductor would spend seconds
+# generating its kernels (:doc:`packed_gpt_training` times that).
 
 from ragged_toolkit.data_parallel import token_loss_sum
+from ragged_toolkit.layouts import PackedRows
+from ragged_toolkit.measuring.compiling import compile_counter
 
-graphs = []
-
-
-def counting_backend(gm, example_inputs):
-    graphs.append(gm)
-    return gm.forward
-
-
-def compiled_graphs(micro_batches, dynamic):
-    torch._dynamo.reset()
-    graphs.clear()
-    runner = torch.compile(model, backend=counting_backend, dynamic=dynamic)
-    for tokens_i, offsets_i in micro_batches:
-        loss, count = token_loss_sum(runner, tokens_i, offsets_i, dtype=CPU_DTYPE)
-        (loss / count).backward()
-    model.zero_grad(set_to_none=True)
-    return len(graphs)
-
-
-COMPILE_BATCHES = 3
+COMPILE_STEPS = 3
 schemes = {"fixed documents": by_documents, "token budget": by_budget}
-for dynamic, label in ((False, "static shapes"), (None, "default, dynamic on change")):
-    with torch._dynamo.config.patch(recompile_limit=64):  # count, do not stop at 8
-        counts = {name: compiled_graphs(mbs[:COMPILE_BATCHES], dynamic)
-                  for name, mbs in schemes.items()}
-    print(f"graphs compiled for {COMPILE_BATCHES} micro-batches, {label}: "
-          + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    assert counts["token budget"] < counts["fixed documents"], counts
+
+
+def rows(t, o):  # the micro-batch as one row of len(t) tokens
+    return PackedRows.from_offsets(o, len(t))
+
+
+def loop_plan(t, o):
+    return PackedLayout.of(o, "loop")
+
+
+PATHS = {"rows, static shapes": (rows, False), "rows, default shapes": (rows, None),
+         "rows, dynamic shapes": (rows, True), "loop plan, default shapes": (loop_plan, None)}
+
+
+def compiled_trainer(micro_batches, layout_of, dynamic):
+    """Each micro-batch's forward and backward through the model compiled
+    with ``fullgraph=True``; returns what ``torch.compile`` did."""
+    torch._dynamo.reset()  # each path counts its own graphs
+    runner = torch.compile(model, backend="eager", fullgraph=True, dynamic=dynamic)
+    with torch._dynamo.config.patch(recompile_limit=64), compile_counter() as count:
+        for t, o in micro_batches:
+            loss, targets = token_loss_sum(runner, t, o, dtype=CPU_DTYPE, layout=layout_of(t, o))
+            (loss / targets).backward()
+    model.zero_grad(set_to_none=True)
+    return count
+
+
+graphs = {}
+for path, (layout_of, dynamic) in PATHS.items():
+    for scheme, micro_batches in schemes.items():
+        count = compiled_trainer(micro_batches[:COMPILE_STEPS], layout_of, dynamic)
+        assert count.breaks == 0 and not count.fallbacks, f"{scheme}, {path}: {count}"
+        graphs[scheme, path] = count.graphs
+        print(f"compiled trainer {scheme}, {path}: {count.graphs} graphs for {COMPILE_STEPS} steps, "
+              f"{count.breaks} graph breaks")
 torch._dynamo.reset()
+
+# %%
+# No path broke its graph. With the rows layout, the budget compiled one
+# graph on every path, and fixed documents one per token count with static
+# shapes (both checked below); symbolic sizes compile them once too, so
+# what the budget buys there is static shapes. With the loop's plan, the
+# graph follows the sequences:
+
+token_counts = len({len(t) for t, _ in by_documents[:COMPILE_STEPS]})
+assert all(graphs["token budget", path] == 1 for path in PATHS if path.startswith("rows")), graphs
+assert graphs["fixed documents", "rows, static shapes"] == token_counts, (graphs, token_counts)
+held = {scheme: sorted({len(o) - 1 for _, o in mbs[:COMPILE_STEPS]}) for scheme, mbs in schemes.items()}
+loop = {scheme: graphs[scheme, "loop plan, default shapes"] for scheme in schemes}
+print(f"loop plan: fixed documents hold {held['fixed documents']} sequences, {loop['fixed documents']} "
+      f"graphs; the budget's micro-batches hold {held['token budget']} sequences, "
+      f"{loop['token budget']} graphs: " + ("a fixed token count saved no graph there"
+      if loop["token budget"] >= loop["fixed documents"] else "the budget compiled fewer"))
 
 # %%
 # A loss that is right on every rank
@@ -383,48 +432,53 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: wrap_model
 #
-# Each rank runs the same script, which calls the toolkit's
-# ``data_parallel_worker``: the gradient check under DDP, under FSDP2, and
-# once more under DDP with the count not reduced, the mistake; then timed
-# training steps under DDP, both ways of filling a micro-batch, with AdamW.
-# ``torch.distributed.run`` (``torchrun``) starts the ranks; the page writes
-# the job into a temporary folder and reads each rank's report back
-# (``run_data_parallel``). The command, and its twin on a CUDA machine,
-# where each rank takes a GPU and the ranks talk over NCCL:
+# What every rank does is a ``DataParallelJob``: the process group's
+# backend, the model's sizes, the gradient runs (DDP, FSDP2, and DDP with
+# the count not reduced, the mistake), then timed training steps under DDP
+# with AdamW, both ways of filling a micro-batch, on the attention backend
+# named for them. The tensors (the initial weights, each rank's
+# micro-batches) travel beside it. Each rank runs the same script, which
+# calls ``data_parallel_worker``; every rank reaches a barrier before the
+# process group is destroyed, so that no rank closes a connection its peer
+# still reads:
+#
+# .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
+#    :pyobject: data_parallel_worker
+#
+# ``torch.distributed.run`` (``torchrun``) starts the ranks, over the
+# loopback interface; ``run_data_parallel`` writes the job into a temporary
+# folder, reads each rank's report back, and where a rank fails, raises with
+# that rank's own error. The command, and its twin on a CUDA machine, where
+# each rank takes a GPU and the ranks talk over NCCL:
 #
 # * ``python -m torch.distributed.run --standalone --nproc-per-node=2 worker.py FOLDER``
 # * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
 
 from ragged_toolkit.attention import backend_support
 from ragged_toolkit.data_parallel import check_same_gradients, nccl_ranks
-from ragged_toolkit.data_parallel_launch import run_data_parallel
+from ragged_toolkit.data_parallel_launch import DataParallelJob, GradientRun, run_data_parallel
+
+RUNS = [GradientRun("DDP", wrap="ddp"), GradientRun("FSDP2", wrap="fsdp"),
+        GradientRun("DDP, count not reduced", wrap="ddp", reduce_count=False)]
 
 
-def train_backend(device, dtype):
-    fused = backend_support("varlen", device, dtype, is_causal=True, needs_grad=True, gqa=True)
-    return "varlen" if fused is None else "loop"
-
-
-RUNS = [{"name": "DDP", "wrap": "ddp", "reduce_count": True},
-        {"name": "FSDP2", "wrap": "fsdp", "reduce_count": True},
-        {"name": "DDP, count not reduced", "wrap": "ddp", "reduce_count": False}]
-
-
-def launch(backend, nproc, device, time_dtype):
-    """Both jobs on ``nproc`` ranks: the gradient check's micro-batches and
-    the timed steps dealt to that many ranks; the gradients checked."""
-    data = {"init": model.state_dict(),
-            "grad_batches": [micro[r::nproc] for r in range(nproc)],
-            "time_batches": {name: deal(mbs, world=nproc)[: WARMUP_STEPS + STEPS]
+def launch(backend, nproc, device, dtype):
+    """The job on ``nproc`` ranks: the gradient check's micro-batches and the
+    timed steps dealt to that many ranks; the gradients checked."""
+    fused = backend_support("varlen", device, dtype, is_causal=True, needs_grad=True, gqa=True,
+                            head_dim=cfg.head_dim)
+    job = DataParallelJob(backend=backend, config=S.model, dtype=str(dtype).removeprefix("torch."), lr=LR,
+                          grad_runs=RUNS, grad_backend="loop", time_backend="varlen" if fused is None else "loop")
+    data = {"init": model.state_dict(),  # every rank starts from these weights
+            "grad_batches": [micro[r::nproc] for r in range(nproc)],  # rank r's micro-batches
+            "time_batches": {name: deal(mbs, world=nproc)[:WARMUP_STEPS + S.steps]
                              for name, mbs in schemes.items()}}
-    job = {"backend": backend, "config": MODEL, "dtype": str(time_dtype).split(".")[-1],
-           "lr": LR, "grad_runs": RUNS, "grad_backend": "loop",
-           "time_backend": train_backend(device, time_dtype)}
     reports, grads = run_data_parallel(job, data, nproc)
-    print(f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]}:")
+    print(f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]}, "
+          f"{reports[0]['threads']} threads each, timed steps on {job.time_backend!r}:")
     for run in RUNS[:2]:
-        gap = check_same_gradients(grads[run["name"]], reference, GRAD_TOL)
-        print(f"{run['name']}:")
+        gap = check_same_gradients(grads[run.name], reference, GRAD_TOL)
+        print(f"{run.name}:")
         print(f"data-parallel step: world size {nproc}, gradient max difference to one process {gap:.1e}")
     return reports, grads
 
@@ -447,50 +501,54 @@ print(wrapped(shows_failure(check_same_gradients, grads["DDP, count not reduced"
 # What the ranks measured
 # -----------------------
 # Every rank timed each step between two barriers; a step ends for all
-# ranks when the slowest has sent its gradients. Tokens per second count a
-# rank's own tokens; the aggregate counts every rank's. Two ranks on a
-# machine with two CPU cores add no compute: they share the cores one
-# process has, so what the CPU build measures is correctness (the
-# gradients), the imbalance and the compile counts; with a GPU per rank,
-# the same script measures data-parallel throughput (the NCCL lines, where
-# the build machine has more than one GPU).
-#
-# The step times differ by more than the imbalance: the budget's micro-batches
-# also cut documents, and a cut document is two shorter sequences, with
-# fewer attention pairs than the whole; and a few timed steps have a spread.
-# The figures printed below account for each.
+# ranks when the slowest has sent its gradients. Tokens per second count
+# every rank's tokens. Ranks that share the cores of one machine add no
+# compute, so what the CPU build measures is correctness (the gradients),
+# the imbalance and the compile counts; with a GPU per rank, the same
+# script measures data-parallel throughput (the NCCL lines, where the build
+# machine has more than one GPU). The last line sets the step times of the
+# two ways side by side with what differs between their steps: the
+# imbalance, the tokens, and the attention pairs (a document cut by the
+# budget is two shorter sequences, with fewer pairs than the whole).
 
 from ragged_toolkit.measuring.bound import pairs_scored
 
 
 def summary(reports, label):
-    """Each scheme's step times, speeds, attention pairs and imbalance."""
+    """Each way's step times, speed, imbalance, attention pairs and tokens per step."""
     print(label)
+    out = {}
     for scheme in schemes:
         per_rank = [r["timing"][scheme] for r in reports]
         step_ms = 1e3 * np.max([t["seconds"][WARMUP_STEPS:] for t in per_rank], axis=0)
         q1, median, q3 = np.percentile(step_ms, [25, 50, 75])
         total = sum(sum(t["tokens"][WARMUP_STEPS:]) for t in per_rank)
-        timed = deal(schemes[scheme], world=len(reports))[WARMUP_STEPS:WARMUP_STEPS + STEPS]
+        timed = deal(schemes[scheme], world=len(reports))[WARMUP_STEPS:WARMUP_STEPS + S.steps]
         pairs = np.mean([sum(pairs_scored(o.diff(), o.diff(), True) for rank in step for _, o in rank)
                          for step in timed])
+        out[scheme] = dict(median_ms=median, imbalance=imbalance(timed), pairs=pairs, tokens=total / len(step_ms))
         print(f"  {scheme:15s}: step median {median:6.1f} ms (IQR {q1:.1f}-{q3:.1f}, {len(step_ms)} steps), "
               f"aggregate {total / step_ms.sum() * 1e3:,.0f} tokens/s")
-        print(f"  {'':15s}  imbalance {imbalance(timed):.2f}, attention pairs per step {pairs:,.0f}, "
-              f"tokens per step {total / len(step_ms):,.0f}")
+        print(f"  {'':15s}  imbalance {out[scheme]['imbalance']:.2f}, attention pairs per step {pairs:,.0f}, "
+              f"tokens per step {out[scheme]['tokens']:,.0f}")
+    ratio = {k: out["fixed documents"][k] / out["token budget"][k] for k in out["token budget"]}
+    print(f"  fixed documents / token budget: step time {ratio['median_ms']:.2f}x, imbalance "
+          f"{ratio['imbalance']:.2f}x, tokens {ratio['tokens']:.2f}x, attention pairs {ratio['pairs']:.2f}x")
+    return out
 
 
-summary(reports, f"{WORLD} ranks over gloo, {STEPS} timed steps after {WARMUP_STEPS}:")
+gloo = summary(reports, f"{WORLD} ranks over gloo, {S.steps} timed steps after {WARMUP_STEPS}:")
 if NCCL_RANKS:
-    summary(nccl_reports, f"{len(nccl_reports)} ranks over NCCL:")
+    nccl = summary(nccl_reports, f"{len(nccl_reports)} ranks over NCCL:")
 
 # %%
 # Conclusion
 # ----------
 # Filling micro-batches to a token budget balances the ranks by
-# construction and gives one shape to compile; cutting documents at the
-# budget costs a target and some context per cut, carrying them costs
-# padding. Whatever fills the micro-batches, the loss is a sum over every
+# construction and gives every micro-batch one shape, which compiles once
+# where attention reads the micro-batch by its shape (the rows layout);
+# cutting documents at the budget costs a target and some context per cut,
+# carrying them costs padding. Whatever fills the micro-batches, the loss is a sum over every
 # token divided by a count summed over every rank, and a gradient check
 # against one process on the whole batch is cheap enough to run in a test.
 #

@@ -2,7 +2,10 @@
 the toolkit functions it runs: the docstring corpus, the two ways of filling
 a micro-batch, the three packing checks failing on the wrong variants, and
 the two-rank step (DDP, FSDP2; torch.distributed.run over gloo, tiny sizes)
-matching one process, and failing to when the count is not reduced."""
+matching one process, and failing to when the count is not reduced; a
+failing rank's own error shown; the step compiled with ``fullgraph=True``
+(no break, and an error when a break or a host sync is put back), and the
+rows layout compiling a token budget once."""
 
 from __future__ import annotations
 
@@ -147,6 +150,21 @@ def test_a_failing_rank_is_reported_with_its_last_lines(model):
                                    "time_batches": {"x": [[[], []]]}}, 2, timeout=120)
 
 
+def test_a_rank_that_fails_before_its_traceback_file_is_reported_from_its_own_stderr(model):
+    """A rank that stops before its ``try`` (here ``torch.load`` refuses the
+    data) writes no ``rank<R>.error``: the launcher shows the end of that
+    rank's own standard error (``torchrun --redirects 3``), not only the
+    launcher's summary."""
+    import datetime
+
+    job = tk.DataParallelJob(backend="gloo", config=TINY)
+    data = {"init": model.state_dict(), "when": datetime.date(2026, 12, 5), "grad_batches": [[], []],
+            "time_batches": {}}
+    with pytest.raises(RuntimeError, match=r"(?s)2 ranks on gloo failed \(exit 1, rank0, rank1\).*--- rank0:\n"
+                                           r"Traceback.*data_parallel_worker.*Unsupported global"):
+        tk.run_data_parallel(job, data, 2, timeout=120)
+
+
 def test_gpu_check_summarizes_every_data_parallel_line():
     sys.path.insert(0, str(REPO / "scripts"))
     import gpu_check
@@ -157,3 +175,74 @@ def test_gpu_check_summarizes_every_data_parallel_line():
     line = gpu_check.summarize("data_parallel_packed_training", True, 61.0, output)
     assert line.endswith("| data-parallel gradients: world size 2 2.2e-08, world size 2 3.1e-08, "
                          "world size 1 4.0e-07"), line
+
+
+# --- the compiled step (issue 32) ------------------------------------------------------
+
+def _budget_micro_batches(corpus, n=3, budget=192):
+    tokens, offsets = tk.pack_documents(corpus[0][:40], max_len=150)
+    return tk.split_by_token_budget(tokens, offsets, budget)[:n]
+
+
+def _host_sync(attend):
+    def synced(q, k, v, plan, **kw):  # a length read back from the device, and used
+        return attend(q[: int(plan.q_offsets[-1])], k, v, plan, **kw)
+    return synced
+
+
+@pytest.mark.parametrize("fault", [None, "host sync", "compiler.disable"])
+def test_the_data_parallel_step_compiles_with_fullgraph_and_fails_when_a_break_is_put_back(
+        corpus, model, monkeypatch, fault):
+    """``data_parallel_step`` (``token_loss_sum``: autocast, the layout and
+    its plan built before the model runs) on a model compiled with
+    ``fullgraph=True``: one graph per micro-batch shape and no break, the eager
+    step's gradients; a host sync or a ``compiler.disable`` put back around
+    ``ragged_attention`` makes the same step fail."""
+    layouts = MODULES["ragged_toolkit.layouts"]
+    if fault == "host sync":
+        monkeypatch.setattr(layouts, "ragged_attention", _host_sync(layouts.ragged_attention))
+    elif fault == "compiler.disable":
+        monkeypatch.setattr(layouts, "ragged_attention", torch.compiler.disable(layouts.ragged_attention))
+    micro = [_budget_micro_batches(corpus, n=1)[0]] * 2  # one shape, one set of lengths
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model.zero_grad(set_to_none=True)
+    try:
+        if fault is not None:
+            with pytest.raises(torch._dynamo.exc.TorchDynamoException):  # Unsupported, or a data-dependent guard
+                tk.data_parallel_step(compiled, micro, backend="loop", dtype=torch.bfloat16)
+            return
+        with tk.compile_counter() as count:
+            tk.data_parallel_step(compiled, micro, backend="loop", dtype=torch.bfloat16)
+        assert count.breaks == 0 and count.graphs == 1 and not count.fallbacks, str(count)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        tk.data_parallel_step(model, micro, backend="loop", dtype=torch.bfloat16)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, atol=2e-2, rtol=2e-2, msg=lambda m, n=n: f"{n}: {m}")
+    finally:
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+
+
+def test_a_token_budget_compiles_the_rows_layout_once_and_fixed_documents_per_token_count(corpus, model):
+    """The page's claim: with the rows layout (the micro-batch as one row,
+    its mask built outside), static shapes compile one graph for every
+    micro-batch of a budget and one per token count for fixed documents."""
+    tokens, offsets = tk.pack_documents(corpus[0][:40], max_len=400)  # documents of 200 to 400 tokens
+    schemes = {"budget": tk.split_by_token_budget(tokens, offsets, 192)[:3],
+               "documents": tk.split_by_documents(tokens, offsets, 2)[:3]}
+    counts = {}
+    for name, micro in schemes.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="eager")
+        with tk.compile_counter() as count:
+            for t, o in micro:
+                loss, targets = tk.token_loss_sum(compiled, t, o, layout=tk.PackedRows.from_offsets(o, len(t)))
+                (loss / targets).backward()
+        counts[name] = count
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    assert counts["budget"].graphs == 1 and counts["budget"].breaks == 0, str(counts["budget"])
+    sizes = len({len(t) for t, _ in schemes["documents"]})
+    assert sizes > 1 and counts["documents"].graphs == sizes and counts["documents"].breaks == 0

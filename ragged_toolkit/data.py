@@ -16,7 +16,7 @@ import torch
 from .batches import offsets_from_lengths
 
 __all__ = ["docstring_corpus", "as_tokens", "pack_documents", "document_targets", "concat_batches",
-           "split_by_documents", "split_by_token_budget", "split_carrying_documents"]
+           "split_by_documents", "split_by_token_budget", "split_carrying_documents", "group_by_length"]
 
 # folders of the standard library whose files are tests, test data or installs
 _NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -145,3 +145,18 @@ def split_carrying_documents(tokens, offsets, budget):
         current.append((tokens[start : start + n], torch.tensor([0, n])))
     close()
     return out
+
+
+def group_by_length(lengths, batch_size, window, rng):
+    """Batches for the padded baseline a careful practitioner uses, Hugging
+    Face's ``group_by_length``: the documents of each run of ``window``
+    batches, in the order of ``lengths`` (a list of ints), sorted longest
+    first and cut into batches of ``batch_size``, so that a batch holds
+    documents of similar length and little padding; the batches then
+    shuffled by ``rng`` (a seeded ``numpy.random.Generator``). Returns a
+    list of batches, each a list of indices into ``lengths``."""
+    batches = []
+    for lo in range(0, len(lengths), batch_size * window):
+        chunk = sorted(range(lo, min(lo + batch_size * window, len(lengths))), key=lambda i: -lengths[i])
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]

@@ -21,11 +21,10 @@ measures what that buys in training against the padded recipe.
          and offsets, from ``position_ids`` or from ``cu_seq_lens_q``
        * How to register ``ragged_attention`` with ``AttentionInterface``, so
          that any decoder in ``transformers`` runs it by name
-       * When the stock ``sdpa`` implementation lets packed documents attend
-         to each other, and how to prove, logits and gradients, that the
-         registered one does not
-       * What padding-free training buys over the padded recipe, beside the
-         :term:`work bound`
+       * When stock ``sdpa`` lets packed documents attend to each other, and
+         how to prove (logits, gradients) that the registered one does not
+       * What padding-free training buys over the padded recipe, naive and
+         length-grouped, each beside its :term:`work bound`
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -41,6 +40,39 @@ measures what that buys in training against the padded recipe.
 # sphinx_gallery_tags = ["transformers", "training", "packing", "varlen attention"]
 
 # %%
+# Sizes
+# -----
+# Every size is set here, per device; :term:`quick mode` shrinks them. The
+# CPU model is the GPT page's CPU model as a ``LlamaConfig``; a step is
+# ``docs_per_batch`` documents. (Real runs: width 2048 and up, thousands of
+# documents per step.)
+
+import inspect
+
+import torch
+import transformers
+from packaging.version import Version
+from ragged_toolkit.device import page_setup
+
+SIZES = {
+    "cuda": dict(model=dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                            num_key_value_heads=4, intermediate_size=2816), docs_per_batch=128, steps=40),
+    "cpu": dict(model=dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=2, intermediate_size=688), docs_per_batch=64, steps=24),
+    "quick": dict(model=dict(vocab_size=128, hidden_size=64, num_attention_heads=4, intermediate_size=176),
+                  docs_per_batch=16, steps=6),
+}
+setup = page_setup(SIZES)
+DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
+MAX_LEN, ZIPF_ALPHA, LR = 1024, 1.2, 3e-3  # longest document, length exponent, AdamW rate
+WARMUP_STEPS = 2  # steps left out of the throughput figures
+MINIMUM_TRANSFORMERS = "4.54.0"  # the oldest release this page supports (make check-versions runs it)
+if Version(transformers.__version__).release < Version(MINIMUM_TRANSFORMERS).release:  # 5.0.0.dev0 is 5.0.0
+    raise RuntimeError(
+        f"This page needs transformers {MINIMUM_TRANSFORMERS} or later; this is "
+        f"{transformers.__version__}. Upgrade with `pip install -U transformers`.")
+
+# %%
 # The collator's batch is packed values plus offsets
 # --------------------------------------------------
 # ``DataCollatorWithFlattening`` concatenates the documents of a batch into
@@ -50,30 +82,12 @@ measures what that buys in training against the padded recipe.
 # ``cu_seq_lens_q`` and ``cu_seq_lens_k``: the toolkit's offsets under
 # the name FlashAttention gives them. Three documents of 3, 1 and 4 tokens:
 
-import inspect
-
-import torch
-import transformers
 from ragged_toolkit.batches import from_padded, offsets_from_position_ids, to_padded
 from transformers import DataCollatorWithFlattening
 
-MINIMUM_TRANSFORMERS = "4.54.0"  # the oldest release this page supports (make check-versions runs it)
-
-
-def release(version):
-    """'5.23.0' -> (5, 23, 0); a local or pre-release suffix is ignored."""
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
-
-
-if release(transformers.__version__) < release(MINIMUM_TRANSFORMERS):
-    raise RuntimeError(
-        f"This page needs transformers {MINIMUM_TRANSFORMERS} or later; this is "
-        f"{transformers.__version__}. Upgrade with `pip install -U transformers`.")
-
 collator_options = inspect.signature(DataCollatorWithFlattening).parameters
 collator = DataCollatorWithFlattening(
-    **({"return_flash_attn_kwargs": True} if "return_flash_attn_kwargs" in collator_options
-       else {}))
+    **({"return_flash_attn_kwargs": True} if "return_flash_attn_kwargs" in collator_options else {}))
 docs = [[5, 9, 2], [7], [3, 3, 8, 1]]
 batch = collator([{"input_ids": d} for d in docs])
 for key, value in batch.items():
@@ -96,92 +110,45 @@ if "cu_seq_lens_q" in batch:
     print("offsets from position_ids:", offsets.tolist(), "= cu_seq_lens_q")
 padded, valid = to_padded(values, offsets)  # (B, S) and its mask
 assert torch.equal(from_padded(padded, offsets), values)
-print("padded:", padded.tolist())
-print("back to the packed row:", from_padded(padded, offsets).tolist())
+print("padded:", padded.tolist(), "back to the packed row:", from_padded(padded, offsets).tolist())
 
 # %%
 # What attention does with that row is up to the model's
-# ``attn_implementation``. The FlashAttention implementations read the
-# boundaries (CUDA, and the ``flash_attn`` package); the others see one
-# long sequence, unless ``transformers`` rebuilds the boundaries into a mask
-# itself, which the page measures below. The toolkit's ``ragged_attention``
-# takes exactly this batch, on every device.
+# ``attn_implementation``: the FlashAttention implementations read the
+# boundaries (CUDA, and the ``flash_attn`` package); the others see one long
+# sequence, unless ``transformers`` rebuilds the boundaries into a mask.
 #
-# Sizes
-# ~~~~~
-# Every size is set here, per device; :term:`quick mode` shrinks them. The
-# CPU model is the GPT page's CPU model as a ``LlamaConfig``: width 256, two
-# layers, 8 query heads sharing 2 key/value heads. (Real runs: width 2048
-# and up, thousands of documents per step.)
-
-import numpy as np
-from ragged_toolkit.device import default_device, default_dtype, quick_mode
-from ragged_toolkit.measuring.timing import TIMING_THREADS
-from ragged_toolkit.device import quiet_known_notes
-
-DEVICE = default_device()
-DTYPE = default_dtype(DEVICE)
-# One CPU thread, as every timing of the site uses (TIMING_THREADS).
-torch.set_num_threads(TIMING_THREADS)
-QUICK = quick_mode()
-SEED = 0
-if DEVICE == "cuda":
-    MODEL = dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-                 num_key_value_heads=4, intermediate_size=2816)
-    DOCS_PER_BATCH, STEPS = 128, 40
-else:
-    MODEL = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, intermediate_size=688)
-    DOCS_PER_BATCH, STEPS = 64, 24
-if QUICK:
-    MODEL.update(vocab_size=128, hidden_size=64, num_attention_heads=4, intermediate_size=176)
-    DOCS_PER_BATCH, STEPS = 16, 6
-MAX_LEN, ZIPF_ALPHA, LR = 1024, 1.2, 3e-3  # longest document, length exponent, AdamW rate
-WARMUP_STEPS = 2  # steps left out of the throughput figures
-print(f"PyTorch {torch.__version__}, transformers {transformers.__version__}, "
-      f"device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")
-print("model: " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[:3]))
-print("       " + ", ".join(f"{k} {v}" for k, v in list(MODEL.items())[3:]))
-print(f"{STEPS} steps of {DOCS_PER_BATCH} documents")
-
-# sphinx_gallery_start_ignore
-quiet_known_notes()
-# sphinx_gallery_end_ignore
-
-# %%
 # ``ragged_attention`` as an attention implementation
 # ---------------------------------------------------
 # A ``transformers`` model looks its attention function up by name in
-# ``AttentionInterface``, and calls it with the module, queries
-# ``(B, H, T, D)``, keys and values ``(B, H_kv, T, D)`` (fewer heads with
-# grouped-query attention), the mask its mask function built, and keyword
-# arguments that include the model's ``position_ids`` and whatever the batch
-# brought, such as ``cu_seq_lens_q``. It returns ``(B, T, H, D)``. The
-# function below reads the boundaries from those keyword arguments, views
-# the tensors as packed ``(B * T, H, D)``, and calls ``ragged_attention``
-# with the key/value heads as the model made them (the loop backend shares
-# them through SDPA's ``enable_gqa``; ``varlen_attn`` takes ``enable_gqa``
-# where its release has it, and gets them repeated where not). The backend
-# is the toolkit's default where it takes grouped-query attention with
-# gradients: ``varlen`` on a CUDA GPU in ``bfloat16`` (``varlen_attn``, the
-# variable-length kernel of FlashAttention), the per-sequence loop on CPU.
-#
-# The model builds its mask with the function ``AttentionMaskInterface``
-# holds under the same name; ours builds none. Both are registered under
-# one name, and the check below stops the page, naming what changed, where
-# a release calls attention functions another way.
+# ``AttentionInterface`` and calls it with the module, queries
+# ``(B, H, T, D)``, keys and values ``(B, H_kv, T, D)``, the mask its mask
+# function built (ours, registered under the same name in
+# ``AttentionMaskInterface``, builds none), and keyword arguments:
+# ``position_ids``, what the batch brought (``cu_seq_lens_q``) and what the
+# caller passed to the model. The function below views the tensors as packed
+# ``(B * T, H, D)`` and calls ``ragged_attention`` with the batch's plan,
+# built once per batch by the caller (``plan_of``) and passed to the model
+# as ``ragged_plan``. Called without one, as ``Trainer`` calls a model, it
+# plans from the boundaries in its keyword arguments, once per layer. The
+# backend is the toolkit's default where it takes grouped-query attention
+# with gradients: ``varlen`` on a CUDA GPU in ``bfloat16`` (``varlen_attn``,
+# FlashAttention's variable-length kernel), the per-sequence loop on CPU.
+# Where a release calls attention functions another way, the page stops,
+# naming what changed.
 
-from ragged_toolkit.attention import backend_support, default_backend, ragged_attention
+from ragged_toolkit.attention import backend_support, default_backend, plan_batch, ragged_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 NAME = "ragged_toolkit"
 HF = f"transformers {transformers.__version__}"
-GQA = MODEL["num_attention_heads"] != MODEL["num_key_value_heads"]
-BACKEND = next(name for name in (default_backend(DEVICE, DTYPE), "bucketed", "loop")
-               if backend_support(name, DEVICE, DTYPE, is_causal=True, needs_grad=True,
-                                  gqa=GQA) is None)
+GQA = S.model["num_attention_heads"] != S.model["num_key_value_heads"]
+HEAD_DIM = S.model["hidden_size"] // S.model["num_attention_heads"]
+BACKEND = next(name for name in (default_backend(DEVICE, DTYPE, HEAD_DIM), "bucketed", "loop")
+               if backend_support(name, DEVICE, DTYPE, is_causal=True, needs_grad=True, gqa=GQA,
+                                  head_dim=HEAD_DIM) is None)
 
 
 def interface_changed(what):
@@ -204,20 +171,24 @@ def sequence_offsets(kwargs, batch, tokens, device):
     elif kwargs.get("position_ids") is not None:
         position_ids = kwargs["position_ids"]  # (B, T) or (1, T)
         if position_ids.shape[-1] != tokens:
-            raise interface_changed(f"position_ids of shape {tuple(position_ids.shape)} for "
-                                    f"queries of {tokens} tokens: not (B, H, T, D)")
+            raise interface_changed(f"position_ids {tuple(position_ids.shape)} for {tokens} queries: not (B, H, T, D)")
         offsets = offsets_from_position_ids(position_ids.expand(batch, -1))
     else:
-        raise interface_changed("the attention function got neither cu_seq_lens_q nor "
-                                "position_ids")
+        raise interface_changed("the attention function got neither cu_seq_lens_q nor position_ids")
     if int(offsets[-1]) != batch * tokens:
-        raise interface_changed(f"boundaries up to {int(offsets[-1])} for {batch} x {tokens} "
-                                "tokens")
+        raise interface_changed(f"boundaries up to {int(offsets[-1])} for {batch} x {tokens} tokens")
     return offsets
 
 
+def plan_of(row):
+    """The plan of one collator batch (a packed row): pass it to the model as
+    ``ragged_plan``, and every layer's attention call uses it."""
+    offsets = sequence_offsets(row, 1, row["input_ids"].shape[-1], row["input_ids"].device)
+    return plan_batch(offsets, backend=BACKEND, is_causal=True)
+
+
 def ragged_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                             scaling=None, is_causal=None, **kwargs):
+                             scaling=None, is_causal=None, ragged_plan=None, **kwargs):
     """transformers' attention call on the toolkit: query (B, H, T, D), key and
     value (B, H_kv, T, D) -> (B, T, H, D), attention within each document."""
     if attention_mask is not None:
@@ -229,18 +200,18 @@ def ragged_attention_forward(module, query, key, value, attention_mask, dropout=
         raise interface_changed(f"query {tuple(query.shape)} and key {tuple(key.shape)} are "
                                 "not (B, H, T, D) and (B, H_kv, T, D)")
     B, H, T, D = query.shape
-    offsets = sequence_offsets(kwargs, B, T, query.device)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    plan = ragged_plan if ragged_plan is not None else plan_batch(
+        sequence_offsets(kwargs, B, T, query.device), backend=BACKEND, is_causal=causal)
+    if plan.is_causal != causal:
+        raise ValueError(f"ragged_plan has is_causal={plan.is_causal}; this layer is_causal={causal}")
     q, k, v = (t.transpose(1, 2).reshape(B * T, -1, D) for t in (query, key, value))
     # under autocast the rotary embedding returns q and k in float32: all in the dtype of v
     q, k = q.to(v.dtype), k.to(v.dtype)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = ragged_attention(q, k, v, offsets, is_causal=causal, scale=scaling, backend=BACKEND)
-    return out.view(B, T, H, D), None
+    return ragged_attention(q, k, v, plan, scale=scaling).view(B, T, H, D), None
 
 
-def no_mask(*args, attention_mask=None, **kwargs):
-    """The mask function for ``NAME``: none, unless the batch has padding, which
-    ``ragged_attention_forward`` then refuses."""
+def no_mask(*args, attention_mask=None, **kwargs):  # no mask, unless padding, which the forward refuses
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask
@@ -254,16 +225,16 @@ print(f"{HF}: attn_implementation={NAME!r} runs ragged_attention, backend {BACKE
 # A stock model, three ways
 # -------------------------
 # A ``LlamaForCausalLM`` built from a config (random weights, no download),
-# and two copies of it with the same weights: one keeps ``sdpa``, the
-# stock implementation on every device, the other runs ours. Any decoder in
-# ``transformers`` that takes ``attn_implementation`` works the same way.
+# and two copies with the same weights: one keeps ``sdpa``, the stock
+# implementation, the other runs ours. Any decoder that takes
+# ``attn_implementation`` works the same way.
 
 import copy
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-config = LlamaConfig(**MODEL, max_position_embeddings=MAX_LEN)
-torch.manual_seed(SEED)
+config = LlamaConfig(**S.model, max_position_embeddings=MAX_LEN)
+torch.manual_seed(setup.seed)
 base = LlamaForCausalLM(config).to(DEVICE)
 
 
@@ -275,9 +246,8 @@ def with_attention(name):
 
 
 stock, ours = with_attention("sdpa"), with_attention(NAME)
-n_params = sum(p.numel() for p in base.parameters())
-print(f"LlamaForCausalLM, {n_params / 1e6:.2f} M parameters; use_cache={config.use_cache} "
-      "by default")
+print(f"LlamaForCausalLM, {sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters; "
+      f"use_cache={config.use_cache} by default")
 
 # %%
 # The documents, packed and padded
@@ -286,11 +256,20 @@ print(f"LlamaForCausalLM, {n_params / 1e6:.2f} M parameters; use_cache={config.u
 # ``MAX_LEN``. Each document starts with a token that picks a shift, and
 # every later token is a Zipf draw shifted by it: predicting a token needs
 # the document's own start, so reading another document hurts. Every batch
-# is made in both forms once, before anything is timed: the collator's
-# packed row, and the padded recipe, right-padded ``(B, S)`` ids with an
-# ``attention_mask`` and the labels ``-100`` at padding.
+# is made in each form before anything is timed: the collator's packed row,
+# and the padded recipe, right-padded ``(B, S)`` ids with an
+# ``attention_mask`` and labels ``-100`` at padding, twice: the documents as
+# they came, and length-grouped as ``TrainingArguments(group_by_length=True)``
+# does, each window of batches sorted by length and cut into batches of
+# neighbours (the window ``transformers``' ``LengthGroupedSampler`` picks,
+# ``min(steps // 4, 50)`` batches; the GPT page's padded baseline too).
+#
+# .. literalinclude:: ../ragged_toolkit/data.py
+#    :pyobject: group_by_length
 
+import numpy as np
 from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
+from ragged_toolkit.data import group_by_length
 
 
 def documents(rng, lengths, vocab):
@@ -318,26 +297,30 @@ def padded_batch(docs):
     return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~mask, -100)}
 
 
-rng = np.random.default_rng(SEED)
-corpus = [documents(rng, sentence_lengths(rng, DOCS_PER_BATCH, ZIPF_ALPHA, MAX_LEN),
-                    MODEL["vocab_size"]) for _ in range(STEPS)]
-batches = [(packed_batch(d), padded_batch(d)) for d in corpus]
-real = sum(int(p["input_ids"].numel()) for p, _ in batches)
-slots = sum(int(b["input_ids"].numel()) for _, b in batches)
-print(f"{real} real tokens in {STEPS} batches; padded, {slots} token slots "
-      f"({slots / real:.2f}x the tokens)")
+rng = np.random.default_rng(setup.seed)
+corpus = [documents(rng, sentence_lengths(rng, S.docs_per_batch, ZIPF_ALPHA, MAX_LEN), S.model["vocab_size"])
+          for _ in range(S.steps)]  # the documents of each step
+every = [doc for docs in corpus for doc in docs]
+WINDOW = max(1, min(S.steps // 4, 50))  # batches per sorted window, as LengthGroupedSampler picks it
+groups = group_by_length([len(doc) for doc in every], S.docs_per_batch, WINDOW, rng)
+batches = {"packed": [packed_batch(docs) for docs in corpus], "padded": [padded_batch(docs) for docs in corpus],
+           "grouped": [padded_batch([every[i] for i in group]) for group in groups]}
+real = sum(len(doc) for doc in every)
+slots = {name: sum(int(b["input_ids"].numel()) for b in batches[name]) for name in ("padded", "grouped")}
+print(f"{real} real tokens in {S.steps} batches; padded, {slots['padded']} token slots "
+      f"({slots['padded'] / real:.2f}x the tokens); length-grouped in windows of {WINDOW} batches, "
+      f"{slots['grouped']} ({slots['grouped'] / real:.2f}x)")
 
 # %%
 # Proof: the packed model computes what the padded one computes
 # -------------------------------------------------------------
 # On the first batch, the padded model (stock ``sdpa`` with the
 # ``attention_mask``) is the reference: each document in its own row, the
-# padding masked. The packed row goes through the stock ``sdpa``
-# implementation twice, with the default of the config, ``use_cache=True`` (what a
-# hand-written loop gets) and with ``use_cache=False`` (what ``Trainer``
-# sets from transformers 5.0 on: ``TrainingArguments.use_cache`` is
-# ``False`` by default), then through ours.
-# Each is compared with the reference on every real token.
+# padding masked. The packed row goes through stock ``sdpa`` with the
+# config's default, ``use_cache=True`` (what a hand-written loop gets), and
+# with ``use_cache=False`` (``Trainer``'s default from transformers 5.0 on),
+# then through ours, with the batch's plan; each is compared with the
+# reference on every real token.
 
 from ragged_toolkit.device import tolerances
 
@@ -346,17 +329,15 @@ def autocast():
     return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
 
 
-packed, padded = batches[0]
-real_tokens = padded["attention_mask"].bool()  # (B, S), True on real tokens
+packed, padded = batches["packed"][0], batches["padded"][0]
 with torch.no_grad(), autocast():
-    reference = stock(**padded).logits[real_tokens].float()  # (T, vocab)
+    reference = stock(**padded).logits[padded["attention_mask"].bool()].float()  # (T, vocab): real tokens
     logits_of = {"sdpa, use_cache=True": stock(**packed, use_cache=True).logits[0].float(),
                  "sdpa, use_cache=False": stock(**packed, use_cache=False).logits[0].float(),
-                 NAME: ours(**packed).logits[0].float()}
+                 NAME: ours(**packed, ragged_plan=plan_of(packed)).logits[0].float()}
 tolerance = tolerances(DTYPE)
 gaps = {name: (logits - reference).abs().amax(-1) for name, logits in logits_of.items()}
-correct = {name: torch.allclose(logits, reference, **tolerance)
-           for name, logits in logits_of.items()}
+correct = {name: torch.allclose(logits, reference, **tolerance) for name, logits in logits_of.items()}
 for name, gap in gaps.items():
     print(f"  {name:22s} largest logit difference {gap.max().item():.2e}, "
           f"{'correct' if correct[name] else 'wrong'}")
@@ -365,23 +346,27 @@ torch.testing.assert_close(logits_of[NAME], reference, **tolerance,
 D1, D2 = gaps["sdpa, use_cache=True"].max().item(), gaps[NAME].max().item()
 if DTYPE == torch.float32:
     assert D2 < 1e-4, f"{NAME}: largest logit difference {D2:.2e}, not below 1e-4"
-print(f"{HF}: packed rows with 'sdpa' attend across documents (largest logit difference "
-      f"{D1:.2f}); with ragged_attention {D2:.1e}")
+across = "keep documents apart" if correct["sdpa, use_cache=True"] else "attend across documents"
+print(f"{HF}: packed rows with 'sdpa' {across} (largest logit difference {D1:.2f}); "
+      f"with ragged_attention {D2:.1e}")
 
 # %%
-# The figure shows where the differences are: the first document has no
-# document before it, so it is right whatever the implementation; every
-# later one is wrong wherever attention crosses a boundary.
+# The figure shows where the differences are. The first document has no
+# document before it, so every implementation gets it right (checked
+# below); an implementation that attends across documents gets each later
+# one wrong wherever attention crosses a boundary.
 
 import matplotlib.pyplot as plt
 from ragged_toolkit.figures import FIGURE_STYLE
 
+first = len(corpus[0][0])
+for name, logits in logits_of.items():
+    torch.testing.assert_close(logits[:first], reference[:first], **tolerance,
+                               msg=lambda m, name=name: f"{name}, the first document: {m}")
 plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-floor = 1e-9  # a difference of exactly 0 drawn at the bottom of the log scale
-for (name, gap), style in zip(gaps.items(), ("-", "--", "-")):
-    label = f"{name} (ragged_attention)" if name == NAME else name
-    ax.plot(gap.clamp(min=floor).cpu(), style, label=label, lw=1.2)
+for (name, gap), style in zip(gaps.items(), ("-", "--", "-")):  # an exact 0 drawn at 1e-9
+    ax.plot(gap.clamp(min=1e-9).cpu(), style, label=name + " (ragged_attention)" * (name == NAME), lw=1.2)
 for start in offsets_from_position_ids(packed["position_ids"])[1:-1].tolist():
     ax.axvline(start, color="0.85", lw=0.6, zorder=0)
 ax.set(yscale="log", xlabel="token of the packed row (gray: where a document starts)",
@@ -392,29 +377,23 @@ plt.show()
 # sphinx_gallery_thumbnail_number = 1
 
 # %%
-# The lines above are this release's (printed at the top of the page). Where
-# ``use_cache`` is on, the model makes a cache for the forward pass, and this
-# release looks for restarts in ``position_ids`` only when there is no cache
-# (the lines above show whether): with one, ``sdpa`` attends across the
-# whole row. Without one
-# they turn the restarts into a ``(1, 1, T, T)`` boolean mask over the
-# packed row, which keeps documents apart, at the price of a mask that grows
-# with the square of the row, every query scored against every key of it.
-# The registered function gets the same call in both cases and reads the
-# boundaries itself.
+# The lines above are this release's. Where ``use_cache`` is on, the model
+# makes a cache for the forward pass; the releases checked here look for
+# restarts in ``position_ids`` only without a cache (the lines above show
+# whether this one does), and turn them into a ``(1, 1, T, T)`` boolean mask
+# over the packed row: documents kept apart, every query scored against
+# every key of the row. The registered function reads its plan in both cases.
 #
-# Two more checks. A row of the same document twice must give the same
-# logits for both copies: the second copy cannot see the first. And one
-# training step's gradients, for every parameter, must be the padded
-# model's, the loss averaged over the same real targets (the collator's
-# labels are ``-100`` at every document's first token, so no document
-# predicts the next one's start).
+# Two more checks: a row of one document twice gives the same logits for
+# both copies (the second cannot see the first), and one training step's
+# loss and gradients are the padded model's (the collator's labels are
+# ``-100`` at every document's first token).
 
 twice = packed_batch([max(corpus[0], key=len)] * 2)  # the batch's longest document
 half = twice["input_ids"].shape[1] // 2
 with torch.no_grad(), autocast():
-    for name, model in (("sdpa", stock), (NAME, ours)):
-        logits = model(**twice, use_cache=True).logits[0].float()
+    for name, model, plan in (("sdpa", stock, {}), (NAME, ours, {"ragged_plan": plan_of(twice)})):
+        logits = model(**twice, **plan, use_cache=True).logits[0].float()
         print(f"  {name:14s} two identical documents: largest difference between the copies "
               f"{(logits[:half] - logits[half:]).abs().max().item():.2e}")
 torch.testing.assert_close(logits[half:], logits[:half], **tolerance,
@@ -423,10 +402,9 @@ torch.testing.assert_close(logits[half:], logits[:half], **tolerance,
 for model in (stock, ours):
     model.zero_grad(set_to_none=True)
 with autocast():
-    loss_ours = ours(**packed).loss
+    loss_ours = ours(**packed, ragged_plan=plan_of(packed)).loss
     loss_padded = stock(**padded).loss
-loss_ours.backward()
-loss_padded.backward()
+torch.autograd.backward([loss_ours, loss_padded])
 torch.testing.assert_close(loss_ours, loss_padded, **tolerance,
                            msg=lambda m: f"{NAME}: the packed loss is not the padded one: {m}")
 pairs = list(zip(ours.named_parameters(), stock.parameters()))
@@ -434,58 +412,66 @@ for (name, p_ours), p_padded in pairs:
     torch.testing.assert_close(p_ours.grad, p_padded.grad, **tolerance,
                                msg=lambda m, name=name: f"gradient of {name}: {m}")
 grad_gap = max((a.grad - b.grad).abs().max().item() for (_, a), b in pairs)
-print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f} padded")
-print(f"gradients of all {len(pairs)} parameter tensors agree "
-      f"(largest difference {grad_gap:.1e})")
+print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f} padded; gradients of all "
+      f"{len(pairs)} parameter tensors agree (largest difference {grad_gap:.1e})")
 
 # %%
 # Training against what readers run
 # ---------------------------------
-# The same model, the same batches and the same optimizer (AdamW), four
-# ways, taking turns step by step so that a busy machine slows all alike:
+# The same model and optimizer (AdamW), five ways, taking turns step by
+# step so that a busy machine slows all alike:
 #
-# * ``padded``: right-padded rows with an ``attention_mask``, stock
-#   ``sdpa``: the recipe most readers use;
-# * ``ragged``: the packed rows through the registered ``ragged_attention``;
+# * ``padded``: right-padded rows, an ``attention_mask``, stock ``sdpa``:
+#   the recipe most readers use; ``grouped``: the same, length-grouped;
+# * ``ragged``: the packed rows through the registered ``ragged_attention``,
+#   the batch's plan built inside the timed step;
 # * ``packed sdpa`` and ``packed sdpa, cache``: the packed rows through stock
-#   ``sdpa``, with ``use_cache=False`` (as ``Trainer`` runs it in transformers 5) and
-#   with ``use_cache=True`` (the default of the config), each marked with what
-#   the proof above measured for it.
+#   ``sdpa``, ``use_cache=False`` (as ``Trainer`` runs it in transformers 5)
+#   and ``True`` (the config's default), marked with what the proof found.
 #
-# The step is forward, backward and the optimizer's update, timed with a
-# synchronized clock; throughput counts *real* tokens (the padded trainer
-# gets no credit for padding) after the first ``WARMUP_STEPS``.
+# All but ``grouped`` see the same batches; ``grouped`` sees the same
+# documents in other batches. A step (forward, backward, the optimizer's
+# update) is timed with a synchronized clock; throughput counts *real*
+# tokens after the first ``WARMUP_STEPS``.
 
 from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
 
 
-def verdict(use_cache):
-    right = correct[f"sdpa, use_cache={use_cache}"]
-    return f"use_cache={use_cache}, " + ("correct" if right else "WRONG (across documents)")
-
-
-TRAINERS = {  # name: attention, batch form (0 packed, 1 padded), use_cache, label
-    "padded": ("sdpa", 1, False, "sdpa with attention_mask"),
-    "ragged": (NAME, 0, False, "ragged_attention"),
-    "packed sdpa": ("sdpa", 0, False, verdict(False)),
-    "packed sdpa, cache": ("sdpa", 0, True, verdict(True)),
+verdict = {cache: f"use_cache={cache}, " + ("correct" if correct[f"sdpa, use_cache={cache}"]
+                                           else "WRONG (across documents)") for cache in (False, True)}
+TRAINERS = {
+    "padded": dict(attention="sdpa", form="padded", use_cache=False, label="sdpa with attention_mask"),
+    "grouped": dict(attention="sdpa", form="grouped", use_cache=False, label="the same, length-grouped"),
+    "ragged": dict(attention=NAME, form="packed", use_cache=False, label="ragged_attention"),
+    "packed sdpa": dict(attention="sdpa", form="packed", use_cache=False, label=verdict[False]),
+    "packed sdpa, cache": dict(attention="sdpa", form="packed", use_cache=True, label=verdict[True]),
 }
+
+
+def loss_of(run, model, batch):
+    plan = {"ragged_plan": plan_of(batch)} if run["attention"] == NAME else {}
+    with autocast():
+        return model(**batch, **plan, use_cache=run["use_cache"]).loss
+
+
+def real_count(batch):  # real tokens: the packed row's, or the padded batch's mask
+    return int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+
+
 runs = {}
-for name, (attention, form, use_cache, label) in TRAINERS.items():
-    model = with_attention(attention).train()
-    runs[name] = dict(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                      form=form, use_cache=use_cache, label=label, timer=StepTimer(), losses=[])
+for name, trainer in TRAINERS.items():
+    model = with_attention(trainer["attention"]).train()
+    runs[name] = dict(trainer, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                      timer=StepTimer(), losses=[])
 if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape before any timing
     for run in runs.values():
-        with autocast():
-            warm_every_shape(lambda b, m=copy.deepcopy(run["model"]), run=run: m(
-                **b[run["form"]], use_cache=run["use_cache"]).loss.backward(), batches,
-                lambda b, run=run: tuple(b[run["form"]]["input_ids"].shape))
-for packed_i, padded_i in batches:
+        warm_every_shape(lambda b, run=run, m=copy.deepcopy(run["model"]): loss_of(run, m, b).backward(),
+                         batches[run["form"]], lambda b: tuple(b["input_ids"].shape))
+for i in range(S.steps):
     for run in runs.values():
-        with run["timer"].step(int(packed_i["input_ids"].numel())):  # real tokens, on every side
-            with autocast():
-                loss = run["model"](**(packed_i, padded_i)[run["form"]], use_cache=run["use_cache"]).loss
+        batch = batches[run["form"]][i]
+        with run["timer"].step(real_count(batch)):
+            loss = loss_of(run, run["model"], batch)
             run["optimizer"].zero_grad(set_to_none=True)
             loss.backward()
             run["optimizer"].step()
@@ -497,13 +483,11 @@ for name, run in runs.items():
           f"{run['losses'][-1]:.3f}, {run['label']}")
 
 # %%
-# The padded and the ragged trainer compute the same thing (the first step's
-# loss and gradients were checked above), so their losses differ only by
-# rounding. In float32 that stays below 1e-3 at every step. In a 16-bit
-# dtype the rounding of one step changes the weights of the next, and the
-# difference grows over the run: the page then checks the first step's
-# losses within the tolerance of the dtype and the means of the last five steps
-# within 5%.
+# The padded and the ragged trainer compute the same thing (checked above),
+# so their losses differ by rounding only: in float32 below 1e-3 at every
+# step. In a 16-bit dtype one step's rounding changes the next step's
+# weights, and the page checks the first step's losses within the dtype's
+# tolerance and the means of the last five steps within 5%.
 
 ragged_losses, padded_losses = np.array(runs["ragged"]["losses"]), np.array(runs["padded"]["losses"])
 if DTYPE == torch.float32:
@@ -518,47 +502,50 @@ else:
           f"{ragged_losses[-5:].mean():.4f} and {padded_losses[-5:].mean():.4f} ({last:.1%} apart)")
 
 # %%
-# The work bound of this run
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What each side must compute over the timed batches, counted as on the GPT
-# page: ``2 x`` the weights of every matrix per token (all but the
-# embedding), and ``4 H D`` per query-key pair and layer. The ragged side
-# scores the causal half of each document; the padded side's merged
+# The work bounds of this run
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What each trainer must compute per real token over its timed batches
+# (``model_work``): ``2 x`` the weights of every matrix per token (all but
+# the embedding), ``4 H D`` per query-key pair and layer. The ragged side
+# scores the causal half of each document; a padded side's merged
 # ``attention_mask`` makes ``sdpa`` score the whole ``S x S`` square of
-# every row.
+# every row, counted from each padded trainer's own batches. The last
+# number of a line is the :term:`fraction of the bound`
+# (:doc:`measuring_ragged_batches`).
 
-from ragged_toolkit.measuring.bound import work_per_token
+from ragged_toolkit.measuring.bound import model_work, throughput_line, work_per_token
 
-per_token = 2 * (n_params - MODEL["vocab_size"] * MODEL["hidden_size"])
-per_pair = MODEL["num_hidden_layers"] * 4 * MODEL["hidden_size"]  # 4 H D per layer
-step_lengths = [offsets_from_position_ids(packed_i["position_ids"]).diff().cpu()
-                for packed_i, _ in batches[WARMUP_STEPS:]]
-bound = (work_per_token(step_lengths, per_token, per_pair, padded=True, causal=False)
-         / work_per_token(step_lengths, per_token, per_pair))
-R, P = runs["ragged"]["tokens/s"], runs["padded"]["tokens/s"]
-print(f"hf training: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, "
-      f"speedup {R / P:.2f}x, work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
+work = model_work(base, n_layers=S.model["num_hidden_layers"], attention_width=S.model["hidden_size"])
+lengths = {"padded": [torch.tensor([len(doc) for doc in docs]) for docs in corpus[WARMUP_STEPS:]],
+           "grouped": [torch.tensor([len(every[i]) for i in group]) for group in groups[WARMUP_STEPS:]]}
+ragged_work = work_per_token(lengths["padded"], work)  # the same documents as the padded trainer
+bound = {name: work_per_token(lengths[name], work, padded=True, causal=False) / ragged_work for name in lengths}
+R, P, G = (runs[name]["tokens/s"] for name in ("ragged", "padded", "grouped"))
+print(throughput_line("hf training", R, P, bound["padded"]))
+print(throughput_line("hf training against length-grouped padding", R, G, bound["grouped"]))
 
 # %%
-# The last number is the :term:`fraction of the bound`: how much of the work
-# that padding adds this device turned into speed. The packed ``sdpa``
-# trainers are drawn beside it. Where it reads across documents, the loss
-# curve shows what that does to learning on these documents, whose tokens
-# only their own document predicts. Where it builds the ``(T, T)`` mask, its
-# attention scores every pair of the packed row: that work grows with the
-# square of the row, the ragged side's with the sum of the squares of the
-# documents, so the gap between the two widens as rows get longer.
+# What grouping by length leaves of the padding's work, and where the
+# packed ``sdpa`` trainers ended beside the ragged one: with the ``(T, T)``
+# mask, attention scores every pair of the row, work that grows with its
+# square (the ragged side's with the sum of the documents' squares); read
+# across documents, it learns from other documents' tokens.
 
-fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(8, 4.2), layout="constrained",
-                                        width_ratios=[3, 2])
-styles = ("-", "--", ":", "-.")
-for (name, run), style in zip(runs.items(), styles):
+share = (bound["grouped"] - 1) / (bound["padded"] - 1)  # the extra work grouping leaves
+print(f"length-grouped padding leaves {share:.0%} of the extra work of naive padding (bounds "
+      f"{bound['grouped']:.2f}x and {bound['padded']:.2f}x): grouping removes "
+      + ("most of it, packing the rest" if share < 0.5 else "less than half of it"))
+end = {name: np.mean(run["losses"][-5:]) for name, run in runs.items()}
+for name in ("packed sdpa", "packed sdpa, cache"):
+    print(f"{name:18s} last five losses {end[name]:.3f} (ragged {end['ragged']:.3f}), "
+          f"{runs[name]['tokens/s'] / R:.2f}x the ragged trainer's tokens/s, {runs[name]['label']}")
+
+fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(8, 4.2), layout="constrained", width_ratios=[3, 2])
+for (name, run), style in zip(runs.items(), ("-", "-.", "--", ":", "-.")):
     ax_loss.plot(run["losses"], style, label=name, lw=2)
-ax_loss.set(xlabel="step", ylabel="training loss", title="Same weights, same batches")
+ax_loss.set(xlabel="step", ylabel="training loss", title="Same weights, same documents")
 ax_loss.legend(fontsize=10)
-names = list(runs)
-ax_speed.barh(names, [runs[n]["tokens/s"] for n in names],
-              color=["C0", "C1", "C2", "C3"])
+ax_speed.barh(list(runs), [run["tokens/s"] for run in runs.values()], color=[f"C{i}" for i in range(len(runs))])
 ax_speed.invert_yaxis()
 ax_speed.set(xlabel="real tokens/s", title=f"Training speed ({DEVICE})")
 plt.show()
@@ -566,24 +553,17 @@ plt.show()
 # %%
 # On a GPU
 # --------
-# On CUDA the registered function runs ``varlen_attn`` (the ``varlen``
-# backend) in ``bfloat16``, and the page compares it with ``transformers``'
-# own ``flash_attention_2`` where the ``flash_attn`` package is installed.
-# The profiler names the kernels one training step of the registered model
-# ran (``flash varlen`` on a GPU):
+# On CUDA the registered function runs ``varlen_attn`` in ``bfloat16``,
+# compared with ``transformers``' ``flash_attention_2`` where the
+# ``flash_attn`` package is installed. The profiler names the kernels one
+# training step of the registered model ran (``flash varlen`` on a GPU):
 
 import importlib.util
 
 from ragged_toolkit.measuring.profiles import profile_call
 
 
-def training_step():
-    with autocast():
-        loss = ours(**packed).loss
-    loss.backward()
-
-
-_, kernels = profile_call(training_step)
+_, kernels = profile_call(lambda: loss_of(runs["ragged"], ours, packed).backward())  # one training step
 print(f"one training step with {NAME}: backend {BACKEND!r}, kernels [{kernels}]")
 if DEVICE != "cuda":
     print("flash_attention_2 needs a CUDA GPU: not compared here")
@@ -593,7 +573,7 @@ else:
     flash = with_attention("flash_attention_2")
     with torch.no_grad(), autocast():
         logits_flash = flash(**packed).logits[0].float()
-        logits_ours = ours(**packed).logits[0].float()
+        logits_ours = ours(**packed, ragged_plan=plan_of(packed)).logits[0].float()
     torch.testing.assert_close(logits_ours, logits_flash, **tolerance)
     print(f"{NAME} and flash_attention_2 agree on the packed row (largest logit difference "
           f"{(logits_ours - logits_flash).abs().max().item():.2e})")
@@ -601,14 +581,13 @@ else:
 # %%
 # Conclusion
 # ----------
-# The collator's packed row is the toolkit's packed values plus offsets, and
-# ``transformers`` hands both to any attention function it has by name:
-# ``position_ids`` on every call, ``cu_seq_lens_q`` where the collator wrote
-# it. Registered there, ``ragged_attention`` keeps documents apart on every
-# device without a mask, with the padded model's logits and gradients, and
-# on a GPU it is the variable-length kernel of FlashAttention. The stock
-# ``sdpa`` implementation, in the releases checked here, keeps them apart
-# only when no cache is made, and then through a mask over the whole row.
+# The collator's packed row is the toolkit's packed values plus offsets;
+# ``transformers`` hands both, and the caller's plan, to any attention
+# function it has by name. Registered there, ``ragged_attention`` keeps
+# documents apart on every device without a mask, with the padded model's
+# logits and gradients. Stock ``sdpa`` keeps them apart only where the proof
+# printed so, through a mask over the whole row. The two training lines say
+# what packing bought here, against naive and length-grouped padding.
 #
 # Further reading
 # ---------------

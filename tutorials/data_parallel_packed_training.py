@@ -18,7 +18,8 @@ library, one byte per token.
 
        * What a fixed number of documents per micro-batch does to the ranks
          of a data-parallel step, and what a token budget does instead
-       * Why a fixed budget compiles once
+       * How the training step compiles with ``fullgraph=True``, and when a
+         fixed budget compiles once
        * How to normalize the loss with gradient accumulation on several
          ranks, and how to prove it: the gradients of one process on the
          whole batch
@@ -68,7 +69,7 @@ WORLD, MICRO_BATCHES = 2, 2  # ranks on the CPU, over gloo; micro-batches per ra
 WARMUP_STEPS = 2  # timed steps left out of the figures (first calls)
 GRAD_DOCS = 2  # documents per micro-batch in the gradient check (tiny, float32)
 GRAD_TOL = 1e-4  # float32: the largest gradient difference allowed
-LR, MIN_CHARS = 3e-3, 200  # AdamW's rate; the shortest docstring read
+LR, MIN_CHARS = 3e-3, 200  # the learning rate of AdamW; the shortest docstring read
 print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micro_batch} documents "
       f"or one token budget each, documents cut at {S.context} tokens")
 
@@ -302,7 +303,7 @@ plt.show()
 # need), the default (static, then symbolic sizes where a size changes) and
 # symbolic sizes from the start (``dynamic=True``). ``compile_counter``
 # counts the graphs and graph breaks, with dynamo's recompile limit lifted
-# (past 8 versions of a function it would run it uncompiled). Graphs and
+# (past 8 versions of a function it would stop compiling it). Graphs and
 # breaks are dynamo's, whatever compiles the graphs after it: the ``eager``
 # backend runs each graph as captured, where inductor would spend seconds
 # generating its kernels (:doc:`packed_gpt_training` times that).
@@ -315,7 +316,7 @@ COMPILE_STEPS = 3
 schemes = {"fixed documents": by_documents, "token budget": by_budget}
 
 
-def rows(t, o):  # the micro-batch as one row of len(t) tokens
+def rows(t, o):  # the micro-batch as one row of all its tokens
     return PackedRows.from_offsets(o, len(t))
 
 
@@ -352,14 +353,15 @@ torch._dynamo.reset()
 
 # %%
 # No path broke its graph. With the rows layout, the budget compiled one
-# graph on every path, and fixed documents one per token count with static
-# shapes (both checked below); symbolic sizes compile them once too, so
-# what the budget buys there is static shapes. With the loop's plan, the
-# graph follows the sequences:
+# graph on every path, fixed documents one per token count with static
+# shapes and one with symbolic sizes from the start (each checked below):
+# what the budget buys there is one static shape, which CUDA graphs need.
+# With the loop's plan, the graph follows the sequences:
 
 token_counts = len({len(t) for t, _ in by_documents[:COMPILE_STEPS]})
 assert all(graphs["token budget", path] == 1 for path in PATHS if path.startswith("rows")), graphs
 assert graphs["fixed documents", "rows, static shapes"] == token_counts, (graphs, token_counts)
+assert graphs["fixed documents", "rows, dynamic shapes"] == 1, graphs
 held = {scheme: sorted({len(o) - 1 for _, o in mbs[:COMPILE_STEPS]}) for scheme, mbs in schemes.items()}
 loop = {scheme: graphs[scheme, "loop plan, default shapes"] for scheme in schemes}
 print(f"loop plan: fixed documents hold {held['fixed documents']} sequences, {loop['fixed documents']} "
@@ -446,7 +448,7 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 #    :pyobject: data_parallel_worker
 #
 # ``torch.distributed.run`` (``torchrun``) starts the ranks, over the
-# loopback interface; ``run_data_parallel`` writes the job into a temporary
+# local network interface; ``run_data_parallel`` writes the job into a temporary
 # folder, reads each rank's report back, and where a rank fails, raises with
 # that rank's own error. The command, and its twin on a CUDA machine, where
 # each rank takes a GPU and the ranks talk over NCCL:
@@ -470,7 +472,7 @@ def launch(backend, nproc, device, dtype):
     job = DataParallelJob(backend=backend, config=S.model, dtype=str(dtype).removeprefix("torch."), lr=LR,
                           grad_runs=RUNS, grad_backend="loop", time_backend="varlen" if fused is None else "loop")
     data = {"init": model.state_dict(),  # every rank starts from these weights
-            "grad_batches": [micro[r::nproc] for r in range(nproc)],  # rank r's micro-batches
+            "grad_batches": [micro[r::nproc] for r in range(nproc)],  # the micro-batches of rank r
             "time_batches": {name: deal(mbs, world=nproc)[:WARMUP_STEPS + S.steps]
                              for name, mbs in schemes.items()}}
     reports, grads = run_data_parallel(job, data, nproc)

@@ -67,7 +67,7 @@ DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
 MAX_LEN, ZIPF_ALPHA, LR = 1024, 1.2, 3e-3  # longest document, length exponent, AdamW rate
 WARMUP_STEPS = 2  # steps left out of the throughput figures
 MINIMUM_TRANSFORMERS = "4.54.0"  # the oldest release this page supports (make check-versions runs it)
-if Version(transformers.__version__).release < Version(MINIMUM_TRANSFORMERS).release:  # 5.0.0.dev0 is 5.0.0
+if Version(transformers.__version__).release < Version(MINIMUM_TRANSFORMERS).release:  # a pre-release as its release
     raise RuntimeError(
         f"This page needs transformers {MINIMUM_TRANSFORMERS} or later; this is "
         f"{transformers.__version__}. Upgrade with `pip install -U transformers`.")
@@ -133,7 +133,7 @@ print("padded:", padded.tolist(), "back to the packed row:", from_padded(padded,
 # plans from the boundaries in its keyword arguments, once per layer. The
 # backend is the toolkit's default where it takes grouped-query attention
 # with gradients: ``varlen`` on a CUDA GPU in ``bfloat16`` (``varlen_attn``,
-# FlashAttention's variable-length kernel), the per-sequence loop on CPU.
+# the variable-length kernel of FlashAttention), the per-sequence loop on CPU.
 # Where a release calls attention functions another way, the page stops,
 # naming what changed.
 
@@ -261,7 +261,7 @@ print(f"LlamaForCausalLM, {sum(p.numel() for p in base.parameters()) / 1e6:.2f} 
 # ``attention_mask`` and labels ``-100`` at padding, twice: the documents as
 # they came, and length-grouped as ``TrainingArguments(group_by_length=True)``
 # does, each window of batches sorted by length and cut into batches of
-# neighbours (the window ``transformers``' ``LengthGroupedSampler`` picks,
+# neighbors (the window ``transformers``' ``LengthGroupedSampler`` picks,
 # ``min(steps // 4, 50)`` batches; the GPT page's padded baseline too).
 #
 # .. literalinclude:: ../ragged_toolkit/data.py
@@ -301,7 +301,7 @@ rng = np.random.default_rng(setup.seed)
 corpus = [documents(rng, sentence_lengths(rng, S.docs_per_batch, ZIPF_ALPHA, MAX_LEN), S.model["vocab_size"])
           for _ in range(S.steps)]  # the documents of each step
 every = [doc for docs in corpus for doc in docs]
-WINDOW = max(1, min(S.steps // 4, 50))  # batches per sorted window, as LengthGroupedSampler picks it
+WINDOW = max(1, min(S.steps // 4, 50))  # batches per sorted window, as ``LengthGroupedSampler`` picks it
 groups = group_by_length([len(doc) for doc in every], S.docs_per_batch, WINDOW, rng)
 batches = {"packed": [packed_batch(docs) for docs in corpus], "padded": [padded_batch(docs) for docs in corpus],
            "grouped": [padded_batch([every[i] for i in group]) for group in groups]}
@@ -317,7 +317,7 @@ print(f"{real} real tokens in {S.steps} batches; padded, {slots['padded']} token
 # On the first batch, the padded model (stock ``sdpa`` with the
 # ``attention_mask``) is the reference: each document in its own row, the
 # padding masked. The packed row goes through stock ``sdpa`` with the
-# config's default, ``use_cache=True`` (what a hand-written loop gets), and
+# default of the config, ``use_cache=True`` (what a hand-written loop gets), and
 # with ``use_cache=False`` (``Trainer``'s default from transformers 5.0 on),
 # then through ours, with the batch's plan; each is compared with the
 # reference on every real token.
@@ -427,7 +427,7 @@ print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f}
 #   the batch's plan built inside the timed step;
 # * ``packed sdpa`` and ``packed sdpa, cache``: the packed rows through stock
 #   ``sdpa``, ``use_cache=False`` (as ``Trainer`` runs it in transformers 5)
-#   and ``True`` (the config's default), marked with what the proof found.
+#   and ``True`` (the default of the config), marked with what the proof found.
 #
 # All but ``grouped`` see the same batches; ``grouped`` sees the same
 # documents in other batches. A step (forward, backward, the optimizer's
@@ -486,8 +486,8 @@ for name, run in runs.items():
 # The padded and the ragged trainer compute the same thing (checked above),
 # so their losses differ by rounding only: in float32 below 1e-3 at every
 # step. In a 16-bit dtype one step's rounding changes the next step's
-# weights, and the page checks the first step's losses within the dtype's
-# tolerance and the means of the last five steps within 5%.
+# weights, and the page checks the first step's losses within the
+# tolerance of the dtype and the means of the last five steps within 5%.
 
 ragged_losses, padded_losses = np.array(runs["ragged"]["losses"]), np.array(runs["padded"]["losses"])
 if DTYPE == torch.float32:

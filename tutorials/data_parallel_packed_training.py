@@ -476,8 +476,8 @@ def launch(backend, nproc, device, dtype):
             "time_batches": {name: deal(mbs, world=nproc)[:WARMUP_STEPS + S.steps]
                              for name, mbs in schemes.items()}}
     reports, grads = run_data_parallel(job, data, nproc)
-    print(f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]}, "
-          f"{reports[0]['threads']} threads each, timed steps on {job.time_backend!r}:")
+    print(f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]} (CPU threads per rank: "
+          f"{reports[0]['threads']}), timed steps on {job.time_backend!r}:")
     for run in RUNS[:2]:
         gap = check_same_gradients(grads[run.name], reference, GRAD_TOL)
         print(f"{run.name}:")

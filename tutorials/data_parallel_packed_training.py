@@ -69,7 +69,7 @@ WORLD, MICRO_BATCHES = 2, 2  # ranks on the CPU, over gloo; micro-batches per ra
 WARMUP_STEPS = 2  # timed steps left out of the figures (first calls)
 GRAD_DOCS = 2  # documents per micro-batch in the gradient check (tiny, float32)
 GRAD_TOL = 1e-4  # float32: the largest gradient difference allowed
-LR, MIN_CHARS = 3e-3, 200  # the learning rate of AdamW; the shortest docstring read
+LR = 3e-3  # the learning rate of AdamW
 print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micro_batch} documents "
       f"or one token budget each, documents cut at {S.context} tokens")
 
@@ -80,7 +80,7 @@ print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micr
 # that runs the page: ``docstring_corpus`` reads every ``.py`` file of
 # ``sysconfig.get_paths()["stdlib"]`` with ``ast`` (no module is imported),
 # in the order of their paths, and keeps the docstrings of modules, classes
-# and functions of at least ``MIN_CHARS`` characters, each once. Each byte
+# and functions of at least 200 characters, each once. Each byte
 # is a token. Docstrings are as ragged as web documents: a line for a small
 # function, pages for a module.
 
@@ -88,14 +88,14 @@ print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micr
 import numpy as np
 from ragged_toolkit.data import docstring_corpus, pack_documents
 
-documents, source = docstring_corpus(min_chars=MIN_CHARS, limit=S.corpus_documents)
+documents, source = docstring_corpus(min_chars=200, limit=S.corpus_documents)
 lengths = np.array([len(d) for d in documents])
 print(f"corpus: {len(documents)} documents from {source}, lengths min {lengths.min()}, "
       f"median {int(np.median(lengths))}, max {lengths.max()}")
 print(f"the first one: {documents[0][:70].decode()!r}")
 tokens, offsets = pack_documents(documents, max_len=S.context)  # (T,), (B + 1,)
 assert len(documents) == S.corpus_documents and len(tokens) >= S.train_tokens, (
-    f"this Python's standard library holds {len(documents)} docstrings of {MIN_CHARS}+ characters, "
+    f"this Python's standard library holds {len(documents)} docstrings of 200+ characters, "
     f"{len(tokens)} tokens: lower corpus_documents or train_tokens in SIZES")
 inside = offsets[offsets < S.train_tokens]  # the documents the stream's first train_tokens touch
 tokens, offsets = tokens[:S.train_tokens], torch.cat([inside, inside.new_tensor([S.train_tokens])])

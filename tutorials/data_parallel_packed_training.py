@@ -440,9 +440,10 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # with AdamW, both ways of filling a micro-batch, on the attention backend
 # named for them. The tensors (the initial weights, each rank's
 # micro-batches) travel beside it. Each rank runs the same script, which
-# calls ``data_parallel_worker``; every rank reaches a barrier before the
+# calls ``data_parallel_worker``. The ranks leave together, each marking
+# itself done in the job's folder and waiting for the others, before the
 # process group is destroyed, so that no rank closes a connection its peer
-# still reads:
+# still uses:
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
 #    :pyobject: data_parallel_worker

@@ -21,9 +21,9 @@ from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
 from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals, Request, request_stream
 from ragged_toolkit.serving.proof import check_against_alone
-from ragged_toolkit.serving.metrics import latency_ms, slot_bound
+from ragged_toolkit.serving.metrics import latency_ms, ms_per_token, slot_bound
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
-from ragged_toolkit.serving.server import serve, take_turns
+from ragged_toolkit.serving.server import serve, ServingRun, StepRecord, take_turns
 
 CFG = GPTConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=256)
 FLOAT32 = tolerances(torch.float32)
@@ -180,6 +180,15 @@ def test_latency_and_slot_bound_by_hand():
     lat = latency_ms([a, b])
     assert lat["ttft"][0] == pytest.approx(375.0)  # the median of 500 and 250 ms
     assert lat["tpot"] == pytest.approx((500.0, 500.0))  # b has one token: no time per token
+
+
+def test_the_spread_of_throughput_over_runs_by_hand():
+    def run(seconds, tokens):  # one step of ``seconds``, one request of ``tokens``
+        return ServingRun([Request(0, [1], tokens)], [StepRecord(seconds, 1, tokens, 1, 0, 1, 1)])
+
+    spread = ms_per_token([run(1.0, 100), run(2.0, 100), run(3.0, 100), run(4.0, 100), run(5.0, 100)])
+    assert spread.runs == 5 and spread.median_ms == pytest.approx(30.0)  # 3 s over 100 tokens
+    assert (spread.q1_ms, spread.q3_ms) == pytest.approx((20.0, 40.0))
 
 
 def test_bfloat16_logits_stay_within_the_stated_tolerance(model, stream):

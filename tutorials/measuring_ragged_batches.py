@@ -258,7 +258,7 @@ spread = np.median([quartiles[a][2] - quartiles[a][0] for a in alphas])
 steady = all(x > y for x, y in zip(medians, medians[1:]))
 trend = "rises steadily" if steady else "does not move steadily"
 size = "less than" if change < spread else "more than"
-print(f"as the exponent falls, the median bound {trend}: it moves by {change:.2f}x in all, "
+print(f"as the exponent falls, the median bound {trend}: it moves by {change:.2f}x in all,\n"
       f"{size} the IQR of the bound between batches of one exponent ({spread:.2f}x)")
 
 # %%

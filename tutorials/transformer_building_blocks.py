@@ -211,7 +211,7 @@ print(f"default backend here: {DEFAULT}; the plan: {plan.backend}, lengths {plan
 try:
     ragged_attention(q1[:10], k1[:10], v1[:10], plan)
 except ValueError as err:
-    print(f"a plan of another batch: {err}")
+    print(f"a plan of another batch:\n  {err}")
 
 # %%
 # Six backends, six ways to compute it
@@ -325,7 +325,7 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
     try:
         ragged_attention(q_e, k_e, v_e, plan_batch(torch.tensor(bad, device=DEVICE), offsets_e, backend=DEFAULT))
     except ValueError as err:
-        print(f"offsets {bad}: {err}")
+        print(f"offsets {bad}:\n  {err}")
     else:
         raise AssertionError(f"offsets {bad} were accepted")
 

@@ -175,9 +175,9 @@ if outside_noise(times["packed"], times["packed again"]):
 # sequence as it is, the padded side every sequence as long as the longest;
 # a causal kernel scores the causal half of the pairs, ``L (L + 1) / 2``, a
 # merged mask the whole square. ``speedup_line`` prints a speedup beside its
-# bound, with the fraction of it reached and "(within noise)" where the two
-# timings' IQRs overlap; ``throughput_line`` does the same for two rates in
-# tokens per second.
+# bound, with the fraction of it reached and "(within noise)" where the
+# interquartile ranges of the two timings overlap; ``throughput_line`` does
+# the same for two rates in tokens per second.
 #
 # .. literalinclude:: ../ragged_toolkit/measuring/bound.py
 #    :pyobject: work_bound
@@ -219,9 +219,9 @@ print(speedup_line("forward", times["padded"], times["packed"], bound))
 #   this page): each makes the padded side slow for reasons that have
 #   nothing to do with padding.
 #
-# A fraction is as noisy as the two timings it divides: where their IQRs
-# overlap, ``speedup_line`` says "(within noise)" and the fraction says
-# nothing either way. It belongs to one device, one dtype and one batch:
+# A fraction is as noisy as the two timings it divides: where their
+# interquartile ranges overlap, ``speedup_line`` says "(within noise)" and
+# the fraction says nothing either way. It belongs to one device, one dtype and one batch:
 # the next section shows how much the bound itself moves from batch to
 # batch. The serving page's *slot bound* is read the same way: a bound set
 # by idle slots instead of padded tokens, and the fraction of it reached.

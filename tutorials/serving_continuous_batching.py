@@ -51,8 +51,8 @@ measured against static batches.
 # CPU sizes are chosen for a build of well under a minute on two cores;
 # servers run models of billions of weights, hundreds of requests at once,
 # prompts of thousands of tokens and blocks of 16 rows (vLLM). On CUDA the
-# blocks have 256 rows, the smallest that FlashAttention's paged kernel
-# takes. ``runs``: how often each scheduler serves the stream.
+# blocks have 256 rows, the smallest that the paged kernel of
+# FlashAttention takes. ``runs``: how often each scheduler serves the stream.
 
 from ragged_toolkit.device import page_setup
 
@@ -191,7 +191,7 @@ print(f"one step, {len(tokens)} tokens: {S.slots - 1} decode tokens, then a prom
 # %%
 # Attention through the block table
 # ---------------------------------
-# The GPT's attention is told the step's *layout*: ``PagedLayout`` writes
+# The model's attention is told the step's *layout*: ``PagedLayout`` writes
 # each new key into its slot and hands attention the step's block table.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
@@ -203,7 +203,7 @@ print(f"one step, {len(tokens)} tokens: {S.slots - 1} decode tokens, then a prom
 # ``ragged_attention`` with the step's plan; **flex**, FlexAttention over
 # the whole cache in place, with a block mask in which a query sees the rows
 # its request owns; **varlen**, ``varlen_attn`` reading the cache in place
-# through ``block_table`` (FlashAttention's paged kernel, CUDA only).
+# through ``block_table`` (the paged kernel of FlashAttention, CUDA only).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: gathered_attention
@@ -273,9 +273,8 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # admission order, then newcomers while blocks, slots and the token budget
 # allow, a long prompt cut into chunks. When a running request needs a
 # block and none is free, the most recently admitted is *preempted*: its
-# blocks go back to the free list, and it waits at the front of the queue
-# to recompute its keys (vLLM's default; swapping to host memory is the
-# alternative).
+# blocks are freed, and it waits at the front of the queue to recompute its
+# keys (the default of vLLM; swapping to host memory is the alternative).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
 #    :pyobject: plan_continuous
@@ -356,10 +355,11 @@ print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refuse
 # turns (continuous, static, and static skipping finished slots), each
 # serving the stream at least ``runs`` times. The runs' milliseconds per
 # generated token (``ms_per_token``) give a median and an IQR, printed as
-# tokens per second; a speedup is claimed only where two IQRs do not
-# overlap (``outside_noise``, the site's noise rule). The *slot bound* is
-# what the static scheduler's idle slots cost, its slot-steps over its
-# tokens; its :ref:`fraction <fraction-of-the-bound>` reads as a work bound's.
+# tokens per second; a speedup is claimed only where two interquartile
+# ranges do not overlap (``outside_noise``, the site's noise rule). The
+# *slot bound*, the static batches' slot-steps over their tokens, is what
+# idle slots cost; its :ref:`fraction <fraction-of-the-bound>` reads as a
+# work bound's.
 
 from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
 from ragged_toolkit.serving.metrics import ms_per_token, slot_bound

@@ -247,14 +247,13 @@ N_BATCHES = 50 if setup.quick else 200
 alphas = (1.1, 1.2, 1.35, 1.6)
 bounds = {a: np.array([work_bound(sentence_lengths(rng, S.batch, a), work=work, causal=True)
                        for _ in range(N_BATCHES)]) for a in alphas}
-quartiles = {a: np.percentile(bounds[a], [25, 50, 75]) for a in alphas}
-for a in alphas:
-    q1, median, q3 = quartiles[a]
+quartiles = {a: dict(zip(("q1", "median", "q3"), np.percentile(bounds[a], [25, 50, 75]))) for a in alphas}
+for a, q in quartiles.items():
     print(f"Zipf {a:4.2f}: mean length {1 / zipf_stop_probability(a):5.1f}, work bound median "
-          f"{median:.2f}x (IQR {q1:.2f}-{q3:.2f}) over {N_BATCHES} batches")
-medians = [quartiles[a][1] for a in alphas]  # in order of increasing exponent
+          f"{q['median']:.2f}x (IQR {q['q1']:.2f}-{q['q3']:.2f}) over {N_BATCHES} batches")
+medians = [quartiles[a]["median"] for a in alphas]  # in order of increasing exponent
 change = max(medians) - min(medians)
-spread = np.median([quartiles[a][2] - quartiles[a][0] for a in alphas])
+spread = np.median([quartiles[a]["q3"] - quartiles[a]["q1"] for a in alphas])
 steady = all(x > y for x, y in zip(medians, medians[1:]))
 trend = "rises steadily" if steady else "does not move steadily"
 size = "less than" if change < spread else "more than"
@@ -307,9 +306,10 @@ plt.show()
 # first, the same threads, enough calls for a fifth of a second, every
 # figure per call and printed beside the timed median. The profiler adds
 # time per operator it records; measured on a loop of trivial operators and
-# multiplied by the operators the call records, that estimate accounts for
-# most of the gap between the two. (Quick mode skips profiles: they cost
-# more than its timings.)
+# multiplied by the operators the call records, that estimate is printed
+# beside the gap between the profiled time and the timed median, so that
+# the two can be compared. (Quick mode skips profiles: they cost more than
+# its timings.)
 
 from ragged_toolkit.measuring.profiles import where_time_goes
 
@@ -352,7 +352,7 @@ print(f"torch.compile: {compiled}")
 print("step  ms     graphs compiled in the step")
 for number, (seconds, graphs) in enumerate(zip(timer.seconds, timer.graphs)):
     print(f"{number:4d} {1e3 * seconds:8.2f}  {graphs}")
-assert sum(timer.graphs[1:]) == 0, "a graph was compiled after the first step"
+assert timer.graphs[0] > 0 and sum(timer.graphs[1:]) == 0, "a graph was compiled after the first step"
 
 # %%
 # The first step carried the compile; a page reports only the steps after

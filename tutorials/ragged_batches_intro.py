@@ -116,7 +116,8 @@ print(f"{S.batch} sentences, {int(lengths.sum())} tokens, "
 
 # %%
 # The histogram has the long right tail of real text: most sentences are
-# short, a few are very long, and the longest one sets the padded length.
+# short, a few are very long (the mean lies above the median, as the
+# assertion checks), and the longest one sets the padded length.
 
 fig, ax = plt.subplots(figsize=(8, 4))
 ax.hist(lengths.numpy(), bins=40, color="#4c72b0")
@@ -127,6 +128,7 @@ ax.set_ylabel("sentences")
 ax.set_title(f"Zipf(1.2) sentence lengths, batch of {S.batch}")
 ax.legend()
 fig.tight_layout()
+assert lengths.double().mean() > lengths.double().median(), "the lengths have no long right tail"
 
 # %%
 # The same two forms at this size, one row of ``S.embed`` features per token:

@@ -442,9 +442,9 @@ online = dict(zip(("continuous", "static"), take_turns(starter(SCHEDULERS["conti
                                                       starter(SCHEDULERS["static"], arriving))))
 latency = {name: latency_ms([req for run in runs for req in run.requests]) for name, runs in online.items()}
 for name, lat in latency.items():
-    print(f"latency of {name} (arrivals at {rate:.1f} requests/s): time to first token "
-          f"p50 {lat['ttft'][0]:.0f} ms, p99 {lat['ttft'][1]:.0f} ms; "
-          f"time per output token p50 {lat['tpot'][0]:.2f} ms, p99 {lat['tpot'][1]:.2f} ms")
+    (ttft_p50, ttft_p99), (tpot_p50, tpot_p99) = lat["ttft"], lat["tpot"]  # each (p50, p99)
+    print(f"latency of {name} (arrivals at {rate:.1f} requests/s): time to first token p50 {ttft_p50:.0f} ms, "
+          f"p99 {ttft_p99:.0f} ms; time per output token p50 {tpot_p50:.2f} ms, p99 {tpot_p99:.2f} ms")
 
 # %%
 # A static batch starts only when the one before has finished, so newcomers

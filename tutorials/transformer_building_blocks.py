@@ -76,11 +76,12 @@ plt.show()
 # interface here is the plain pair of tensors, and a nested tensor appears
 # only as one attention backend among six.
 #
-# Every function this page teaches comes from the site's toolkit, the
+# Every function this page explains comes from the site's toolkit, the
 # package ``ragged_toolkit``, and its code is shown where it is explained;
-# how the site times and compares is the subject of
-# :doc:`measuring_ragged_batches`. Sizes are set here, once, for the device
-# at hand; ``page_setup`` picks them, with the dtype, one CPU thread per
+# the timing helpers it calls (``measure``, ``choose``, the work bound) are
+# explained on :doc:`measuring_ragged_batches`, and the pictures are drawn
+# by ``ragged_toolkit.figures``. Sizes are set here, once, for the device at
+# hand; ``page_setup`` picks them, with the dtype, one CPU thread per
 # operator and the seed.
 
 from ragged_toolkit.device import page_setup
@@ -102,6 +103,9 @@ print(f"batch {S.batch}, embedding {S.embed}, heads {S.heads}")
 # ``token_index`` gives every packed token its sequence and its position in
 # it: all a layer needs to build positions (rotary embeddings restart at
 # every sequence) or to pad the batch where a padded tensor is needed.
+#
+# .. literalinclude:: ../ragged_toolkit/batches.py
+#    :pyobject: offsets_from_lengths
 #
 # .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: token_index
@@ -295,6 +299,12 @@ print(f"{S.batch} sequences, {int(lengths.sum())} tokens: {skipped:.0%} of the b
 # them. Here it checks every backend, each with its own plan, on a batch
 # with an empty sequence (lengths 5, 0, 3, 7), causal, with four query
 # heads sharing two key/value heads, in this page's dtype:
+#
+# .. literalinclude:: ../ragged_toolkit/attention/__init__.py
+#    :pyobject: backend_support
+#
+# .. literalinclude:: ../ragged_toolkit/attention/reference.py
+#    :pyobject: reference_attention
 
 from ragged_toolkit.attention import BACKENDS, backend_support
 from ragged_toolkit.attention.reference import reference_attention
@@ -406,7 +416,12 @@ print("ragged layer and padded path both match nn.MultiheadAttention on every re
 # checks each output (and, for training, its gradients) against the
 # reference, and times them together; ``choose`` takes the fastest only
 # outside the noise, and otherwise ``DEFAULT``, from ``default_backend``,
-# the same on every page (:doc:`measuring_ragged_batches` explains both).
+# the same on every page (:doc:`measuring_ragged_batches` explains the
+# rule).
+#
+# .. literalinclude:: ../ragged_toolkit/measuring/compare.py
+#    :pyobject: compare_backends
+#
 # The job: the attention of that layer, causal, with ``S.heads`` heads on
 # this page's batch, forward alone (inference), then forward and backward
 # (training); each row ends with the :term:`kernel label` of what ran

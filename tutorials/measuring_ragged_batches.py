@@ -397,15 +397,18 @@ print(f"its first forward and backward: {first_call.seconds:.2f} s, "
       f"the packed layer's steady step ({steady['packed'].median_ms:.2f} ms)")
 merged = work_bound(lengths, work=work, causal=True, padded_causal=False)
 print(speedup_line("after its warm-up, forward and backward", steady["original"], steady["packed"], merged))
-assert first_call.seconds * 1e3 > 10 * steady["original"].median_ms, "the first call was not mostly compiling"
+compiling = 1 - steady["original"].median_ms / (first_call.seconds * 1e3)  # what was not the step itself
+print(f"{compiling:.0%} of that first call was not the step: "
+      + ("it timed the compiler" if compiling > 0.5 else "compiling was short here (a warm compile cache?)"))
 
 # %%
-# The first call took more than ten times the same baseline's steady step
-# (the assertion above checks it): a ratio like the first measures the
-# compiler, not padding, and its fraction of any bound is far above 1, the
-# signature of a bug in the baseline.
-# Timed after its warm-up, the same baseline stands beside its own work
-# bound, which counts the whole square its merged mask computes.
+# The last line says how much of the one-shot timing was something other
+# than the step itself: compiling the backward graph, shorter where
+# ``torch.compile``'s cache already holds it (a rebuild). A ratio built on
+# such a timing measures the compiler, not padding, and its fraction of any
+# bound can land far above 1, the signature of a bug in the baseline. Timed
+# after its warm-up, the same baseline stands beside its own work bound,
+# which counts the whole square its merged mask computes.
 #
 # Conclusion
 # ----------

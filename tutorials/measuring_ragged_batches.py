@@ -50,7 +50,7 @@ from ragged_toolkit.device import page_setup
 SIZES = {
     "cuda": dict(batch=512, embed=512, heads=8, run_time=0.5),  # the original tutorial's scale
     "cpu": dict(batch=48, embed=128, heads=4, run_time=0.3),  # about 20 s on two cores
-    "quick": dict(batch=16, embed=64, run_time=0.1),  # TUTORIALS_QUICK=1
+    "quick": dict(batch=16, embed=64, heads=4, run_time=0.1),  # TUTORIALS_QUICK=1: head size 16
 }
 setup = page_setup(SIZES)
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes

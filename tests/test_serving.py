@@ -7,6 +7,7 @@ position."""
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -20,9 +21,9 @@ from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
 from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals, Request, request_stream
 from ragged_toolkit.serving.proof import check_against_alone
-from ragged_toolkit.serving.metrics import latency_ms, slot_bound
+from ragged_toolkit.serving.metrics import latency_ms, ms_per_token, slot_bound
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
-from ragged_toolkit.serving.server import serve, take_turns
+from ragged_toolkit.serving.server import serve, ServingRun, StepRecord, take_turns
 
 CFG = GPTConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=256)
 FLOAT32 = tolerances(torch.float32)
@@ -155,6 +156,15 @@ def test_static_and_continuous_runs_take_turns(model, stream):
         "the shorter run did not start again (one turn to end, one step a turn) until the longer ended"
 
 
+def test_take_turns_repeats_each_run_until_it_ended_as_often_as_asked(model, stream):
+    cache = lambda: PagedKVCache(CFG, 64, 4, "cpu", torch.float32)  # noqa: E731
+    short, long = stream[:2], stream[:6]
+    a, b = take_turns(lambda: serve(model, fresh_requests(short), cache(), continuous()),
+                      lambda: serve(model, fresh_requests(long), cache(), continuous()), runs=3)
+    assert len(b) == 3 and len(a) >= 3, (len(a), len(b))
+    assert all(len(run.requests) == 2 and all(r.done() for r in run.requests) for run in a)
+
+
 def test_online_arrivals_wait_for_the_clock(model, stream):
     arrivals = np.arange(len(stream)) * 10.0  # far apart: each request runs alone
     run = serve_all(model, fresh_requests(stream, arrivals), continuous(), n_blocks=64)
@@ -170,6 +180,15 @@ def test_latency_and_slot_bound_by_hand():
     lat = latency_ms([a, b])
     assert lat["ttft"][0] == pytest.approx(375.0)  # the median of 500 and 250 ms
     assert lat["tpot"] == pytest.approx((500.0, 500.0))  # b has one token: no time per token
+
+
+def test_the_spread_of_throughput_over_runs_by_hand():
+    def run(seconds, tokens):  # one step of ``seconds``, one request of ``tokens``
+        return ServingRun([Request(0, [1], tokens)], [StepRecord(seconds, 1, tokens, 1, 0, 1, 1)])
+
+    spread = ms_per_token([run(1.0, 100), run(2.0, 100), run(3.0, 100), run(4.0, 100), run(5.0, 100)])
+    assert spread.runs == 5 and spread.median_ms == pytest.approx(30.0)  # 3 s over 100 tokens
+    assert (spread.q1_ms, spread.q3_ms) == pytest.approx((20.0, 40.0))
 
 
 def test_bfloat16_logits_stay_within_the_stated_tolerance(model, stream):
@@ -209,11 +228,59 @@ def test_bad_input_is_named(model, stream):
     with pytest.raises(ValueError, match="30 requests need 30 documents; the corpus has 2"):
         request_stream([b"ab", b"cd"], 30, np.random.default_rng(0), prompt_max=4, out_median=2, out_max=4)
     longest = max(stream, key=lambda r: len(r.prompt) + r.n_out)
-    with pytest.raises(RuntimeError, match=f"request {longest.rid} alone needs more than the cache's blocks"):
+    total = len(longest.prompt) + longest.n_out
+    with pytest.raises(ValueError, match=f"request {longest.rid}: {total} tokens need {-(-total // 4)} blocks "
+                                         "of 4 rows; the whole cache has 2"):
         serve_all(model, [longest], continuous(), n_blocks=2)
-    with pytest.raises(RuntimeError, match="no room for a static batch of 8"):
-        serve_all(model, stream, functools.partial(plan_static, batch_size=8, reserve=40), n_blocks=8,
+    with pytest.raises(RuntimeError, match="no room for a static batch of 8"):  # each fits alone, not 8
+        serve_all(model, stream, functools.partial(plan_static, batch_size=8, reserve=40), n_blocks=16,
                   retire_step=retire_batch)
+
+
+# --- requests the server cannot serve: refused on arrival, by name -----------------------
+
+BAD_REQUESTS = {  # what is wrong -> (the request, the error it gets), on a cache of 20 blocks of 4 rows
+    "empty prompt": (Request(99, [], 4), "request 99: empty prompt; a request needs at least one prompt token"),
+    "past the model's positions": (Request(99, [7] * 200, 57), "request 99: prompt of 200 tokens plus 57 "
+                                   "output tokens is 257 positions; the model has 256 (max_seq_len)"),
+    "token outside the vocabulary": (Request(99, [5, 256, 7], 4), "request 99: token id 256 at prompt "
+                                     "position 1 is outside the vocabulary (ids 0 to 255)"),
+    "no output": (Request(99, [5, 6], 0), "request 99: output length 0; a request generates at least one token"),
+    "larger than the whole cache": (Request(99, [7] * 60, 40), "request 99: 100 tokens need 25 blocks of 4 "
+                                    "rows; the whole cache has 20"),
+}
+
+
+@pytest.mark.parametrize("what", BAD_REQUESTS)
+def test_a_request_the_server_cannot_serve_is_refused_before_any_step(model, stream, what):
+    bad, message = BAD_REQUESTS[what]
+    steps = []
+    with pytest.raises(ValueError, match=re.escape(message)):
+        serve_all(model, [*stream[:4], bad], continuous(), n_blocks=20,
+                  observe=lambda i, running, cache: steps.append(i))
+    assert steps == [], f"{what}: a step ran before the request was refused"
+
+
+@pytest.mark.parametrize("what", BAD_REQUESTS)
+def test_a_refused_arrival_leaves_the_running_requests_undisturbed(model, stream, what):
+    bad, message = BAD_REQUESTS[what]
+    late = fresh_requests([bad], [1e-9])  # arrives once the first step has run
+    refused, running_then = [], []
+
+    def note(request, error):
+        refused.append((request.rid, str(error), len(running_then)))  # steps run before the refusal
+
+    cache = PagedKVCache(CFG, 20, 4, "cpu", torch.float32)
+    [run], = take_turns(lambda: serve(model, [*fresh_requests(stream[:4]), *late], cache, continuous(),
+                                      check=True, on_refused=note,
+                                      observe=lambda i, running, c: running_then.append(len(running))))
+    assert len(refused) == 1 and refused[0][0] == 99, f"{what}: not refused"
+    assert refused[0][1] == message
+    assert [r for r, _ in run.refused] == late and 99 not in cache.tables
+    assert refused[0][2] >= 1 and running_then[refused[0][2] - 1] > 0, "nothing was running when it came"
+    assert sorted(r.rid for r in run.requests) == [r.rid for r in stream[:4]]
+    worst, _ = check_against_alone(model, run.requests, FLOAT32)  # each as if alone: undisturbed
+    assert worst < 1e-4
 
 
 # --- three planted bugs, each caught by the proof ----------------------------------------

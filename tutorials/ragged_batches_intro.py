@@ -30,6 +30,27 @@ padding costs a linear layer, measured. The page ends with the site's
 # sphinx_gallery_tags = ["basics", "packing", "nested tensors"]
 
 # %%
+# Sizes
+# -----
+# Every size on this page is set here, once, for the device it runs on, and
+# ``page_setup`` picks them: the device, its dtype, one CPU thread per
+# operator (as every timing of the site), the seed.
+# :term:`Quick mode <quick mode>` (``TUTORIALS_QUICK=1``) shrinks them for the
+# test suite; every assertion still runs.
+
+import torch
+from ragged_toolkit.device import page_setup
+
+SIZES = {
+    "cuda": dict(batch=512, embed=1024, run_time=1.0),  # the batch of the original tutorial
+    "cpu": dict(batch=256, embed=256, run_time=1.0),  # small enough for a two-core laptop
+    "quick": dict(batch=64, embed=128, run_time=0.2),  # TUTORIALS_QUICK=1
+}
+setup = page_setup(SIZES)  # prints the device, dtype and mode
+DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
+print(f"batch {S.batch}, embedding {S.embed}")
+
+# %%
 # The same batch, two ways
 # ------------------------
 # Three sentences of 3, 1 and 4 tokens, one feature per token so that the
@@ -39,7 +60,6 @@ padding costs a linear layer, measured. The page ends with the site's
 # **values** ``(T, ...)``, and the **offsets** ``(B + 1,)``: where each
 # sentence starts, then where the last one ends.
 
-import torch
 from ragged_toolkit.batches import from_padded, offsets_from_lengths, to_padded
 
 sentences = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0]), torch.tensor([5.0, 6.0, 7.0, 8.0])]
@@ -74,36 +94,6 @@ draw_batch([len(s) for s in sentences])
 plt.show()
 
 # %%
-# Sizes
-# -----
-# Every size on this page is set here, once, for the device it runs on.
-# :term:`Quick mode <quick mode>` (``TUTORIALS_QUICK=1``) shrinks them for the
-# test suite; every assertion still runs.
-
-import numpy as np
-from ragged_toolkit.batches import sentence_lengths, zipf_stop_probability
-from ragged_toolkit.measuring.bound import speedup_line
-from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measuring.timing import measure
-
-DEVICE = default_device()
-DTYPE = default_dtype(DEVICE)
-QUICK = quick_mode()
-SEED = 0
-if DEVICE == "cuda":
-    BATCH, EMBED = 512, 1024  # the batch of the original tutorial
-else:
-    BATCH, EMBED = 256, 256  # small enough for a two-core laptop
-if QUICK:
-    BATCH, EMBED = 64, 128
-RUN_TIME = 0.2 if QUICK else 1.0
-print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}; batch {BATCH}, embedding {EMBED}")
-
-# sphinx_gallery_start_ignore
-quiet_known_notes()
-# sphinx_gallery_end_ignore
-
-# %%
 # Sentence lengths that look like text
 # ------------------------------------
 # A sentence ends when a word is a full stop, an exclamation or a question
@@ -115,16 +105,19 @@ quiet_known_notes()
 # measuring page checks it against drawing the words one by one
 # (:doc:`measuring_ragged_batches`).
 
-rng = np.random.default_rng(SEED)
-torch.manual_seed(SEED)
-lengths = sentence_lengths(rng, BATCH)
+import numpy as np
+from ragged_toolkit.batches import sentence_lengths, zipf_stop_probability
+
+rng = np.random.default_rng(setup.seed)
+lengths = sentence_lengths(rng, S.batch)
 print(f"stop probability per word: {zipf_stop_probability(1.2):.4f}")
-print(f"{BATCH} sentences, {int(lengths.sum())} tokens, "
+print(f"{S.batch} sentences, {int(lengths.sum())} tokens, "
       f"mean length {lengths.double().mean().item():.1f}, longest {int(lengths.max())}")
 
 # %%
 # The histogram has the long right tail of real text: most sentences are
-# short, a few are very long, and the longest one sets the padded length.
+# short, a few are very long (the mean lies above the median, as the
+# assertion checks), and the longest one sets the padded length.
 
 fig, ax = plt.subplots(figsize=(8, 4))
 ax.hist(lengths.numpy(), bins=40, color="#4c72b0")
@@ -132,14 +125,15 @@ ax.axvline(int(lengths.max()), color="#c44e52", linestyle="--",
            label=f"padded length = {int(lengths.max())}")
 ax.set_xlabel("sentence length (tokens)")
 ax.set_ylabel("sentences")
-ax.set_title(f"Zipf(1.2) sentence lengths, batch of {BATCH}")
+ax.set_title(f"Zipf(1.2) sentence lengths, batch of {S.batch}")
 ax.legend()
 fig.tight_layout()
+assert lengths.double().mean() > lengths.double().median(), "the lengths have no long right tail"
 
 # %%
-# The same two forms at this size, one row of ``EMBED`` features per token:
+# The same two forms at this size, one row of ``S.embed`` features per token:
 
-sentences = [torch.randn(int(n), EMBED, device=DEVICE, dtype=DTYPE) for n in lengths]
+sentences = [torch.randn(int(n), S.embed, device=DEVICE, dtype=DTYPE) for n in lengths]
 padded = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True)  # (B, S, E)
 values = torch.cat(sentences)  # (T, E)
 offsets = offsets_from_lengths(lengths, DEVICE)  # (B + 1,)
@@ -174,10 +168,11 @@ print("nested:", njt.shape, "(j is the ragged dimension)")
 # Every sentence is stretched to the longest one, so the padded batch holds
 # ``B * S`` token slots for ``sum(lengths)`` real tokens.
 
-real_tokens, slots = int(lengths.sum()), BATCH * int(lengths.max())
+real_tokens, slots = int(lengths.sum()), S.batch * int(lengths.max())
 print(f"real tokens {real_tokens}, padded slots {slots}")
 print(f"{100 * (1 - real_tokens / slots):.1f}% of the padded batch is padding "
       f"({slots / real_tokens:.2f}x the tokens)")
+assert slots > 2 * real_tokens, "padding is not most of the padded batch"
 
 # %%
 # What padding costs a linear layer
@@ -185,31 +180,37 @@ print(f"{100 * (1 - real_tokens / slots):.1f}% of the padded batch is padding "
 # A token-wise layer such as ``nn.Linear`` works on every slot it is given.
 # On the packed values it runs on real tokens only, so the padded batch does
 # ``slots / real_tokens`` times the work: that ratio is the :term:`work bound`
-# of this comparison, the speedup to expect if time followed the work. Both
-# must give the same result on the real tokens; then ``measure`` times both
-# with ``torch.utils.benchmark``, taking turns, and reports the median and
-# the interquartile range (IQR) in milliseconds and the peak memory in MiB.
+# of this comparison, the speedup to expect if time followed the work
+# (``work_bound`` counts it from the lengths and the layer's ``Work``, its
+# FLOPs per token). Both must give the same result on the real tokens; then
+# ``measure`` times both with ``torch.utils.benchmark``, taking turns, and
+# reports the median and the interquartile range (IQR) in milliseconds and,
+# outside quick mode, the peak memory in MiB.
 
-linear = torch.nn.Linear(EMBED, 4 * EMBED, device=DEVICE, dtype=DTYPE)
+from ragged_toolkit.measuring.bound import Work, speedup_line, work_bound
+from ragged_toolkit.measuring.timing import measure
+
+linear = torch.nn.Linear(S.embed, 4 * S.embed, device=DEVICE, dtype=DTYPE)
 with torch.no_grad():
     torch.testing.assert_close(linear(values), linear(padded)[valid])
     times = measure({"padded": lambda: linear(padded), "packed": lambda: linear(values)},
-                    min_run_time=RUN_TIME)
+                    min_run_time=S.run_time, profile=not setup.quick)
 print("nn.Linear: packed and padded results agree on every real token")
 for name, t in times.items():
     print(f"{name:>7}: {t}")
-print(speedup_line("nn.Linear", times["padded"], times["packed"], slots / real_tokens))
+bound = work_bound(lengths, work=Work(per_token=2 * S.embed * 4 * S.embed, per_pair=0.0))
+assert abs(bound - slots / real_tokens) < 1e-9  # a token-wise layer: slots over real tokens
+print(speedup_line("nn.Linear", times["padded"], times["packed"], bound))
 
 # %%
-# The :term:`fraction of the bound` says how much of what skipping padding
-# could buy this device delivered. It can exceed 1 for a linear layer: the
-# bound counts work only, while the padded tensor is also larger in memory,
-# may miss a cache the packed one fits in, and costs more to allocate, so
-# the padded side can be slower per token than the packed one. Attention is
-# worse than a linear layer: its cost grows with the square of the padded
-# length, and a padded batch needs a mask to keep real tokens from padding.
-# The next pages build whole transformer layers and models that never see a
-# pad token.
+# The last figure is the :term:`fraction of the bound`: the speedup over the
+# bound. What a fraction near 1, below 1 or above 1 says, and when to
+# distrust one, is explained once, on
+# :ref:`the measuring page <fraction-of-the-bound>`. Attention costs more
+# than a linear layer: its cost grows with the square of the padded length,
+# and a padded batch needs a mask to keep real tokens from padding. The next
+# pages build whole transformer layers and models that never see a pad
+# token.
 #
 # Conclusion
 # ----------
@@ -228,20 +229,14 @@ print(speedup_line("nn.Linear", times["padded"], times["packed"], slots / real_t
 #
 #    work bound
 #       The work a padded implementation must do divided by the work of the
-#       packed one, each counted for what it computes: FLOPs per token for
-#       projections and feed-forward layers, FLOPs per query-key pair for
-#       attention scores (a causal kernel scores ``L (L + 1) / 2`` pairs of a
-#       sequence of length ``L``, a merged mask the whole square). It is the
-#       speedup to expect if time followed work; every speedup on the site is
-#       printed beside it.
+#       packed one, each counted for what it computes (``work_bound``, from
+#       a layer's or model's ``Work``): the speedup to expect if time
+#       followed work. Every speedup on the site is printed beside it;
+#       :ref:`the measuring page <work-bound>` shows how it is counted.
 #
 #    fraction of the bound
-#       The measured speedup divided by the work bound. Near 1, the packed
-#       code wins back what padding costs in work. Below 1, overheads (one
-#       call per sequence, gathers, bookkeeping) eat part of the win. Above 1,
-#       the padded side is slower per unit of work than the packed side: its
-#       larger tensors cost memory traffic, cache misses and allocations that
-#       the bound, which counts FLOPs only, does not see.
+#       The measured speedup divided by the work bound; what it means is
+#       explained once, on :ref:`the measuring page <fraction-of-the-bound>`.
 #
 #    kernel label
 #       The attention kernel that ran, read from the profiler's operator

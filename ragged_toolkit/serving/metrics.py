@@ -1,17 +1,31 @@
-"""What a serving run measured: throughput, the slot bound of static
-batches, time to first token and time per output token."""
+"""What a serving run measured: throughput (over runs, and its spread from
+run to run), the slot bound of static batches, time to first token and
+time per output token."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["tokens_per_second", "slot_bound", "latency_ms"]
+from ..measuring.timing import Timing
+
+__all__ = ["tokens_per_second", "ms_per_token", "slot_bound", "latency_ms"]
 
 
 def tokens_per_second(runs):
     """Generated tokens over busy seconds (time stepping), over ``runs``."""
     tokens = sum(r.n_out for run in runs for r in run.requests)
     return tokens / sum(s.seconds for run in runs for s in run.steps)
+
+
+def ms_per_token(runs):
+    """The spread of throughput from run to run: a
+    :class:`~ragged_toolkit.measuring.timing.Timing` of each run's busy
+    milliseconds per generated token (median, IQR, percentiles 25 and 75,
+    the number of runs), for the noise rule (``outside_noise``). A rate in
+    tokens/s is ``1000 / ms``: the median's, and an IQR from ``1000 / q3_ms``
+    to ``1000 / q1_ms``."""
+    return Timing.of([1e3 * sum(s.seconds for s in run.steps) / sum(r.n_out for r in run.requests)
+                      for run in runs])
 
 
 def slot_bound(run):

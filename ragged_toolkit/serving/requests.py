@@ -1,5 +1,6 @@
 """The requests a server is sent: prompts (token ids) from real documents,
-long-tailed output lengths, arrivals on a clock."""
+long-tailed output lengths, arrivals on a clock; and the check that refuses,
+by name, a request the server cannot serve (:func:`check_request`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Request", "output_lengths", "request_stream", "poisson_arrivals", "fresh_requests"]
+__all__ = ["Request", "output_lengths", "request_stream", "poisson_arrivals", "fresh_requests", "check_request"]
 
 
 @dataclass
@@ -72,3 +73,29 @@ def fresh_requests(requests, arrivals=None):
     (seconds, one each; default: as they were)."""
     arrivals = [r.arrival for r in requests] if arrivals is None else arrivals
     return [Request(r.rid, r.prompt, r.n_out, float(a)) for r, a in zip(requests, arrivals)]
+
+
+def check_request(request, cfg, cache):
+    """Raise ``ValueError`` naming ``request`` and the limit it breaks if the
+    server cannot serve it: an empty prompt, an output length below one,
+    token ids outside the vocabulary of ``cfg`` (a ``GPTConfig``), a prompt
+    plus its output longer than the model's positions (``max_seq_len``), or
+    more tokens than the whole ``cache`` (a ``PagedKVCache``) holds. Called
+    on arrival, before any step that the request could join runs."""
+    rid, prompt, n_out = request.rid, list(request.prompt), request.n_out
+    if not prompt:
+        raise ValueError(f"request {rid}: empty prompt; a request needs at least one prompt token")
+    if n_out < 1:
+        raise ValueError(f"request {rid}: output length {n_out}; a request generates at least one token")
+    bad = next(((i, t) for i, t in enumerate(prompt) if not 0 <= t < cfg.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"request {rid}: token id {bad[1]} at prompt position {bad[0]} is outside the "
+                         f"vocabulary (ids 0 to {cfg.vocab_size - 1})")
+    total = len(prompt) + n_out
+    if total > cfg.max_seq_len:
+        raise ValueError(f"request {rid}: prompt of {len(prompt)} tokens plus {n_out} output tokens is "
+                         f"{total} positions; the model has {cfg.max_seq_len} (max_seq_len)")
+    blocks = -(-total // cache.block_size)
+    if blocks > cache.n_blocks:
+        raise ValueError(f"request {rid}: {total} tokens need {blocks} blocks of {cache.block_size} rows; "
+                         f"the whole cache has {cache.n_blocks}")

@@ -7,6 +7,7 @@ machine, and reads back what each measured, or each rank's own error."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -62,6 +63,7 @@ class DataParallelJob:
 #: The script each rank runs, ``worker.py``: it calls :func:`data_parallel_worker`.
 DATA_PARALLEL_SCRIPT = """\
 import faulthandler
+import os
 import sys
 
 faulthandler.enable(all_threads=True)  # a rank that aborts prints where each thread was
@@ -69,6 +71,12 @@ faulthandler.enable(all_threads=True)  # a rank that aborts prints where each th
 from ragged_toolkit.data_parallel_launch import data_parallel_worker
 
 data_parallel_worker(sys.argv[1])
+# Done, and everything written: leave without the interpreter's teardown,
+# where C++ objects that still held a gloo connection were seen to abort
+# (rank 0, about one launch in 50, with no Python frame on the stack).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
@@ -97,6 +105,7 @@ def data_parallel_worker(folder):
         (folder / f"rank{rank}.error").write_text(traceback.format_exc())
         raise
     _leave_together(folder, rank, dist.get_world_size())
+    gc.collect()  # the wrapped models' cycles, which hold the process group, go first
     dist.destroy_process_group()
     (folder / f"rank{rank}.json").write_text(json.dumps(report))
 

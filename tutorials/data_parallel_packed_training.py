@@ -443,10 +443,16 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # calls ``data_parallel_worker``. The ranks leave together, each marking
 # itself done in the job's folder and waiting for the others, before the
 # process group is destroyed, so that no rank closes a connection its peer
-# still uses:
+# still uses; then the script exits without the interpreter's teardown
+# (``os._exit``), where objects that still held a gloo connection were seen
+# to abort a rank about once in 50 launches:
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
 #    :pyobject: data_parallel_worker
+#
+# .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
+#    :start-at: DATA_PARALLEL_SCRIPT =
+#    :end-at: os._exit(0)
 #
 # ``torch.distributed.run`` (``torchrun``) starts the ranks, over the
 # local network interface; ``run_data_parallel`` writes the job into a temporary

@@ -221,7 +221,7 @@ def packed_recurrence(q, k, v, g, offsets, beta=None, *, chunk=64):
     offsets: (B + 1,). Returns o (T, H, V) in v's dtype and each document's
     final state (B, H, K, V) in float32 (float64 kept), zeros if empty.
     """
-    doc, pos = token_index(offsets)                           # (T,), (T,)
+    doc, pos = token_index(offsets, q.shape[0])               # (T,), (T,)
     last = (offsets[1:] - 1).clamp(min=0)                     # (B,): each document's last token
     ends = torch.stack([torch.zeros_like(last), last], 1)     # (B, 2): all in row 0
     o, states = chunked_recurrence(q[None], k[None], v[None], g[None], None if beta is None else beta[None],
@@ -321,7 +321,7 @@ class _RecurrentLayer(nn.Module):
 
     def _run(self, x, offsets):
         pos = (torch.arange(x.shape[1], device=x.device).expand(x.shape[:2]) if offsets is None
-               else token_index(offsets)[1])
+               else token_index(offsets, x.shape[0])[1])
         qkv = self.qkv_proj(x)                                     # (..., channels)
         q, k, v, g, beta = self.mixer_inputs(F.silu(causal_conv(qkv, self.conv_weight, pos)), self.ab_proj(x))
         if offsets is None:

@@ -53,10 +53,10 @@ def _late_reset(mp):
     previous document's, for the state and the convolution."""
     index = recurrent.token_index
 
-    def late(offsets):
+    def late(offsets, total=None):
         shifted = offsets.clone()
         shifted[1:-1] = (shifted[1:-1] + 1).clamp(max=int(offsets[-1]))
-        return index(shifted)
+        return index(shifted, total)
     mp.setattr(recurrent, "token_index", late)
 
 

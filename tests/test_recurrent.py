@@ -296,3 +296,53 @@ def test_qwen3_next_keeps_packed_documents_apart_with_the_swapped_layers():
     assert stock[0] < 1e-5, stock  # the first document has nothing before it
     assert min(stock[1:]) > 1e-3, stock  # the others read the documents before them
     assert max(ours) < 1e-5, ours
+
+
+def test_swapping_refuses_a_release_that_keeps_the_boundaries_from_the_layers(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from ragged_toolkit.recurrent_hf import passes_boundaries, swap_gated_delta_layers
+
+    monkeypatch.setattr(transformers, "__version__", "5.8.1")
+    assert not passes_boundaries()
+    with pytest.raises(RuntimeError, match=r"transformers 5.8.1 does not pass .* upgrade to transformers 5.9.0"):
+        swap_gated_delta_layers(torch.nn.Module())
+    monkeypatch.setattr(transformers, "__version__", "5.9.0")
+    assert passes_boundaries()
+
+
+# --- compiled, and in a hybrid model --------------------------------------------------------------
+
+
+def test_the_packed_recurrence_traces_into_one_graph():
+    """``token_index`` is given the token count, so nothing is read back from
+    the device: ``fullgraph=True`` traces it (the eager backend: no kernels
+    generated, only the graph checked)."""
+    q, k, v, g, beta = recurrence_inputs("delta", LENGTHS)
+    offsets = offsets_from_lengths(LENGTHS)
+    run = torch.compile(recurrent.packed_recurrence, fullgraph=True, backend="eager", dynamic=False)
+    for got, want in zip(run(q, k, v, g, offsets, beta, chunk=CHUNK),
+                         recurrent.packed_recurrence(q, k, v, g, offsets, beta, chunk=CHUNK)):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_hybrid_model_gives_the_same_logits_packed_and_padded():
+    from ragged_toolkit.gpt import GPTConfig
+    from ragged_toolkit.hybrid import HybridGPT
+    from ragged_toolkit.layouts import PackedLayout, PaddedLayout
+    from ragged_toolkit.batches import token_index
+
+    lengths = [n for n in LENGTHS if n]  # the attention plan takes no empty document here
+    cfg = GPTConfig(vocab_size=50, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64)
+    torch.manual_seed(0)
+    model = HybridGPT(cfg, chunk=CHUNK)
+    assert model.attention_layers == [3]
+    assert [type(b).__name__ for b in model.layers] == ["RecurrentBlock"] * 3 + ["Block"]
+    offsets = offsets_from_lengths(lengths)
+    tokens = torch.randint(0, 50, (sum(lengths),))
+    ids, valid = to_padded(tokens, offsets)
+    with torch.no_grad():
+        packed = model(tokens, token_index(offsets)[1], PackedLayout.of(offsets))
+        padded = model(ids, torch.arange(ids.shape[1]).expand_as(ids), PaddedLayout())
+        close(padded[valid], packed, torch.float32)
+        with pytest.raises(ValueError, match="right-padded rows"):
+            model(ids, torch.arange(ids.shape[1]).expand_as(ids), PaddedLayout(mask=valid[:, None, None, :]))

@@ -38,9 +38,9 @@ recurrence token by token, shows what goes wrong without the resets (in
        * :doc:`transformer_building_blocks` (packed values and offsets) and
          :doc:`packed_gpt_training` (the GPT, the corpus); the functions used
          here are on :doc:`the toolkit's reference page </toolkit>`
-       * PyTorch 2.11 or later; ``transformers`` 4.57 or later (Qwen3-Next,
-         built from a config: no download); a CPU is enough, a CUDA GPU runs
-         the chunked form compiled in ``bfloat16``
+       * PyTorch 2.11 or later; ``transformers`` 5.9 or later for its
+         Qwen3-Next (built from a config: no download); a CPU is enough, a
+         CUDA GPU runs the chunked form compiled in ``bfloat16``
 """
 
 # sphinx_gallery_tags = ["linear attention", "state-space models", "Gated DeltaNet", "transformers", "training"]
@@ -383,60 +383,70 @@ plt.show()
 # ``position_ids`` that restart at every document; then with the boundaries
 # themselves, ``cu_seq_lens_q`` and ``cu_seq_lens_k``. A packed row needs
 # ``use_cache=False``: with a cache, the release reads no documents from
-# ``position_ids``, and its attention layers mix documents too.
+# ``position_ids``, and its attention layers mix documents too. (Its
+# decoder passes the boundaries on to the Gated DeltaNet layers from
+# release 5.9.0 on; on an older one this section says so and stops.)
 
 import transformers
-from ragged_toolkit.recurrent_hf import document_differences
+from ragged_toolkit.recurrent_hf import PASSES_BOUNDARIES, document_differences, passes_boundaries
 
 # sphinx_gallery_start_ignore
 transformers.logging.set_verbosity_error()  # its notes that the reference kernels run (no fla here)
 # sphinx_gallery_end_ignore
 
-config = transformers.Qwen3NextConfig(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0,
-    layer_types=["linear_attention"] * 3 + ["full_attention"])
-torch.manual_seed(setup.seed)
-qwen = transformers.Qwen3NextForCausalLM(config).eval()
-gen = torch.Generator().manual_seed(setup.seed)
-docs = [torch.randint(0, 256, (n,), generator=gen) for n in (37, 21, 70)]  # the last over a chunk
-STOCK = document_differences(qwen, docs)  # position_ids only
-print("position_ids only: each document's largest logit difference from itself alone "
-      + ", ".join(f"{d:.1e}" for d in STOCK))
-try:
-    BOUNDARIES = document_differences(qwen, docs, boundaries=True)
-    print("with cu_seq_lens: " + ", ".join(f"{d:.1e}" for d in BOUNDARIES))
-except ValueError as refusal:  # transformers 5.23: only flash-linear-attention's kernels take them
-    print(f"with cu_seq_lens, transformers {transformers.__version__} refuses: {refusal}")
-assert max(STOCK[1:]) > 1e-3, "the stock model kept the documents apart"
+STOCK = RESET = None  # each document's largest logit difference, stock and with the packed layers
+if not passes_boundaries():
+    print(f"transformers {transformers.__version__}: Qwen3-Next's boundaries do not reach its Gated "
+          f"DeltaNet layers; this section needs {PASSES_BOUNDARIES} or later (pip install -U transformers)")
+else:
+    config = transformers.Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0,
+        layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(setup.seed)
+    qwen = transformers.Qwen3NextForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(setup.seed)
+    docs = [torch.randint(0, 256, (n,), generator=gen) for n in (37, 21, 70)]  # the last over a chunk
+    STOCK = document_differences(qwen, docs)  # position_ids only
+    print("position_ids only: each document's largest logit difference from itself alone "
+          + ", ".join(f"{d:.1e}" for d in STOCK))
+    assert max(STOCK[1:]) > 1e-3, "the stock model kept the documents apart"
+    try:
+        with_boundaries = document_differences(qwen, docs, boundaries=True)
+        print("with cu_seq_lens, accepted: " + ", ".join(f"{d:.1e}" for d in with_boundaries))
+    except ValueError as refusal:  # 5.22 and later: only flash-linear-attention's kernels take them
+        print(f"with cu_seq_lens, transformers {transformers.__version__} refuses: {refusal}")
 
 # %%
 # The first document has nothing before it; the others read the previous
-# documents' state, silently. The toolkit's packed layer takes the place of
-# every Gated DeltaNet layer, with the same weights (``in_proj_qkvz`` and
-# ``in_proj_ba`` regrouped), and reads the documents from ``cu_seq_lens_q``,
-# on any device:
+# documents' state, silently (a release that accepts the boundaries, such
+# as 5.9, still mixes the documents: its PyTorch fallback ignores them).
+# The toolkit's packed layer takes the place of every Gated DeltaNet
+# layer, with the same weights (``in_proj_qkvz`` and ``in_proj_ba``
+# regrouped), and reads the documents from ``cu_seq_lens_q``, on any device:
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent_hf.py
 #    :pyobject: PackedGatedDeltaNet
 
 from ragged_toolkit.recurrent_hf import swap_gated_delta_layers
 
-swapped, n_swapped = swap_gated_delta_layers(copy.deepcopy(qwen), chunk=C)
-RESET = document_differences(swapped, docs, boundaries=True)
-assert n_swapped == 3 and max(RESET) < 1e-5, RESET
-print(f"transformers {transformers.__version__} Qwen3-Next Gated DeltaNet on a packed row: max difference "
-      f"from each document alone {max(STOCK):.2e} (stock), {max(RESET):.2e} (with resets)")
+if STOCK is not None:
+    swapped, n_swapped = swap_gated_delta_layers(copy.deepcopy(qwen), chunk=C)
+    RESET = document_differences(swapped, docs, boundaries=True)
+    assert n_swapped == 3 and max(RESET) < 1e-5, RESET
+    print(f"transformers {transformers.__version__} Qwen3-Next Gated DeltaNet on a packed row: max difference "
+          f"from each document alone {max(STOCK):.2e} (stock), {max(RESET):.2e} (with resets)")
 
 # %%
 # Each document's error, stock against reset: the two layers of this page
 # and the Qwen3-Next model (its logits). Errors under ``1e-12`` are drawn at
 # ``1e-12``.
 
-fig, axes = plt.subplots(1, 3, figsize=(10, 4), layout="constrained", sharey=True)
 panels = {f"{name} layer": (LEAK[name, "without resets"], LEAK[name, "with resets"]) for name in LAYERS}
-panels["Qwen3-Next logits"] = (STOCK, RESET)
+if STOCK is not None:
+    panels["Qwen3-Next logits"] = (STOCK, RESET)
+fig, axes = plt.subplots(1, len(panels), figsize=(10, 4), layout="constrained", sharey=True)
 for ax, (title, (stock, reset)) in zip(axes, panels.items()):
     at = np.arange(len(stock))
     ax.bar(at - 0.2, np.maximum(stock, 1e-12), 0.4, label="stock (no resets)")
@@ -571,10 +581,10 @@ def padded_loss(model, tokens, offsets):
 proof = {}
 for name, loss_of in (("packed", packed_loss), ("padded", padded_loss)):
     loss = loss_of(hybrid, *steps[0])
-    proof[name] = [loss, *torch.autograd.grad(loss, list(hybrid.parameters()))]
+    proof[name] = [loss.detach(), *torch.autograd.grad(loss, list(hybrid.parameters()))]
 for got, want in zip(proof["padded"], proof["packed"]):
     torch.testing.assert_close(got, want, **tolerances(DTYPE))
-print(f"first step: loss {float(proof['packed'][0]):.4f} packed, {float(proof['padded'][0]):.4f} padded, "
+print(f"first step: loss {proof['packed'][0].item():.4f} packed, {proof['padded'][0].item():.4f} padded, "
       f"and all {len(proof['packed']) - 1} gradients agree")
 
 # %%
@@ -601,7 +611,7 @@ for tokens, offsets in steps:  # the two trainers take turns
             loss = loss_of(model, tokens, offsets)
             loss.backward()
             optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
 work = model_work(hybrid, n_layers=len(hybrid.attention_layers), attention_width=cfg.n_heads * cfg.head_dim)
 timed = [o.diff().cpu() for _, o in steps[WARMUP:]]
 train_bound = work_per_token(timed, work, padded=True) / work_per_token(timed, work)
@@ -659,18 +669,14 @@ with torch.no_grad():
               f"equal to the packed layer over the longer documents")
 
 # %%
-# The bytes per request, for one layer of Qwen3-Next at the sizes of
-# Qwen3-Next-80B-A3B (the defaults of ``Qwen3NextConfig``): a full-attention
-# layer's keys and values
-# in ``bfloat16``, against a Gated DeltaNet layer's ``float32`` state and
-# ``bfloat16`` convolution inputs.
+# The bytes per request, for one layer at the sizes of Qwen3-Next-80B-A3B
+# (``Qwen3NextConfig``'s defaults): a full-attention layer's keys and values
+# in ``bfloat16`` (2 key/value heads of 256), against a Gated DeltaNet
+# layer's ``float32`` state (32 value heads, keys and values of 128) and its
+# convolution's last three inputs in ``bfloat16`` (16 key heads).
 
-full = transformers.Qwen3NextConfig()
-kv_per_token = 2 * full.num_key_value_heads * full.head_dim * 2  # k and v, bfloat16
-channels = 2 * full.linear_num_key_heads * full.linear_key_head_dim + \
-    full.linear_num_value_heads * full.linear_value_head_dim  # q, k, v through the convolution
-state_bytes = (full.linear_num_value_heads * full.linear_key_head_dim * full.linear_value_head_dim * 4
-               + (full.linear_conv_kernel_dim - 1) * channels * 2)
+kv_per_token = 2 * 2 * 256 * 2  # k and v, 2 heads of 256, 2 bytes each
+state_bytes = 32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 2  # the state; q, k, v of 3 tokens
 for context in (1024, 32768, 262144):
     print(f"context {context:6d}: attention layer {kv_per_token * context / 2**20:7.1f} MiB, "
           f"recurrent layer {state_bytes / 2**20:5.2f} MiB per request")

@@ -8,13 +8,17 @@ rows (a :class:`~ragged_toolkit.layouts.PaddedLayout` without a mask)."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from .batches import to_padded, token_index
+from .data import document_targets
 from .gpt import GPT, FeedForward
 from .layouts import PackedLayout, PaddedLayout
 from .recurrent import GatedDeltaLayer
 
-__all__ = ["RecurrentBlock", "HybridGPT"]
+__all__ = ["RecurrentBlock", "HybridGPT", "hybrid_loss"]
 
 
 class RecurrentBlock(nn.Module):
@@ -58,3 +62,20 @@ class HybridGPT(GPT):
             if i not in self.attention_layers:
                 self.layers[i] = RecurrentBlock(cfg, mixer(cfg.dim, cfg.n_heads, cfg.head_dim,
                                                            key_heads=cfg.n_kv_heads, chunk=chunk))
+
+
+def hybrid_loss(model, tokens, offsets, *, padded=False, dtype=torch.float32):
+    """The mean next-token loss of a packed batch, tokens (T,) and offsets
+    (B + 1,), each token predicting the next one of its own document: run
+    packed (a :class:`~ragged_toolkit.layouts.PackedLayout`), or with
+    ``padded`` right-padded to (B, S_max) (a ``PaddedLayout``, the padding's
+    targets ignored); under autocast to ``dtype`` unless float32."""
+    targets = document_targets(tokens, offsets)  # (T,), -100 at each document's last token
+    with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        if padded:
+            tokens, targets = to_padded(tokens, offsets)[0], to_padded(targets, offsets, -100)[0]  # (B, S)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            logits = model(tokens, positions, PaddedLayout())  # (B, S, vocab)
+        else:
+            logits = model(tokens, token_index(offsets, len(tokens))[1], PackedLayout.of(offsets, dtype=dtype))
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())

@@ -50,11 +50,11 @@ shown (in ``transformers`` too), and measured.
 from ragged_toolkit.device import page_setup
 
 SIZES = {
-    "cuda": dict(embed=1024, heads=16, head_dim=64, chunk=64, speed_docs=192, max_len=1024, step_tokens=8192,
-                 train_tokens=327680, corpus_documents=2000, lr=1e-3,
+    "cuda": dict(embed=1024, heads=16, head_dim=64, chunk=64, speed_docs=96, max_len=1024, step_tokens=4096,
+                 train_tokens=196608, corpus_documents=2000, lr=1e-3,
                  model=dict(vocab_size=256, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1408,
                             max_seq_len=1024)),
-    "cpu": dict(embed=128, heads=4, head_dim=32, chunk=64, speed_docs=32, max_len=512, step_tokens=2048,
+    "cpu": dict(embed=128, heads=4, head_dim=32, chunk=64, speed_docs=64, max_len=512, step_tokens=2048,
                 train_tokens=32768, corpus_documents=600, lr=3e-3,  # the page: 90 s on 2 cores
                 model=dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                            max_seq_len=512)),
@@ -88,10 +88,10 @@ C, H, D = S.chunk, S.heads, S.head_dim
 #    :pyobject: reference_recurrence
 #
 # In the layers (as in Qwen3-Next and Mamba-2), q, k and v pass through a
-# short causal depthwise convolution (four taps) and SiLU, and ``g =
-# -exp(A_log) softplus(a + dt_bias)``. On a packed row the convolution must
-# not read the previous document: tap ``m`` reads ``m`` tokens back only
-# where the token's position in its document is at least ``m``.
+# short causal depthwise convolution (four taps) and SiLU, and
+# ``g = -exp(A_log) softplus(a + dt_bias)``. On a packed row the convolution
+# must not read the previous document: tap ``m`` reads ``m`` tokens back
+# only where the token's position in its document is at least ``m``.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: causal_conv
@@ -321,7 +321,7 @@ import transformers
 from ragged_toolkit.recurrent_hf import FORWARDS_CU_SEQ_LENS, document_differences, forwards_cu_seq_lens
 
 # sphinx_gallery_start_ignore
-transformers.logging.set_verbosity_error()  # its notes that the reference kernels run (no fla here)
+transformers.logging.set_verbosity_error()  # its notes that its reference kernels run
 # sphinx_gallery_end_ignore
 
 STOCK = RESET = None  # each document's largest logit difference, stock and with the packed layers
@@ -419,11 +419,11 @@ def time_layer(layer):
     layer = copy.deepcopy(layer).to(DTYPE)
     x = torch.randn(int(speed_offsets[-1]), S.embed, device=DEVICE, dtype=DTYPE, requires_grad=True)
     x_padded = to_padded(x.detach(), speed_offsets)[0].requires_grad_()  # (B, S_max, E)
-    chunked, layer_run = compiled(packed_recurrence), compiled(layer)
+    chunked = compiled(packed_recurrence)
     runs = {"token loop": lambda: token_loop(*ins[:4], speed_offsets, ins[4]).sum().backward(),
             "chunked": lambda: chunked(*ins[:4], speed_offsets, ins[4], chunk=C)[0].sum().backward(),
-            "layer packed": lambda: layer_run(x, speed_offsets).sum().backward(),
-            "layer padded": lambda: layer_run(x_padded).sum().backward()}
+            "layer packed": lambda: layer(x, speed_offsets).sum().backward(),
+            "layer padded": lambda: layer(x_padded).sum().backward()}
     if chunk_gated_delta_rule is not None and layer.delta:
         runs["fla chunk_gated_delta_rule"] = lambda: chunk_gated_delta_rule(
             *(t[None] for t in ins[:4]), ins[4][None], scale=1.0, cu_seqlens=speed_offsets)[0].sum().backward()
@@ -441,7 +441,8 @@ for name, times in SPEED.items():
                           int(speed_offsets[-1]) / times["layer padded"].median_ms * 1e3, layer_bound,
                           names=("packed", "padded")))
     FRACTION[f"{name} layer"] = speedup / layer_bound
-    print(f"the chunked form: {times['token loop'].median_ms / times['chunked'].median_ms:.1f}x the token loop")
+    print(f"the chunked form: {times['token loop'].median_ms / times['chunked'].median_ms:.1f}x the token loop "
+          f"(first call{', compiling' if DEVICE == 'cuda' else ''}: {times['chunked'].first_call_s:.1f} s)")
 
 # %%
 # Training a hybrid
@@ -500,7 +501,7 @@ WAYS = {"packed": False, "padded": True}  # name -> hybrid_loss's padded
 
 
 def train_in_turns():
-    """A copy of the hybrid per way, trained in turns: name -> (StepTimer, losses)."""
+    """A copy of the hybrid per way, trained in turns: name -> (``StepTimer``, losses)."""
     models = {way: copy.deepcopy(hybrid) for way in WAYS}
     optimizers = {way: torch.optim.AdamW(models[way].parameters(), lr=S.lr) for way in WAYS}
     out = {way: (StepTimer(), []) for way in WAYS}
@@ -569,7 +570,7 @@ with torch.no_grad():
 # %%
 # Bytes per request and layer at the sizes of Qwen3-Next-80B-A3B
 # (``Qwen3NextConfig``'s defaults): attention's keys and values in
-# ``bfloat16`` (2 heads of 256), against Gated DeltaNet's ``float32`` state
+# ``bfloat16`` (2 heads of 256), against the Gated DeltaNet ``float32`` state
 # (32 heads of 128 by 128) and three convolution inputs in ``bfloat16``.
 
 kv_per_token = 2 * 2 * 256 * 2  # k and v, 2 heads of 256, 2 bytes each
@@ -587,7 +588,7 @@ assert sum(t[0].numel() * t.element_size() for t in (held.state, held.conv)) == 
 # A packed recurrent layer needs two cuts at every document start, the
 # state and the convolution: in the chunked form, masks. With them it
 # computes what each document alone computes, and only the real tokens'
-# work; without them documents read their neighbours, silently, as stock
+# work; without them documents read their neighbors, silently, as stock
 # ``transformers`` does. In decoding the state is the whole cache.
 #
 # References

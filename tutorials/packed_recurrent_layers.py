@@ -41,11 +41,10 @@ shown (in ``transformers`` too), and measured.
 # %%
 # Sizes
 # -----
-# Every size is set here, per device; :term:`quick mode` shrinks them.
-# Recurrent layers of ``heads`` heads of ``head_dim`` (Qwen3-Next: 32 of
-# 128), chunks of ``chunk`` tokens; a hybrid model trained on
-# ``train_tokens`` bytes of the first ``corpus_documents`` docstrings,
-# ``step_tokens`` per step (real runs: 4096 to 65536).
+# Every size is set here, per device; :term:`quick mode` shrinks them:
+# layers of ``heads`` heads of ``head_dim`` (Qwen3-Next: 32 of 128), chunks
+# of ``chunk`` tokens; a hybrid trained on ``train_tokens`` bytes of the first
+# ``corpus_documents`` docstrings, ``step_tokens`` a step (real: 4096 to 65536).
 
 from ragged_toolkit.device import page_setup
 
@@ -151,9 +150,10 @@ shown = ax.imshow(np.ma.masked_equal(picture.numpy(), 0), vmin=0, vmax=1, extent
 for start in (offsets[(offsets > span.start) & (offsets < span.stop)] - span.start).tolist():
     ax.axhline(start - 0.5, color="red", lw=1, ls="--")
 ax.set(xlabel="token j of the chunk (left of 0: the entering state)", ylabel="token i of the chunk",
-       title=f"Decay from token j to token i, chunk 4 of a packed row, C = {C} (blank: cut)")
+       title=f"Chunk 4 of a packed row (C = {C}): decay from j to i; blank: cut")
 fig.colorbar(shown, ax=ax, label=r"$\exp(g_{j+1} + \dots + g_i)$")
 plt.show()
+# sphinx_gallery_thumbnail_number = 1
 
 # %%
 # For the delta rule, a token's write depends on the earlier writes of the
@@ -345,7 +345,7 @@ else:
     try:
         accepted = document_differences(qwen, docs, boundaries=True)
         print("with cu_seq_lens, accepted: " + ", ".join(f"{d:.1e}" for d in accepted))
-    except ValueError as refusal:  # 5.22 and later: only flash-linear-attention's kernels take them
+    except ValueError as refusal:  # 5.23, for one: only flash-linear-attention's kernels take them
         print(f"with cu_seq_lens, transformers {transformers.__version__} refuses: {refusal}")
 
 # %%

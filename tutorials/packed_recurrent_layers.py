@@ -282,8 +282,9 @@ with torch.no_grad():
             LEAK[name, label] = [float((out[a:b] - o).abs().max()) / scale
                                  for o, a, b in zip(alone, offsets[:-1].tolist(), offsets[1:].tolist())]
         assert max(LEAK[name, "with resets"]) < 1e-5 < min(LEAK[name, "without resets"][1:])
-        print(f"{name}: documents 2 to {len(LENGTHS)} differ from themselves alone by up to "
-              f"{max(LEAK[name, 'without resets']):.1e} without resets, {max(LEAK[name, 'with resets']):.1e} with")
+        print(f"{name}, each document's largest difference from itself alone:\n  without resets "
+              + " ".join(f"{d:.0e}" for d in LEAK[name, "without resets"]) + "\n  with resets    "
+              + " ".join(f"{d:.0e}" for d in LEAK[name, "with resets"]))
 
 # %%
 # The state's norm along the row (scalar decay, the proof's inputs): with
@@ -585,11 +586,10 @@ assert sum(t[0].numel() * t.element_size() for t in (held.state, held.conv)) == 
 # %%
 # Conclusion
 # ----------
-# A packed recurrent layer needs two cuts at every document start, the
-# state and the convolution: in the chunked form, masks. With them it
-# computes what each document alone computes, and only the real tokens'
-# work; without them documents read their neighbors, silently, as stock
-# ``transformers`` does. In decoding the state is the whole cache.
+# A packed recurrent layer needs two cuts at every document start, the state
+# and the convolution: in the chunked form, masks. With them it computes what
+# each document alone computes, only the real tokens' work; without them
+# documents read their neighbors, silently, as stock ``transformers`` does.
 #
 # References
 # ----------

@@ -60,12 +60,15 @@ def ragged_batch(
     return values, offsets_from_lengths(lengths, device)
 
 
-def token_index(offsets):
+def token_index(offsets, total=None):
     """The sequence of every packed token and its position in that sequence,
-    both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2]."""
+    both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2].
+    ``total``: T where the caller knows it (the packed tensor's length), so
+    that the size of the result is not read from the device: then
+    ``torch.compile`` traces it without a graph break."""
     lengths = offsets.diff()
     seq = torch.repeat_interleave(
-        torch.arange(len(lengths), device=offsets.device), lengths
+        torch.arange(len(lengths), device=offsets.device), lengths, output_size=total
     )
     return seq, torch.arange(len(seq), device=offsets.device) - offsets[seq]
 

@@ -14,7 +14,8 @@ a log decay::
     both:          o_t = S_t^T q_t,  S (K, V), and S = 0 before a document's first token
 
 * the definition: :func:`recurrent_step` and :func:`reference_recurrence`,
-  token by token, one document at a time;
+  token by token, one document at a time (:func:`documents_reference` for a
+  packed batch; :func:`token_loop` on the packed row);
 * the chunked form: :func:`causal_conv`, :func:`chunk_decay`,
   :func:`delta_values`, :func:`carry_states`, put together by
   :func:`chunked_recurrence`, called by :func:`packed_recurrence` (values
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 from .batches import token_index
 
 __all__ = [
-    "recurrent_step", "reference_recurrence", "causal_conv", "conv_tail", "same_document",
-    "chunk_decay", "delta_values", "carry_states", "chunked_recurrence", "packed_recurrence",
+    "recurrent_step", "reference_recurrence", "documents_reference", "token_loop", "causal_conv", "conv_tail",
+    "same_document", "chunk_decay", "delta_values", "carry_states", "chunked_recurrence", "packed_recurrence",
     "padded_recurrence", "RecurrentCache", "ScalarDecayLayer", "GatedDeltaLayer", "l2norm",
 ]
 
@@ -81,6 +82,29 @@ def reference_recurrence(q, k, v, g, beta=None):
         o, state = recurrent_step(state, q[t], k[t], v[t], g[t], None if beta is None else beta[t])
         out.append(o)
     return (torch.stack(out) if out else v.new_zeros(v.shape)), state
+
+
+def documents_reference(q, k, v, g, offsets, beta=None):
+    """The definition for a packed batch: :func:`reference_recurrence` on
+    each document alone, in float64. q, k: (T, H, K); v: (T, H, V); g, beta:
+    (T, H); offsets: (B + 1,). Returns o (T, H, V) and the final states
+    (B, H, K, V), float64."""
+    runs = [reference_recurrence(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b])
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    return torch.cat([o for o, _ in runs]), torch.stack([state for _, state in runs])
+
+
+def token_loop(q, k, v, g, offsets, beta=None):
+    """The recurrence on a packed row, one token at a time, the state zeroed
+    at each document start: the plain way to pack it, in the inputs' dtype.
+    Shapes as :func:`documents_reference`; returns o (T, H, V)."""
+    starts = (token_index(offsets, len(q))[1] == 0).tolist()
+    state, out = q.new_zeros(q.shape[1], k.shape[2], v.shape[2]), []
+    for t in range(len(q)):
+        state = state * (not starts[t])  # the reset
+        o, state = recurrent_step(state, q[t], k[t], v[t], g[t], None if beta is None else beta[t])
+        out.append(o)
+    return torch.stack(out)
 
 
 # --- the convolution, cut at document starts ---------------------------------------
@@ -221,7 +245,7 @@ def packed_recurrence(q, k, v, g, offsets, beta=None, *, chunk=64):
     offsets: (B + 1,). Returns o (T, H, V) in v's dtype and each document's
     final state (B, H, K, V) in float32 (float64 kept), zeros if empty.
     """
-    doc, pos = token_index(offsets)                           # (T,), (T,)
+    doc, pos = token_index(offsets, q.shape[0])               # (T,), (T,)
     last = (offsets[1:] - 1).clamp(min=0)                     # (B,): each document's last token
     ends = torch.stack([torch.zeros_like(last), last], 1)     # (B, 2): all in row 0
     o, states = chunked_recurrence(q[None], k[None], v[None], g[None], None if beta is None else beta[None],
@@ -321,7 +345,7 @@ class _RecurrentLayer(nn.Module):
 
     def _run(self, x, offsets):
         pos = (torch.arange(x.shape[1], device=x.device).expand(x.shape[:2]) if offsets is None
-               else token_index(offsets)[1])
+               else token_index(offsets, x.shape[0])[1])
         qkv = self.qkv_proj(x)                                     # (..., channels)
         q, k, v, g, beta = self.mixer_inputs(F.silu(causal_conv(qkv, self.conv_weight, pos)), self.ab_proj(x))
         if offsets is None:

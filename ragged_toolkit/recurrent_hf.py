@@ -8,7 +8,11 @@ restart at 0 at every document (what ``DataCollatorWithFlattening`` gives);
 its boundaries reach the linear-attention layers only as the keyword
 arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (B + 1,) int32, which the
 collator adds with ``return_flash_attn_kwargs=True`` and :func:`packed_kwargs`
-makes from offsets. ``transformers`` is imported by the functions that need it.
+makes from offsets. Its decoder layers pass them on to the linear-attention
+layers from ``transformers`` 5.9.0 on (:data:`FORWARDS_CU_SEQ_LENS`); before,
+the swapped layers would see one document per row, so
+:func:`swap_gated_delta_layers` refuses those releases. ``transformers`` is
+imported by the functions that need it.
 """
 
 from __future__ import annotations
@@ -19,8 +23,26 @@ import torch.nn as nn
 from .batches import offsets_from_lengths, token_index
 from .recurrent import GatedDeltaLayer
 
-__all__ = ["gated_delta_from_qwen3_next", "PackedGatedDeltaNet", "swap_gated_delta_layers",
-           "packed_kwargs", "document_differences"]
+__all__ = ["FORWARDS_CU_SEQ_LENS", "forwards_cu_seq_lens", "gated_delta_from_qwen3_next", "PackedGatedDeltaNet",
+           "swap_gated_delta_layers", "packed_kwargs", "document_differences"]
+
+#: The first ``transformers`` release whose Qwen3-Next decoder layers pass the
+#: boundary keywords (``cu_seq_lens_q``) on to ``linear_attn`` (5.8.1 does not).
+FORWARDS_CU_SEQ_LENS = "5.9.0"
+
+
+def _release(version):
+    """'5.23.0' -> (5, 23, 0); a local or pre-release suffix is ignored."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def forwards_cu_seq_lens():
+    """Whether the installed ``transformers`` passes a packed row's
+    boundaries on to Qwen3-Next's linear-attention layers
+    (:data:`FORWARDS_CU_SEQ_LENS` or later): what the swapped layers need."""
+    import transformers
+
+    return _release(transformers.__version__) >= _release(FORWARDS_CU_SEQ_LENS)
 
 
 @torch.no_grad()
@@ -78,7 +100,14 @@ class PackedGatedDeltaNet(nn.Module):
 def swap_gated_delta_layers(model, chunk=64):
     """Replace, in place, every ``linear_attn`` of a Qwen3-Next model (a
     ``Qwen3NextForCausalLM`` or its ``.model``) by a :class:`PackedGatedDeltaNet`
-    with its weights. Returns the model and how many layers were swapped."""
+    with its weights. Returns the model and how many layers were swapped.
+    Raises ``RuntimeError`` on a release older than :data:`FORWARDS_CU_SEQ_LENS`."""
+    import transformers
+
+    if not forwards_cu_seq_lens():
+        raise RuntimeError(f"transformers {transformers.__version__} does not pass a packed row's boundaries "
+                           f"(cu_seq_lens_q) to its linear-attention layers, so the swapped layers could not "
+                           f"keep documents apart: upgrade to transformers {FORWARDS_CU_SEQ_LENS} or later")
     decoder = getattr(model, "model", model)
     swapped = 0
     for block in decoder.layers:
@@ -98,7 +127,7 @@ def packed_kwargs(offsets):
 
 @torch.no_grad()
 def document_differences(model, docs, *, boundaries=False):
-    """Max |logit difference| of each document of a packed row from the same
+    """The largest absolute logit difference of each document of a packed row from the same
     document run alone. docs: token ids (L_i,) each. The row gets
     ``position_ids`` that restart at every document, and with ``boundaries``
     also :func:`packed_kwargs`. ``use_cache=False``: with a cache,

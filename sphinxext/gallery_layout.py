@@ -27,6 +27,7 @@ READING_ORDER = [
     "packed_gpt_training",
     "hf_packed_training",
     "data_parallel_packed_training",
+    "packed_recurrent_layers",
     "ragged_decoding_kv_cache_gqa",
     "serving_continuous_batching",
     "which_attention_path",

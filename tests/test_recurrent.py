@@ -53,10 +53,10 @@ def _late_reset(mp):
     previous document's, for the state and the convolution."""
     index = recurrent.token_index
 
-    def late(offsets):
+    def late(offsets, total=None):
         shifted = offsets.clone()
         shifted[1:-1] = (shifted[1:-1] + 1).clamp(max=int(offsets[-1]))
-        return index(shifted)
+        return index(shifted, total)
     mp.setattr(recurrent, "token_index", late)
 
 
@@ -122,12 +122,7 @@ def recurrence_inputs(rule, lengths, seed=0, dtype=torch.float32):
 
 def per_document_reference(q, k, v, g, beta, offsets):
     """The definition: each document alone, token by token, float64."""
-    outs, states = [], []
-    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        o, s = recurrent.reference_recurrence(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b])
-        outs.append(o)
-        states.append(s)
-    return torch.cat(outs), torch.stack(states)
+    return recurrent.documents_reference(q, k, v, g, offsets, beta)
 
 
 def layer_results(layer, x, offsets, weights, run):
@@ -183,6 +178,14 @@ def test_chunked_form_is_the_definition_in_float64(rule, chunk):
     want_out, want_states = per_document_reference(q, k, v, g, beta, offsets)
     torch.testing.assert_close(out, want_out, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(states, want_states, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("rule", ["scalar", "delta"])
+def test_the_token_loop_on_the_packed_row_is_the_definition(rule):
+    q, k, v, g, beta = (None if t is None else t.double() for t in recurrence_inputs(rule, LENGTHS))
+    offsets = offsets_from_lengths(LENGTHS)
+    out = recurrent.token_loop(q, k, v, g, offsets, beta)
+    torch.testing.assert_close(out, per_document_reference(q, k, v, g, beta, offsets)[0], atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("lengths", batches(), ids=["fixed", "zipf-a", "zipf-b"])
@@ -296,3 +299,54 @@ def test_qwen3_next_keeps_packed_documents_apart_with_the_swapped_layers():
     assert stock[0] < 1e-5, stock  # the first document has nothing before it
     assert min(stock[1:]) > 1e-3, stock  # the others read the documents before them
     assert max(ours) < 1e-5, ours
+
+
+def test_swapping_refuses_a_release_that_keeps_the_boundaries_from_the_layers(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from ragged_toolkit.recurrent_hf import forwards_cu_seq_lens, swap_gated_delta_layers
+
+    monkeypatch.setattr(transformers, "__version__", "5.8.1")
+    assert not forwards_cu_seq_lens()
+    with pytest.raises(RuntimeError, match=r"transformers 5.8.1 does not pass .* upgrade to transformers 5.9.0"):
+        swap_gated_delta_layers(torch.nn.Module())
+    monkeypatch.setattr(transformers, "__version__", "5.9.0")
+    assert forwards_cu_seq_lens()
+
+
+# --- compiled, and in a hybrid model --------------------------------------------------------------
+
+
+def test_the_packed_recurrence_traces_into_one_graph():
+    """``token_index`` is given the token count, so nothing is read back from
+    the device: ``fullgraph=True`` traces it (the eager backend: no kernels
+    generated, only the graph checked)."""
+    q, k, v, g, beta = recurrence_inputs("delta", LENGTHS)
+    offsets = offsets_from_lengths(LENGTHS)
+    run = torch.compile(recurrent.packed_recurrence, fullgraph=True, backend="eager", dynamic=False)
+    for got, want in zip(run(q, k, v, g, offsets, beta, chunk=CHUNK),
+                         recurrent.packed_recurrence(q, k, v, g, offsets, beta, chunk=CHUNK)):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_hybrid_model_gives_the_same_logits_packed_and_padded():
+    from ragged_toolkit.gpt import GPTConfig
+    from ragged_toolkit.hybrid import HybridGPT, hybrid_loss
+    from ragged_toolkit.layouts import PackedLayout, PaddedLayout
+    from ragged_toolkit.batches import token_index
+
+    lengths = [n for n in LENGTHS if n]  # the attention plan takes no empty document here
+    cfg = GPTConfig(vocab_size=50, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64)
+    torch.manual_seed(0)
+    model = HybridGPT(cfg, chunk=CHUNK)
+    assert model.attention_layers == [3]
+    assert [type(b).__name__ for b in model.layers] == ["RecurrentBlock"] * 3 + ["Block"]
+    offsets = offsets_from_lengths(lengths)
+    tokens = torch.randint(0, 50, (sum(lengths),))
+    ids, valid = to_padded(tokens, offsets)
+    with torch.no_grad():
+        packed = model(tokens, token_index(offsets)[1], PackedLayout.of(offsets))
+        padded = model(ids, torch.arange(ids.shape[1]).expand_as(ids), PaddedLayout())
+        close(padded[valid], packed, torch.float32)
+        close(hybrid_loss(model, tokens, offsets, padded=True), hybrid_loss(model, tokens, offsets), torch.float32)
+        with pytest.raises(ValueError, match="right-padded rows"):
+            model(ids, torch.arange(ids.shape[1]).expand_as(ids), PaddedLayout(mask=valid[:, None, None, :]))

@@ -106,6 +106,13 @@ class PagedKVCache:
         """Give request ``rid``'s blocks back to the free list."""
         self.free.extend(reversed(self.tables.pop(rid, [])))
 
+    def take_prefix(self, rid, tokens):
+        """Admission: start request ``rid``'s table with the longest prefix of
+        ``tokens`` whose keys the cache already holds; returns how many tokens
+        that covers. This cache keeps none: 0 (a prefix cache keeps them,
+        :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache`)."""
+        return 0
+
     def slots(self, rid, positions):
         """The rows the keys of request ``rid`` at ``positions`` go to (a list)."""
         table, size = self.tables[rid], self.block_size

@@ -21,7 +21,9 @@ def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
     their next prompt chunk); when no block is free, the most recently
     admitted is preempted to the front of ``waiting``. Then, if none was,
     requests that have arrived by ``now`` join while slots, free blocks and
-    the step's token budget allow, a long prompt cut into chunks."""
+    the step's token budget allow, a long prompt cut into chunks; a
+    newcomer first takes the longest prefix the cache holds
+    (``cache.take_prefix``, nothing for a plain paged cache)."""
     work, budget, i, preempted = [], token_budget, 0, False
     while i < len(running) and budget > 0:
         req = running[i]
@@ -39,8 +41,12 @@ def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
     while not preempted and waiting and waiting[0].arrival <= now and len(running) < max_running \
             and budget > 0:
         req = waiting[0]
+        if req.computed == 0:  # the keys of a cached prefix are not computed again
+            req.computed = cache.take_prefix(req.rid, req.prompt + req.generated)
         n = min(req.pending(), budget)
         if not cache.reserve(req.rid, req.computed + n):
+            cache.release(req.rid)  # and the prefix it took
+            req.computed = 0
             if not running:
                 raise RuntimeError(f"request {req.rid} alone needs more than the cache's blocks")
             break

@@ -1,0 +1,585 @@
+"""
+Serving shared prompts: prefix caching and shared-prefix attention
+==================================================================
+
+Real traffic repeats itself: a system prompt in front of every request, a
+conversation whose every turn resends the turns before it. Cache the keys
+of every full block of a prompt in the paged KV cache, so that a request
+that begins as an earlier one did prefills only the rest; prove every
+request unchanged; measure it against the same server without the cache;
+and let the requests of a decoding step that share a prefix read it once.
+
+**Author:** the ragged-transformers tutorial contributors
+
+.. grid:: 1 1 2 2
+
+    .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
+       :class-card: card-prerequisites
+
+       * How a prefix cache keys each full block by its parent's key and its
+         own tokens, counts the requests that read it, keeps it when they
+         leave and evicts the least recently used when memory runs short
+       * Why a shared block is never written, and how admission takes a
+         newcomer's longest cached prefix
+       * What skipping cached prompt tokens buys on this device, against
+         what it could buy, with the spread of repeated runs
+       * How shared-prefix (cascade) attention merges a prefix read once
+         with each request's own keys by log-sum-exp, and where it pays
+
+    .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
+       :class-card: card-prerequisites
+
+       * :doc:`serving_continuous_batching` (the paged cache, block tables,
+         continuous batching, the proof against decoding alone), from the
+         site's package ``ragged_toolkit`` (:doc:`reference </toolkit>`)
+       * PyTorch 2.11 or later; a CPU is enough
+"""
+
+# sphinx_gallery_tags = ["serving", "prefix caching", "paged attention", "cascade attention", "benchmarks"]
+
+# %%
+# Prompts that begin alike
+# ------------------------
+# A server's requests often begin with the same tokens: the same system
+# prompt, the same few-shot examples, or the turns of a conversation sent
+# again with each new message. Their keys and values are the same too, in
+# every layer, as long as everything before them is the same: attention is
+# causal, so the keys of a token depend on the tokens before it and on
+# nothing after. Servers turn this into their largest saving. vLLM's
+# automatic prefix caching keys each full block of the paged cache by its
+# parent's key and its own tokens; SGLang keeps a radix tree of cached
+# prefixes; nano-vllm chains hashes with reference counts in about 120
+# lines; ``transformers``' continuous batching shares content-hashed blocks
+# for full-attention models.
+#
+# Sizes
+# ~~~~~
+# The model, cache and scheduler are those of
+# :doc:`serving_continuous_batching`, with a token budget per step as vLLM's
+# default (2,048; it chunks longer prompts). The prompts are longer and the
+# answers shorter than there, as with a long system prompt and a short
+# question: real system prompts run from hundreds to thousands of tokens.
+
+from ragged_toolkit.device import page_setup
+
+SIZES = {
+    "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
+                            ffn_hidden=2816, max_seq_len=4096),
+                 requests=256, systems=4, system_len=1024, user_max=128, out_median=32, out_max=128,
+                 slots=32, token_budget=2048, block=16, conversations=32, turns=4, message_max=128,
+                 pressure_blocks=640, shared_cases=[(4, 1024, 1024), (4, 1024, 128), (16, 1024, 1024),
+                                                    (16, 1024, 128), (64, 2048, 256)]),
+    "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                           ffn_hidden=352, max_seq_len=512),  # real models: billions of weights
+                requests=64, systems=4, system_len=256, user_max=48, out_median=8, out_max=32,
+                slots=16, token_budget=2048, block=16, conversations=16, turns=4, message_max=48,
+                pressure_blocks=40, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
+                                                  (16, 256, 32), (32, 256, 32)]),
+    "quick": dict(model=dict(dim=64, ffn_hidden=176), requests=24, conversations=8, turns=3,
+                  pressure_blocks=24, shared_cases=[(4, 128, 128), (16, 128, 16)]),
+}
+setup = page_setup(SIZES)  # device, dtype, quick mode, one thread, seed; prints them
+DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
+LOAD = 0.8  # online arrivals: this fraction of the rate the server without the cache served
+print(f"{S.requests} requests, {S.slots} slots, {S.token_budget} tokens per step, "
+      f"blocks of {S.block} rows")
+
+# %%
+# The model is the untrained GPT of :doc:`serving_continuous_batching`, in the
+# page's dtype, with a float32 copy of its weights for the proof.
+
+import torch
+from ragged_toolkit.gpt import GPT, GPTConfig
+
+cfg = GPTConfig(**S.model)
+model = GPT(cfg).to(DEVICE).eval().to(DTYPE)
+reference = GPT(cfg).to(DEVICE).eval()
+reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+
+# %%
+# Two workloads that share
+# ------------------------
+# The prompts come from the site's corpus, the docstrings of Python's
+# standard library (a token per byte). **System prompts**: ``systems``
+# openings of long documents, each in front of many user messages (the
+# openings of other documents). **Conversations**: turn ``n``'s prompt is
+# turn ``n - 1``'s prompt, its answer and a new message. The answer is what
+# greedy decoding of that turn alone gives, so that the conversation is the
+# one a client would send back; the proof below shows that the server
+# generates exactly it. Both stream all requests at time 0 (offline) or at
+# a stated rate (online).
+#
+# ``reusable_tokens`` counts the prompt tokens, in full blocks, that an
+# earlier request's blocks hold: what a cache that never evicts could find.
+
+import numpy as np
+from ragged_toolkit.data import docstring_corpus
+from ragged_toolkit.serving.shared_prompts import (conversation_stream, greedy_answers,
+                                                   reusable_tokens, system_prompt_stream)
+
+docs, source = docstring_corpus(min_chars=2)
+rng = np.random.default_rng(setup.seed)
+systems = system_prompt_stream(docs, S.requests, rng, systems=S.systems, system_len=S.system_len,
+                               user_max=S.user_max, out_median=S.out_median, out_max=S.out_max)
+chats = conversation_stream(docs, rng, conversations=S.conversations, turns=S.turns,
+                            message_max=S.message_max, out_median=2 * S.out_median,
+                            out_max=S.out_max, answer=lambda p, n: greedy_answers(model, p, n, DTYPE))
+for name, stream in (("system prompts", systems), ("conversations", chats)):
+    lengths = np.array([len(r.prompt) for r in stream])
+    print(f"{name}: {len(stream)} requests from {source}, prompts {lengths.min()} to "
+          f"{lengths.max()} tokens ({lengths.sum()} in all), outputs {sum(r.n_out for r in stream)} "
+          f"tokens")
+
+# %%
+# The prefix cache
+# ----------------
+# A full block is known by its *key*: its parent block's key and its own
+# tokens. The parent's key holds the grandparent's, and so on, so equal
+# keys mean equal tokens from position 0 to the end of the block, hence
+# equal keys and values in every layer. Leave the parent out, and the same
+# tokens at another place would read keys computed for another context
+# and another position (the tests plant that fault).
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
+#    :pyobject: block_key
+#
+# ``PrefixCache`` is the paged cache of :doc:`serving_continuous_batching`
+# with three more things per block: its key once it is full and computed,
+# ``refs``, the requests whose table holds it, and whether it is *idle*:
+# cached, read by none, waiting to be reused or evicted. Admission takes a
+# newcomer's longest cached prefix of full blocks, leaving at least its last
+# token to compute (its logits choose the first new token):
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
+#    :pyobject: PrefixCache.take_prefix
+#
+# A request's new blocks come from the free list; when it runs short, idle
+# blocks are evicted, least recently used first. A block that a request
+# holds is never idle, so eviction never takes what a running request reads;
+# preemption only releases the preempted request's hold:
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
+#    :pyobject: PrefixCache.reserve
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
+#    :pyobject: PrefixCache.release
+#
+# After each step, the blocks that the step filled get their keys, so a
+# request admitted at the next step finds them (a block whose key another
+# block already has stays private):
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
+#    :pyobject: PrefixCache.note_computed
+#
+# A last, partial block is never shared. Its free rows are where its request
+# writes its next tokens; sharing it would need a copy on the first write
+# (copy-on-write, as vLLM once did for beam search). Keying only full,
+# computed blocks makes every shared block read-only by construction, at the
+# cost of recomputing fewer than ``block`` tokens per request; the cache
+# refuses any write into a cached or shared block (``slots``). Two requests,
+# a cache of six blocks of four rows:
+
+from ragged_toolkit.serving.prefix_cache import PrefixCache
+from ragged_toolkit.serving.requests import Request
+
+tiny = GPTConfig(vocab_size=64, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16,
+                 max_seq_len=32)
+demo = PrefixCache(tiny, n_blocks=6, block_size=4, device="cpu", dtype=torch.float32)
+first, second = Request(0, [5, 1, 2, 3, 4, 6, 7, 8, 9, 10], 1), Request(1, [5, 1, 2, 3, 4, 6, 7, 8, 42], 1)
+for req in (first, second):
+    req.computed = demo.take_prefix(req.rid, req.prompt)  # the second finds two blocks
+    assert demo.reserve(req.rid, len(req.prompt))
+    print(f"request {req.rid}: {req.computed} of {len(req.prompt)} tokens cached, table "
+          f"{demo.tables[req.rid]}")
+    req.computed = len(req.prompt)  # what its prefill computes
+    demo.note_computed(req)
+print(f"readers of blocks 0-3: {demo.refs[:4]}; keyed: {sorted(demo.key_of)}")
+demo.release(0)
+demo.release(1)
+print(f"both left: idle (cached) {list(demo.idle)}, free {sorted(demo.free)}")
+assert demo.reserve(2, 20) and demo.evictions == 1  # five blocks: one idle block evicted
+demo.check()  # every block free, idle or held, its readers counted right
+print(f"a request of 20 tokens took {demo.tables[2]}, evicting {demo.evictions} idle block; "
+      f"still cached: {list(demo.idle)}")
+
+# %%
+# Admission takes the cached prefix
+# ---------------------------------
+# The continuous-batching scheduler of :doc:`serving_continuous_batching`
+# asks the cache for a newcomer's cached prefix before it reserves the
+# rest (``take_prefix``; a plain paged cache has none), so the prompt chunk
+# it schedules starts after the cached tokens. The server's step end keys
+# the blocks the step filled, then lets finished requests leave:
+#
+# .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
+#    :pyobject: plan_continuous
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
+#    :pyobject: retire_caching
+
+import functools
+
+from ragged_toolkit.kv_cache import PagedKVCache
+from ragged_toolkit.serving.prefix_cache import retire_caching
+from ragged_toolkit.serving.requests import fresh_requests
+from ragged_toolkit.serving.schedulers import plan_continuous, retire_finished
+from ragged_toolkit.serving.server import serve
+
+continuous = functools.partial(plan_continuous, max_running=S.slots, token_budget=S.token_budget)
+longest = max(len(r.prompt) + r.n_out for r in systems + chats)
+ample = S.slots * -(-longest // S.block) * 2  # room for every running request, and a cache beside it
+
+
+def starter(requests, cached, n_blocks=ample, caches=None, **kw):
+    """What starts a run of ``serve`` on fresh requests, with a prefix cache
+    (kept in ``caches``) or a plain paged cache of ``n_blocks`` blocks."""
+    def start():
+        cache = (PrefixCache if cached else PagedKVCache)(cfg, n_blocks, S.block, DEVICE, DTYPE)
+        if caches is not None:
+            caches.append(cache)
+        return serve(model, fresh_requests(requests), cache, continuous,
+                     retire_caching if cached else retire_finished, **kw)
+    return start
+
+
+# %%
+# With and without the cache, all requests waiting
+# ------------------------------------------------
+# The same server with and without the cache serves the same system-prompt
+# requests, offline, the two taking turns step by step (``take_turns``), and
+# again until each has run ``MIN_RUNS`` times, so that each figure is the
+# median of its runs and a speedup is claimed only where the two spreads do
+# not overlap (the site's noise rule). The *work bound* is what skipping
+# the cached prompt tokens could buy at this device's costs: the run
+# without the cache's busy time over that time less what its skipped prompt
+# tokens cost in it, a prompt token's cost read from that run's own steps:
+#
+# .. literalinclude:: ../ragged_toolkit/serving/runs.py
+#    :pyobject: prompt_token_seconds
+
+from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
+from ragged_toolkit.serving.metrics import latency_ms
+from ragged_toolkit.serving.runs import (busy_seconds, prompt_token_seconds, repeat_turns,
+                                         skipping_bound, spread)
+
+
+def tokens_per_s(run):
+    return sum(r.n_out for r in run.requests) / busy_seconds(run)
+
+
+def compare(requests, caches, **kw):
+    """Runs with and without the cache, taking turns, and what they measured."""
+    runs = dict(zip(("with", "without"), repeat_turns(starter(requests, True, caches=caches, **kw),
+                                                       starter(requests, False, **kw))))
+    prefill = {k: sum(s.prefill for s in v[0].steps) for k, v in runs.items()}
+    return dict(runs=runs, prefill=prefill, busy=spread_of(runs, busy_seconds),
+                speed=spread_of(runs, tokens_per_s),
+                ttft=spread_of(runs, lambda run: latency_ms(run.requests)["ttft"][0]),
+                bound=np.median([skipping_bound(run, prefill["without"] - prefill["with"])
+                                 for run in runs["without"]]),
+                hit=caches[0].hit_tokens / caches[0].asked_tokens)
+
+
+def spread_of(runs, figure):
+    return {k: spread(v, figure) for k, v in runs.items()}
+
+
+offline_caches = []
+offline = compare(systems, offline_caches)
+speed, ttft, busy = offline["speed"], offline["ttft"], offline["busy"]
+R, P = speed["with"].median_ms, speed["without"].median_ms
+K, N = offline["prefill"]["with"], offline["prefill"]["without"]
+W = offline["bound"]
+print(f"prefix cache: hit rate {offline['hit']:.0%}, prefill tokens {K} of {N} computed, "
+      f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
+      f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
+      f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}")
+runs_of = {k: len(v) for k, v in offline["runs"].items()}
+verdict = "outside" if outside_noise(busy["with"], busy["without"]) else "within (no speedup claimed)"
+print(f"runs: {runs_of['with']} with the cache, {runs_of['without']} without; busy seconds "
+      + ", ".join(f"{k} {t.median_ms:.2f} (IQR {t.q1_ms:.2f}-{t.q3_ms:.2f})" for k, t in busy.items())
+      + f": the speedup is {verdict} the noise")
+
+# %%
+# The work bound and the token count
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Counting tokens alone, the cache computes ``K`` prompt tokens and the
+# same decode tokens instead of ``N`` and them. That ratio would mislead on
+# a device where a step costs much more than the prompt tokens it carries,
+# as here; the work bound weighs each token by what it costs in the run
+# without the cache:
+
+decode_tokens = sum(r.n_out for r in systems)
+without = offline["runs"]["without"][0]
+step_ms = np.median([s.seconds for s in without.steps if s.prefill == 0]) * 1e3
+prompt_ms = prompt_token_seconds(without.steps) * 1e3
+ratio = (N + decode_tokens) / (K + decode_tokens)
+print(f"token-count ratio {ratio:.2f}x against work bound {W:.2f}x: a decode-only step costs "
+      f"{step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms "
+      f"({step_ms / prompt_ms:.0f} prompt tokens cost one step)")
+print(f"the token count {'overstates' if ratio > W else 'understates'} what the cache can buy "
+      f"here: {'decode steps, which the cache does not shorten, cost more than their tokens' if ratio > W else 'prompt tokens cost more than their share of tokens'}")
+
+# %%
+# Arriving over time
+# ------------------
+# Online, the same requests arrive one by one, Poisson-distributed, at
+# ``LOAD`` times the rate the server without the cache served them offline.
+# Time to first token is what a user waits: queuing and prefill. Each
+# request's share of its prompt found in the cache, and its time to first
+# token, over the trace:
+
+import matplotlib.pyplot as plt
+from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_toolkit.serving.requests import poisson_arrivals
+
+rate = LOAD * S.requests / busy["without"].median_ms  # requests/s
+arriving = fresh_requests(systems, poisson_arrivals(np.random.default_rng(setup.seed + 1),
+                                                     S.requests, rate))
+online_caches = []
+online = compare(arriving, online_caches)
+late = {k: t.median_ms for k, t in online["ttft"].items()}
+print(f"online, {rate:.1f} requests/s: time to first token p50 {late['with']:.0f} ms with the cache, "
+      f"{late['without']:.0f} ms without (median of {len(online['runs']['with'])} and "
+      f"{len(online['runs']['without'])} runs); hit rate {online['hit']:.0%}")
+
+plt.rcParams.update(FIGURE_STYLE)
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
+arrival = np.array([r.arrival for r in arriving])
+found = online_caches[0].first_hit
+share = np.array([found.get(r.rid, 0) / len(r.prompt) for r in arriving])
+ax1.scatter(arrival, share, s=12, color="C0", label="each request")
+ax1.plot(arrival, np.cumsum(share * [len(r.prompt) for r in arriving])
+         / np.cumsum([len(r.prompt) for r in arriving]), color="C1", label="hit rate so far")
+ax1.set(ylabel="prompt found cached", ylim=(-0.05, 1.05),
+        title=f"System prompts arriving at {rate:.1f} requests/s (without the cache: no hit)")
+ax1.legend(loc="lower right")
+for i, (name, color) in enumerate((("with", "C0"), ("without", "C3"))):
+    served = {r.rid: r for r in online["runs"][name][0].requests}
+    ax2.scatter(arrival, [(served[r.rid].first_token_s - r.arrival) * 1e3 for r in arriving], s=12,
+                color=color, label=f"{name} the cache")
+ax2.set(xlabel="arrival (s, simulated clock)", ylabel="time to first token (ms)", yscale="log")
+ax2.legend(loc="upper left")
+plt.show()
+
+# %%
+# Conversations
+# -------------
+# In a conversation the shared prefix grows: every turn resends the last
+# turn's prompt and its answer, whose blocks the last turn left cached (a
+# block filled while decoding gets its key too). All turns wait at once,
+# every first turn before every second:
+
+chat_caches = []
+chat = compare(chats, chat_caches)
+can = reusable_tokens(chat["runs"]["with"][0].requests, S.block)
+R2, P2 = chat["speed"]["with"].median_ms, chat["speed"]["without"].median_ms
+print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts: "
+      f"{can / sum(len(r.prompt) for r in chats):.0%}), prefill tokens {chat['prefill']['with']} of "
+      f"{chat['prefill']['without']} computed, throughput {R2:.0f} tokens/s (without: {P2:.0f} "
+      f"tokens/s), speedup {R2 / P2:.2f}x, work bound {chat['bound']:.2f}x")
+same = not outside_noise(chat["busy"]["with"], chat["busy"]["without"])
+print("conversations: the speedup is " + ("within the noise: none claimed" if same else
+                                          "outside the noise"))
+
+# %%
+# Which requests share which blocks
+# ---------------------------------
+# The cached blocks form a tree: a block's parent is the block before it in
+# the prefixes that hold it. At the step of the offline run with the most
+# blocks held, each system prompt is a trunk that every request behind it
+# reads, branching into the user messages; gray blocks are cached but idle.
+
+from ragged_toolkit.serving.prefix_cache import cached_tree
+
+snapshot = {}
+
+
+def keep_tree(step, running, cache):
+    held = sum(r > 0 for r in cache.refs)
+    if held > snapshot.get("held", -1):
+        snapshot.update(held=held, step=step, nodes=cached_tree(cache), running=len(running))
+
+
+[tree_run] = repeat_turns(starter(systems, True, observe=keep_tree, check=True), runs=1)
+nodes = {n.block: n for n in snapshot["nodes"]}
+children = {b: [c.block for c in nodes.values() if c.parent == b] for b in nodes}
+place, leaves = {}, 0
+for root in [n.block for n in snapshot["nodes"] if n.parent not in nodes]:
+    stack = [root]
+    while stack:  # depth first: a leaf takes the next row, a parent the mean of its children's
+        b = stack.pop()
+        if not children[b]:
+            place[b], leaves = leaves, leaves + 1
+        stack += children[b][::-1]
+for n in sorted(nodes.values(), key=lambda n: -n.depth):
+    if n.block not in place:
+        place[n.block] = np.mean([place[c] for c in children[n.block]])
+fig, ax = plt.subplots(figsize=(8, 6), layout="constrained")
+for n in nodes.values():
+    if n.parent in nodes:
+        ax.plot([nodes[n.parent].depth, n.depth], [place[n.parent], place[n.block]], color="0.6", lw=0.8)
+colors = ["0.75" if n.readers == 0 else "C0" if n.readers == 1 else "C3" for n in nodes.values()]
+ax.scatter([n.depth for n in nodes.values()], [place[n.block] for n in nodes.values()],
+           s=[12 + 6 * n.readers for n in nodes.values()], c=colors, zorder=3)
+for n in nodes.values():
+    if n.readers > 1 and (n.parent not in nodes or nodes[n.parent].readers != n.readers):
+        ax.annotate(f"{n.readers} read", (n.depth, place[n.block]), xytext=(3, 4),
+                    textcoords="offset points", fontsize=10)
+ax.set(xlabel="block of the prefix", yticks=[],
+       title=f"Cached blocks at step {snapshot['step']}, {snapshot['running']} requests running: "
+             f"shared (red),\nread by one (blue), idle (gray); {len(nodes)} blocks of {S.block} rows")
+plt.show()
+
+# sphinx_gallery_thumbnail_number = 2
+
+# %%
+# Under pressure: eviction and preemption
+# ---------------------------------------
+# The conversations again, arriving online, in a cache of
+# ``pressure_blocks`` blocks: too small to keep every prefix, so idle blocks
+# are evicted, and too small for every running request, so the scheduler
+# preempts. A preempted request's own full blocks stay cached, idle, so it
+# recomputes only what was evicted meanwhile. ``check`` verifies after each
+# step that every block is free, idle or held, its readers counted right.
+
+pressure_caches = []
+chat_rate = LOAD * len(chats) / chat["busy"]["without"].median_ms
+chat_arrivals = poisson_arrivals(np.random.default_rng(setup.seed + 2), len(chats), chat_rate)
+[pressed] = repeat_turns(starter(fresh_requests(chats, chat_arrivals), True, S.pressure_blocks,
+                                 pressure_caches, check=True), runs=1)
+preempted = sum(r.preempted for r in pressed[0].requests)
+evicted = pressure_caches[0].evictions
+assert preempted > 0 and evicted > 0, "the cache was never short: nothing tested eviction"
+print(f"{S.pressure_blocks} blocks: {evicted} evictions, {preempted} preemptions, hit rate "
+      f"{pressure_caches[0].hit_tokens / pressure_caches[0].asked_tokens:.0%}")
+
+# %%
+# Proof: every request equals decoding it alone
+# ---------------------------------------------
+# Every request of every run above is checked as on
+# :doc:`serving_continuous_batching`: its logits against those of decoding it
+# alone in float32 without a cache, each of its tokens the reference's
+# greedy choice (or a tie within the tolerance). A request that generated
+# the same tokens for the same prompt as one already proved is checked
+# against that one's logits.
+#
+# .. literalinclude:: ../ragged_toolkit/serving/runs.py
+#    :pyobject: prove_every_run
+
+from ragged_toolkit.device import tolerances
+from ragged_toolkit.serving.runs import prove_every_run
+
+PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
+every = [run for result in (offline, online, chat) for runs in result["runs"].values()
+         for run in runs] + pressed
+worst, ties, checked = prove_every_run(reference, every, PROOF_TOLERANCE)
+criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
+print(f"{len(every)} runs, {checked} requests, each equal to decoding it alone ({DTYPE}, "
+      f"{criterion}): largest difference {worst:.1e}, {ties} ties within atol")
+
+# %%
+# The tests (``tests/test_prefix_cache.py``) plant three faults and check
+# that each is caught: a key that leaves out its parent (the same tokens at
+# another position reuse a block computed for another context), a block
+# evicted while a request still reads it, and a request that writes into a
+# shared block.
+#
+# Shared-prefix attention
+# -----------------------
+# The cache stores a shared prefix once, but a decoding step still reads it
+# once per request: the gathered path of :doc:`serving_continuous_batching`
+# copies each request's whole rows, prefix included, and attends request
+# by request. *Shared-prefix* (cascade) attention reads the prefix once: all
+# queries of the requests that share it meet its keys in one call, each
+# request meets its own suffix, and the two parts are merged exactly. A
+# softmax over two parts is each part's softmax weighted by its share of the
+# whole denominator, known from each part's log-sum-exp:
+#
+# .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
+#    :pyobject: attention_lse
+#
+# .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
+#    :pyobject: merge_by_lse
+#
+# .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
+#    :pyobject: shared_prefix_attention
+#
+# For each case below, ``Q`` requests whose tables share ``L`` cached
+# tokens, each with ``S`` tokens of its own, decode one token. Shared-prefix
+# attention must give the gathered path's output (the tests check both
+# against a float64 reference), then both are timed. The work bound counts
+# the rows of keys and values each reads: the scores computed are the same,
+# but the gathered path reads the prefix ``Q`` times.
+
+from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.serving.engine import build_step
+from ragged_toolkit.serving.paged_attention import gathered_attention
+from ragged_toolkit.serving.shared_prefix_attention import (plan_shared_prefix, rows_read,
+                                                            shared_prefix_attention)
+
+attention_tolerance = tolerances(DTYPE)
+cascade = {}
+for n_req, prefix, suffix in S.shared_cases:
+    shared = PrefixCache(cfg, n_req * -(-(prefix + suffix) // S.block) + 1, S.block, DEVICE, DTYPE)
+    shared.k.normal_(), shared.v.normal_()  # keys and values as a model would have written them
+    step = []
+    for i in range(n_req):  # the prefix's tokens, then each request's own
+        req = Request(i, list(range(prefix)) + [i] * suffix, 1)
+        req.computed = shared.take_prefix(i, req.prompt)
+        assert shared.reserve(i, len(req.prompt))
+        req.computed = len(req.prompt) - 1
+        shared.note_computed(req)
+        step.append((req, 1))  # its last token, as a decoding step feeds it
+    _, _, layout = build_step(shared, step, DEVICE)
+    plan = plan_shared_prefix(shared, list(range(n_req)), layout.kv_lengths.tolist(), DEVICE)
+    q = torch.randn(n_req, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+    torch.testing.assert_close(shared_prefix_attention(q, shared, 0, plan),
+                               gathered_attention(q, layout, 0), **attention_tolerance)
+    timed = measure({"gathered": functools.partial(gathered_attention, q, layout, 0),
+                     "shared": functools.partial(shared_prefix_attention, q, shared, 0, plan)},
+                    min_run_time=0.2, profile=False)
+    reads = [rows_read(len(plan.prefix_rows), plan.suffix_used.sum(1), s) for s in (False, True)]
+    cascade[n_req, prefix, suffix] = dict(timed=timed, bound=reads[0] / reads[1])
+    gain = timed["gathered"].median_ms / timed["shared"].median_ms
+    print(f"shared-prefix attention: {n_req} requests over a prefix of {prefix} tokens, suffixes "
+          f"of {suffix} tokens: {gain:.2f}x the gathered path, work bound {reads[0] / reads[1]:.2f}x, "
+          f"fraction {gain / (reads[0] / reads[1]):.2f}"
+          + ("" if outside_noise(timed["gathered"], timed["shared"]) else " (within noise)"))
+
+# %%
+# Where it does not pay: a step of few requests, or suffixes as long as the
+# prefix, leaves little to read only once, and the second call and the
+# merge cost more than the rows they save.
+
+gains = {case: c["timed"]["gathered"].median_ms / c["timed"]["shared"].median_ms
+         for case, c in cascade.items()}
+losing = [case for case, g in gains.items()
+          if g < 1 or not outside_noise(cascade[case]["timed"]["gathered"], cascade[case]["timed"]["shared"])]
+print("it does not pay here for " + ("; ".join(f"{q} requests, prefix {l}, suffix {s} "
+                                                f"({gains[q, l, s]:.2f}x)" for q, l, s in losing)
+                                     if losing else "none of these cases"))
+
+# %%
+# Conclusion
+# ----------
+# A prefix cache is bookkeeping on top of the paged cache: a key per full
+# block that names everything before it, a count of readers, and an idle
+# list that remembers blocks until their memory is needed. The lines above
+# say, for this device and these sizes, how many prompt tokens it skipped,
+# what that bought against what it could buy, and how the time to first
+# token moved; the proof says that no request changed. Shared-prefix
+# attention takes the sharing one step further, into each decoding step's
+# reads.
+#
+# References
+# ----------
+# * vLLM, automatic prefix caching:
+#   https://docs.vllm.ai/en/latest/design/prefix_caching.html
+# * Zheng et al., "SGLang: Efficient Execution of Structured Language Model
+#   Programs" (RadixAttention), 2024: https://arxiv.org/abs/2312.07104
+# * ``nano-vllm``'s block manager: https://github.com/GeeeekExplorer/nano-vllm
+# * FlashInfer, cascade attention:
+#   https://flashinfer.ai/2024/02/02/cascade-inference.html
+# * attention-gym, shared-prefix split attention:
+#   https://github.com/meta-pytorch/attention-gym

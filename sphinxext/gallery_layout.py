@@ -30,6 +30,7 @@ READING_ORDER = [
     "packed_recurrent_layers",
     "ragged_decoding_kv_cache_gqa",
     "serving_continuous_batching",
+    "serving_shared_prompts",
     "which_attention_path",
 ]
 

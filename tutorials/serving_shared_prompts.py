@@ -71,12 +71,12 @@ SIZES = {
                                                     (16, 1024, 128), (64, 2048, 256)]),
     "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=352, max_seq_len=512),  # real models: billions of weights
-                requests=64, systems=4, system_len=256, user_max=48, out_median=8, out_max=32,
+                requests=64, systems=4, system_len=384, user_max=48, out_median=8, out_max=32,
                 slots=16, token_budget=2048, block=16, conversations=16, turns=4, message_max=48,
-                pressure_blocks=40, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
+                pressure_blocks=128, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
                                                   (16, 256, 32), (32, 256, 32)]),
     "quick": dict(model=dict(dim=64, ffn_hidden=176), requests=24, conversations=8, turns=3,
-                  pressure_blocks=24, shared_cases=[(4, 128, 128), (16, 128, 16)]),
+                  pressure_blocks=64, shared_cases=[(4, 128, 128), (16, 128, 16)]),
 }
 setup = page_setup(SIZES)  # device, dtype, quick mode, one thread, seed; prints them
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
@@ -247,87 +247,89 @@ def starter(requests, cached, n_blocks=ample, caches=None, **kw):
 # ------------------------------------------------
 # The same server with and without the cache serves the same system-prompt
 # requests, offline, the two taking turns step by step (``take_turns``), and
-# again until each has run ``MIN_RUNS`` times, so that each figure is the
-# median of its runs and a speedup is claimed only where the two spreads do
-# not overlap (the site's noise rule). The *work bound* is what skipping
-# the cached prompt tokens could buy at this device's costs: the run
-# without the cache's busy time over that time less what its skipped prompt
-# tokens cost in it, a prompt token's cost read from that run's own steps:
+# again until each has run ``MIN_RUNS`` times: each figure is the median of
+# its runs, and a speedup is claimed only where the interquartile ranges of
+# the two servers' busy times do not overlap (the site's noise rule). The
+# *work bound* is what skipping the cached prompt tokens could buy at this
+# device's costs: the busy time of the run without the cache over that time
+# less what its skipped prompt tokens cost in it, a prompt token's cost
+# read from that run's own steps (the :term:`fraction of the bound` is
+# the speedup over it):
 #
 # .. literalinclude:: ../ragged_toolkit/serving/runs.py
 #    :pyobject: prompt_token_seconds
 
-from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
+from ragged_toolkit.measuring.noise import outside_noise
 from ragged_toolkit.serving.metrics import latency_ms
+from ragged_toolkit.serving.prefix_tree import cached_tree
 from ragged_toolkit.serving.runs import (busy_seconds, prompt_token_seconds, repeat_turns,
                                          skipping_bound, spread)
 
 
-def tokens_per_s(run):
-    return sum(r.n_out for r in run.requests) / busy_seconds(run)
-
-
-def compare(requests, caches, **kw):
-    """Runs with and without the cache, taking turns, and what they measured."""
-    runs = dict(zip(("with", "without"), repeat_turns(starter(requests, True, caches=caches, **kw),
-                                                       starter(requests, False, **kw))))
+def with_and_without(requests, observe=None):
+    """Runs with and without the cache, taking turns, and what they measured
+    (``observe`` watches the runs with the cache)."""
+    caches = []
+    runs = dict(zip(("with", "without"), repeat_turns(starter(requests, True, caches=caches, observe=observe),
+                                                       starter(requests, False))))
     prefill = {k: sum(s.prefill for s in v[0].steps) for k, v in runs.items()}
-    return dict(runs=runs, prefill=prefill, busy=spread_of(runs, busy_seconds),
-                speed=spread_of(runs, tokens_per_s),
-                ttft=spread_of(runs, lambda run: latency_ms(run.requests)["ttft"][0]),
+    figures = dict(busy=busy_seconds, ttft=lambda run: latency_ms(run.requests)["ttft"][0],
+                   speed=lambda run: sum(r.n_out for r in run.requests) / busy_seconds(run))
+    return dict(runs=runs, prefill=prefill, cache=caches[0], hit=caches[0].hit_tokens / caches[0].asked_tokens,
+                **{f: {k: spread(v, fn) for k, v in runs.items()} for f, fn in figures.items()},
                 bound=np.median([skipping_bound(run, prefill["without"] - prefill["with"])
-                                 for run in runs["without"]]),
-                hit=caches[0].hit_tokens / caches[0].asked_tokens)
+                                 for run in runs["without"]]))
 
 
-def spread_of(runs, figure):
-    return {k: spread(v, figure) for k, v in runs.items()}
+snapshot = {}  # the tree of cached blocks at the step where most requests read a shared block
 
 
-offline_caches = []
-offline = compare(systems, offline_caches)
+def keep_tree(step, running, cache):
+    sharing = sum(r for r in cache.refs if r > 1)
+    if sharing > snapshot.get("sharing", -1):
+        snapshot.update(sharing=sharing, step=step, nodes=cached_tree(cache), running=len(running))
+
+
+offline = with_and_without(systems, keep_tree)
 speed, ttft, busy = offline["speed"], offline["ttft"], offline["busy"]
-R, P = speed["with"].median_ms, speed["without"].median_ms
+R, P, W = speed["with"].median_ms, speed["without"].median_ms, offline["bound"]
 K, N = offline["prefill"]["with"], offline["prefill"]["without"]
-W = offline["bound"]
 print(f"prefix cache: hit rate {offline['hit']:.0%}, prefill tokens {K} of {N} computed, "
       f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
       f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
       f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}")
-runs_of = {k: len(v) for k, v in offline["runs"].items()}
 verdict = "outside" if outside_noise(busy["with"], busy["without"]) else "within (no speedup claimed)"
-print(f"runs: {runs_of['with']} with the cache, {runs_of['without']} without; busy seconds "
-      + ", ".join(f"{k} {t.median_ms:.2f} (IQR {t.q1_ms:.2f}-{t.q3_ms:.2f})" for k, t in busy.items())
+print(f"runs: {len(offline['runs']['with'])} with the cache, {len(offline['runs']['without'])} "
+      "without; busy seconds, median (IQR): "
+      + ", ".join(f"{k} {t.median_ms:.2f} ({t.q1_ms:.2f}-{t.q3_ms:.2f})" for k, t in busy.items())
       + f": the speedup is {verdict} the noise")
 
 # %%
-# The work bound and the token count
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Counting tokens alone, the cache computes ``K`` prompt tokens and the
-# same decode tokens instead of ``N`` and them. That ratio would mislead on
-# a device where a step costs much more than the prompt tokens it carries,
-# as here; the work bound weighs each token by what it costs in the run
-# without the cache:
+# Counting tokens alone, the cache computes ``K`` prompt tokens and the same
+# decode tokens instead of ``N`` and them. That ratio misleads where a step
+# costs much more than the prompt tokens it carries; the work bound weighs
+# each token by what it costs in the run without the cache:
 
 decode_tokens = sum(r.n_out for r in systems)
 without = offline["runs"]["without"][0]
 step_ms = np.median([s.seconds for s in without.steps if s.prefill == 0]) * 1e3
 prompt_ms = prompt_token_seconds(without.steps) * 1e3
 ratio = (N + decode_tokens) / (K + decode_tokens)
-print(f"token-count ratio {ratio:.2f}x against work bound {W:.2f}x: a decode-only step costs "
-      f"{step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms "
-      f"({step_ms / prompt_ms:.0f} prompt tokens cost one step)")
-print(f"the token count {'overstates' if ratio > W else 'understates'} what the cache can buy "
-      f"here: {'decode steps, which the cache does not shorten, cost more than their tokens' if ratio > W else 'prompt tokens cost more than their share of tokens'}")
+print(f"token-count ratio {ratio:.2f}x, work bound {W:.2f}x: a decode-only step costs "
+      f"{step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms, {step_ms / prompt_ms:.0f} prompt "
+      f"tokens to a step")
+print(f"so the token count {'overstates' if ratio > W else 'understates'} what the cache can buy: "
+      + ("the decode steps, which it does not shorten, cost more than their tokens" if ratio > W
+         else "the prompt tokens cost more than their count"))
 
 # %%
 # Arriving over time
 # ------------------
 # Online, the same requests arrive one by one, Poisson-distributed, at
 # ``LOAD`` times the rate the server without the cache served them offline.
-# Time to first token is what a user waits: queuing and prefill. Each
-# request's share of its prompt found in the cache, and its time to first
-# token, over the trace:
+# The time to first token is what a user waits: queuing and prefill. Each
+# request's share of its prompt found cached, and its time to first token,
+# over the trace (the first run of each server):
 
 import matplotlib.pyplot as plt
 from ragged_toolkit.figures import FIGURE_STYLE
@@ -336,8 +338,7 @@ from ragged_toolkit.serving.requests import poisson_arrivals
 rate = LOAD * S.requests / busy["without"].median_ms  # requests/s
 arriving = fresh_requests(systems, poisson_arrivals(np.random.default_rng(setup.seed + 1),
                                                      S.requests, rate))
-online_caches = []
-online = compare(arriving, online_caches)
+online = with_and_without(arriving)
 late = {k: t.median_ms for k, t in online["ttft"].items()}
 print(f"online, {rate:.1f} requests/s: time to first token p50 {late['with']:.0f} ms with the cache, "
       f"{late['without']:.0f} ms without (median of {len(online['runs']['with'])} and "
@@ -345,20 +346,19 @@ print(f"online, {rate:.1f} requests/s: time to first token p50 {late['with']:.0f
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
-arrival = np.array([r.arrival for r in arriving])
-found = online_caches[0].first_hit
-share = np.array([found.get(r.rid, 0) / len(r.prompt) for r in arriving])
-ax1.scatter(arrival, share, s=12, color="C0", label="each request")
-ax1.plot(arrival, np.cumsum(share * [len(r.prompt) for r in arriving])
-         / np.cumsum([len(r.prompt) for r in arriving]), color="C1", label="hit rate so far")
+arrival = [r.arrival for r in arriving]
+prompt = np.array([len(r.prompt) for r in arriving])
+found = np.array([online["cache"].first_hit.get(r.rid, 0) for r in arriving])
+ax1.scatter(arrival, found / prompt, s=12, color="C0", label="each request")
+ax1.plot(arrival, np.cumsum(found) / np.cumsum(prompt), color="C1", label="hit rate so far")
 ax1.set(ylabel="prompt found cached", ylim=(-0.05, 1.05),
         title=f"System prompts arriving at {rate:.1f} requests/s (without the cache: no hit)")
 ax1.legend(loc="lower right")
-for i, (name, color) in enumerate((("with", "C0"), ("without", "C3"))):
-    served = {r.rid: r for r in online["runs"][name][0].requests}
-    ax2.scatter(arrival, [(served[r.rid].first_token_s - r.arrival) * 1e3 for r in arriving], s=12,
-                color=color, label=f"{name} the cache")
-ax2.set(xlabel="arrival (s, simulated clock)", ylabel="time to first token (ms)", yscale="log")
+for name, color in (("with", "C0"), ("without", "C3")):
+    first = {r.rid: r.first_token_s for r in online["runs"][name][0].requests}
+    ax2.scatter(arrival, [(first[r.rid] - r.arrival) * 1e3 for r in arriving], s=12, color=color,
+                label=f"{name} the cache")
+ax2.set(xlabel="arrival (s, simulated clock)", ylabel="time to first token (ms)", ylim=(0, None))
 ax2.legend(loc="upper left")
 plt.show()
 
@@ -368,67 +368,38 @@ plt.show()
 # In a conversation the shared prefix grows: every turn resends the last
 # turn's prompt and its answer, whose blocks the last turn left cached (a
 # block filled while decoding gets its key too). All turns wait at once,
-# every first turn before every second:
+# every first turn before every second; a turn that starts before the last
+# one has finished finds less:
 
-chat_caches = []
-chat = compare(chats, chat_caches)
+chat = with_and_without(chats)
 can = reusable_tokens(chat["runs"]["with"][0].requests, S.block)
 R2, P2 = chat["speed"]["with"].median_ms, chat["speed"]["without"].median_ms
-print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts: "
-      f"{can / sum(len(r.prompt) for r in chats):.0%}), prefill tokens {chat['prefill']['with']} of "
-      f"{chat['prefill']['without']} computed, throughput {R2:.0f} tokens/s (without: {P2:.0f} "
-      f"tokens/s), speedup {R2 / P2:.2f}x, work bound {chat['bound']:.2f}x")
 same = not outside_noise(chat["busy"]["with"], chat["busy"]["without"])
-print("conversations: the speedup is " + ("within the noise: none claimed" if same else
-                                          "outside the noise"))
+print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts, every turn after "
+      f"the last: {can / sum(len(r.prompt) for r in chats):.0%}), prefill tokens "
+      f"{chat['prefill']['with']} of {chat['prefill']['without']} computed, throughput {R2:.0f} "
+      f"tokens/s (without: {P2:.0f} tokens/s), speedup {R2 / P2:.2f}x, work bound "
+      f"{chat['bound']:.2f}x" + (", within the noise: none claimed" if same else ""))
 
 # %%
 # Which requests share which blocks
 # ---------------------------------
 # The cached blocks form a tree: a block's parent is the block before it in
-# the prefixes that hold it. At the step of the offline run with the most
-# blocks held, each system prompt is a trunk that every request behind it
-# reads, branching into the user messages; gray blocks are cached but idle.
+# the prefixes that hold it. At the step of the offline run where most
+# requests read a shared block, each system prompt is a trunk that the
+# requests behind it read, branching into their user messages. Requests
+# admitted in one step all compute their prompts: the first to finish a
+# block keys it, and the others keep their copies (hollow) until they leave.
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_tree.py
+#    :pyobject: cached_tree
 
-from ragged_toolkit.serving.prefix_cache import cached_tree
+from ragged_toolkit.serving.prefix_tree import draw_cached_tree
 
-snapshot = {}
-
-
-def keep_tree(step, running, cache):
-    held = sum(r > 0 for r in cache.refs)
-    if held > snapshot.get("held", -1):
-        snapshot.update(held=held, step=step, nodes=cached_tree(cache), running=len(running))
-
-
-[tree_run] = repeat_turns(starter(systems, True, observe=keep_tree, check=True), runs=1)
-nodes = {n.block: n for n in snapshot["nodes"]}
-children = {b: [c.block for c in nodes.values() if c.parent == b] for b in nodes}
-place, leaves = {}, 0
-for root in [n.block for n in snapshot["nodes"] if n.parent not in nodes]:
-    stack = [root]
-    while stack:  # depth first: a leaf takes the next row, a parent the mean of its children's
-        b = stack.pop()
-        if not children[b]:
-            place[b], leaves = leaves, leaves + 1
-        stack += children[b][::-1]
-for n in sorted(nodes.values(), key=lambda n: -n.depth):
-    if n.block not in place:
-        place[n.block] = np.mean([place[c] for c in children[n.block]])
-fig, ax = plt.subplots(figsize=(8, 6), layout="constrained")
-for n in nodes.values():
-    if n.parent in nodes:
-        ax.plot([nodes[n.parent].depth, n.depth], [place[n.parent], place[n.block]], color="0.6", lw=0.8)
-colors = ["0.75" if n.readers == 0 else "C0" if n.readers == 1 else "C3" for n in nodes.values()]
-ax.scatter([n.depth for n in nodes.values()], [place[n.block] for n in nodes.values()],
-           s=[12 + 6 * n.readers for n in nodes.values()], c=colors, zorder=3)
-for n in nodes.values():
-    if n.readers > 1 and (n.parent not in nodes or nodes[n.parent].readers != n.readers):
-        ax.annotate(f"{n.readers} read", (n.depth, place[n.block]), xytext=(3, 4),
-                    textcoords="offset points", fontsize=10)
-ax.set(xlabel="block of the prefix", yticks=[],
-       title=f"Cached blocks at step {snapshot['step']}, {snapshot['running']} requests running: "
-             f"shared (red),\nread by one (blue), idle (gray); {len(nodes)} blocks of {S.block} rows")
+kinds = [n.kind for n in snapshot["nodes"]]
+draw_cached_tree(snapshot["nodes"], f"Blocks at step {snapshot['step']}, {snapshot['running']} "
+                 f"requests running: shared (red),\nread by one (blue), idle (gray), "
+                 f"{kinds.count('copy')} copies (hollow); blocks of {S.block} rows")
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 2
@@ -436,18 +407,16 @@ plt.show()
 # %%
 # Under pressure: eviction and preemption
 # ---------------------------------------
-# The conversations again, arriving online, in a cache of
-# ``pressure_blocks`` blocks: too small to keep every prefix, so idle blocks
-# are evicted, and too small for every running request, so the scheduler
-# preempts. A preempted request's own full blocks stay cached, idle, so it
-# recomputes only what was evicted meanwhile. ``check`` verifies after each
-# step that every block is free, idle or held, its readers counted right.
+# The system prompts again, all waiting, in a cache of ``pressure_blocks``
+# blocks: too small to keep every prefix, so idle blocks are evicted (the
+# user messages' blocks first: the system prompts' are read again and
+# again), and too small for every running request, so the scheduler
+# preempts. A preempted request's full blocks stay cached, idle, so that
+# it recomputes only what was evicted meanwhile. ``check`` verifies after
+# each step that every block is free, idle or held, its readers counted.
 
 pressure_caches = []
-chat_rate = LOAD * len(chats) / chat["busy"]["without"].median_ms
-chat_arrivals = poisson_arrivals(np.random.default_rng(setup.seed + 2), len(chats), chat_rate)
-[pressed] = repeat_turns(starter(fresh_requests(chats, chat_arrivals), True, S.pressure_blocks,
-                                 pressure_caches, check=True), runs=1)
+[pressed] = repeat_turns(starter(systems, True, S.pressure_blocks, pressure_caches, check=True), runs=1)
 preempted = sum(r.preempted for r in pressed[0].requests)
 evicted = pressure_caches[0].evictions
 assert preempted > 0 and evicted > 0, "the cache was never short: nothing tested eviction"

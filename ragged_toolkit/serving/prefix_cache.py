@@ -14,12 +14,11 @@ the blocks that the step filled."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from ..kv_cache import PagedKVCache
 from .schedulers import retire_finished
 
-__all__ = ["block_key", "PrefixCache", "retire_caching", "CachedBlock", "cached_tree"]
+__all__ = ["block_key", "PrefixCache", "retire_caching"]
 
 
 def block_key(parent, tokens):
@@ -168,34 +167,3 @@ def retire_caching(running, cache):
     for req in running:
         cache.note_computed(req)
     retire_finished(running, cache)
-
-
-@dataclass
-class CachedBlock:
-    """A block of a :class:`PrefixCache` as a node of the tree of cached
-    prefixes: its parent block (``None`` at the root), its depth (the block's
-    place in its prefixes), its readers, and whether it has a key (else it is
-    the private last block of a request)."""
-
-    block: int
-    parent: int | None
-    depth: int
-    readers: int
-    cached: bool
-
-
-def cached_tree(cache):
-    """The tree of a :class:`PrefixCache`: every cached block and every
-    block a request holds, each with the block before it in the prefixes
-    that hold it. Returns a list of :class:`CachedBlock`."""
-    nodes = {}
-    for b, (parent_key, _) in cache.key_of.items():
-        depth, key = 0, parent_key
-        while key is not None:
-            depth, key = depth + 1, key[0]
-        nodes[b] = CachedBlock(b, cache.block_of.get(parent_key), depth, cache.refs[b], True)
-    for table in cache.tables.values():
-        for depth, b in enumerate(table):
-            if b not in nodes:
-                nodes[b] = CachedBlock(b, table[depth - 1] if depth else None, depth, cache.refs[b], False)
-    return sorted(nodes.values(), key=lambda n: (n.depth, n.block))

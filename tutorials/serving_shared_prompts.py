@@ -3,9 +3,9 @@ Serving shared prompts: prefix caching and shared-prefix attention
 ==================================================================
 
 Real traffic repeats itself: a system prompt in front of every request, a
-conversation whose every turn resends the turns before it. Cache the keys
+conversation whose every turn sends the turns before it again. Cache the keys
 of every full block of a prompt in the paged KV cache, so that a request
-that begins as an earlier one did prefills only the rest; prove every
+that begins as an earlier one did computes only the rest; prove every
 request unchanged; measure it against the same server without the cache;
 and let the requests of a decoding step that share a prefix read it once.
 
@@ -45,11 +45,11 @@ and let the requests of a decoding step that share a prefix read it once.
 # again with each new message. Their keys and values are the same too, in
 # every layer, as long as everything before them is the same: attention is
 # causal, so the keys of a token depend on the tokens before it and on
-# nothing after. Servers turn this into their largest saving. vLLM's
-# automatic prefix caching keys each full block of the paged cache by its
-# parent's key and its own tokens; SGLang keeps a radix tree of cached
-# prefixes; nano-vllm chains hashes with reference counts in about 120
-# lines; ``transformers``' continuous batching shares content-hashed blocks
+# nothing after. Servers turn this into their largest saving. Automatic
+# prefix caching in vLLM keys each full block of the paged cache by its
+# parent's key and its own tokens; SGLang keeps a tree of cached prefixes
+# (a radix tree); ``nano-vllm`` chains hashes with reference counts in about
+# 120 lines; ``transformers``' continuous batching shares content-hashed blocks
 # for full-attention models.
 #
 # Sizes
@@ -365,8 +365,8 @@ plt.show()
 # %%
 # Conversations
 # -------------
-# In a conversation the shared prefix grows: every turn resends the last
-# turn's prompt and its answer, whose blocks the last turn left cached (a
+# In a conversation the shared prefix grows: every turn sends the last
+# turn's prompt and its answer again, whose blocks the last turn left cached (a
 # block filled while decoding gets its key too). All turns wait at once,
 # every first turn before every second; a turn that starts before the last
 # one has finished finds less:
@@ -487,8 +487,7 @@ from ragged_toolkit.serving.paged_attention import gathered_attention
 from ragged_toolkit.serving.shared_prefix_attention import (plan_shared_prefix, rows_read,
                                                             shared_prefix_attention)
 
-attention_tolerance = tolerances(DTYPE)
-cascade = {}
+cases = {}
 for n_req, prefix, suffix in S.shared_cases:
     shared = PrefixCache(cfg, n_req * -(-(prefix + suffix) // S.block) + 1, S.block, DEVICE, DTYPE)
     shared.k.normal_(), shared.v.normal_()  # keys and values as a model would have written them
@@ -504,30 +503,31 @@ for n_req, prefix, suffix in S.shared_cases:
     plan = plan_shared_prefix(shared, list(range(n_req)), layout.kv_lengths.tolist(), DEVICE)
     q = torch.randn(n_req, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
     torch.testing.assert_close(shared_prefix_attention(q, shared, 0, plan),
-                               gathered_attention(q, layout, 0), **attention_tolerance)
-    timed = measure({"gathered": functools.partial(gathered_attention, q, layout, 0),
-                     "shared": functools.partial(shared_prefix_attention, q, shared, 0, plan)},
-                    min_run_time=0.2, profile=False)
-    reads = [rows_read(len(plan.prefix_rows), plan.suffix_used.sum(1), s) for s in (False, True)]
-    cascade[n_req, prefix, suffix] = dict(timed=timed, bound=reads[0] / reads[1])
-    gain = timed["gathered"].median_ms / timed["shared"].median_ms
+                               gathered_attention(q, layout, 0), **tolerances(DTYPE))
+    reads = {s: rows_read(len(plan.prefix_rows), plan.suffix_used.sum(1), s) for s in (False, True)}
+    cases[n_req, prefix, suffix] = dict(bound=reads[False] / reads[True], paths={
+        "gathered": functools.partial(gathered_attention, q, layout, 0),
+        "shared": functools.partial(shared_prefix_attention, q, shared, 0, plan)})
+
+timed = {case: measure(c["paths"], min_run_time=0.6, profile=False) for case, c in cases.items()}
+for (n_req, prefix, suffix), t in timed.items():
+    gain, bound = t["gathered"].median_ms / t["shared"].median_ms, cases[n_req, prefix, suffix]["bound"]
     print(f"shared-prefix attention: {n_req} requests over a prefix of {prefix} tokens, suffixes "
-          f"of {suffix} tokens: {gain:.2f}x the gathered path, work bound {reads[0] / reads[1]:.2f}x, "
-          f"fraction {gain / (reads[0] / reads[1]):.2f}"
-          + ("" if outside_noise(timed["gathered"], timed["shared"]) else " (within noise)"))
+          f"of {suffix} tokens: {gain:.2f}x the gathered path, work bound {bound:.2f}x, "
+          f"fraction {gain / bound:.2f}" + ("" if outside_noise(t["gathered"], t["shared"]) else " (within noise)"))
 
 # %%
-# Where it does not pay: a step of few requests, or suffixes as long as the
-# prefix, leaves little to read only once, and the second call and the
-# merge cost more than the rows they save.
+# Where it does not pay: with few requests, or suffixes as long as the
+# prefix, the work bound is small (little is read only once), and the
+# second call and the merge may cost more than the rows they save. The
+# cases measured here:
 
-gains = {case: c["timed"]["gathered"].median_ms / c["timed"]["shared"].median_ms
-         for case, c in cascade.items()}
-losing = [case for case, g in gains.items()
-          if g < 1 or not outside_noise(cascade[case]["timed"]["gathered"], cascade[case]["timed"]["shared"])]
-print("it does not pay here for " + ("; ".join(f"{q} requests, prefix {l}, suffix {s} "
-                                                f"({gains[q, l, s]:.2f}x)" for q, l, s in losing)
-                                     if losing else "none of these cases"))
+verdicts = {"slower": [], "within the noise": [], "faster": []}
+for (n_req, prefix, suffix), t in timed.items():
+    verdicts["within the noise" if not outside_noise(t["gathered"], t["shared"]) else "faster"
+             if t["shared"].median_ms < t["gathered"].median_ms else "slower"].append(
+        f"{n_req} over {prefix} + {suffix}")
+print("shared-prefix attention, " + "; ".join(f"{k}: {', '.join(v) or 'none'}" for k, v in verdicts.items()))
 
 # %%
 # Conclusion

@@ -22,7 +22,8 @@ __all__ = ["repeat_turns", "busy_seconds", "spread", "prompt_token_seconds", "sk
 def repeat_turns(*starts, runs=MIN_RUNS):
     """Runs of :func:`~ragged_toolkit.serving.server.take_turns` again until
     each of ``starts`` has ended at least ``runs`` times, all of them
-    stepping in turn. Returns, for each, its :class:`ServingRun` s."""
+    stepping in turn. Returns, for each, its
+    :class:`~ragged_toolkit.serving.server.ServingRun` s."""
     done = [[] for _ in starts]
     while min(map(len, done)) < runs:
         for mine, more in zip(done, take_turns(*starts)):
@@ -36,7 +37,8 @@ def busy_seconds(run):
 
 
 def spread(runs, figure):
-    """``figure(run)`` over ``runs`` as a :class:`Timing` (median,
+    """``figure(run)`` over ``runs`` as a
+    :class:`~ragged_toolkit.measuring.timing.Timing` (median,
     interquartile range and percentiles 25 and 75 of the runs), the figure
     in whatever unit it is (the ``_ms`` fields then hold that unit)."""
     return Timing.of([figure(run) for run in runs])

@@ -20,7 +20,8 @@ from ragged_toolkit.kv_cache import PagedKVCache
 from ragged_toolkit.serving import prefix_cache
 from ragged_toolkit.serving.engine import build_step
 from ragged_toolkit.serving.paged_attention import gathered_attention
-from ragged_toolkit.serving.prefix_cache import PrefixCache, block_key, cached_tree, retire_caching
+from ragged_toolkit.serving.prefix_cache import PrefixCache, block_key, retire_caching
+from ragged_toolkit.serving.prefix_tree import cached_tree, tree_rows
 from ragged_toolkit.serving.proof import check_against_alone
 from ragged_toolkit.serving.requests import Request, fresh_requests
 from ragged_toolkit.serving.runs import (prompt_token_seconds, prove_every_run, repeat_turns,
@@ -187,10 +188,29 @@ def test_the_tree_links_each_block_to_the_one_before_it(model, documents):
     repeat_turns(lambda: serve(model, fresh_requests(stream), cache, plan, retire_caching,
                                observe=lambda i, running, c: trees.append(cached_tree(c))), runs=1)
     for nodes in trees:
-        by_block = {n.block: n for n in nodes}
+        by_block, rows = {n.block: n for n in nodes}, tree_rows(nodes)
         for n in nodes:
             assert n.parent is None or by_block[n.parent].depth == n.depth - 1
+        leaves = [rows[n.block] for n in nodes if not any(c.parent == n.block for c in nodes)]
+        assert sorted(leaves) == list(range(len(leaves))), "two leaves share a row"
+        assert {n.kind for n in nodes} <= {"cached", "copy", "own"}
     assert any(n.readers > 1 for nodes in trees for n in nodes), "no block was shared"
+
+
+def test_the_same_tokens_after_another_prefix_are_not_reused(model):
+    x, y = list(b"abcdefgh"), list(b"ijklmnop")
+    requests = [Request(0, x + y + [1], 6), Request(1, y + x + [2], 6)]  # y at 8, then at 0
+    run, cache = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 10.0])
+    assert cache.first_hit[1] == 0, "a block was found for tokens whose prefix differs"
+    check_against_alone(model, run.requests, FLOAT32)
+
+
+def test_a_prompt_cached_whole_computes_its_last_token_in_a_block_of_its_own(model):
+    prompt = list(b"shared prompt ab")  # four full blocks
+    requests = [Request(0, prompt, 12), Request(1, prompt, 4)]  # the second while the first decodes
+    run, cache = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 1e-9])
+    assert cache.first_hit[1] == 12, "the last block, which holds the token to compute, was taken"
+    check_against_alone(model, run.requests, FLOAT32)
 
 
 # --- three planted faults, each caught --------------------------------------------------

@@ -201,8 +201,8 @@ def test_the_same_tokens_after_another_prefix_are_not_reused(model):
     x, y = list(b"abcdefgh"), list(b"ijklmnop")
     requests = [Request(0, x + y + [1], 6), Request(1, y + x + [2], 6)]  # y at 8, then at 0
     run, cache = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 10.0])
-    assert cache.first_hit[1] == 0, "a block was found for tokens whose prefix differs"
     check_against_alone(model, run.requests, FLOAT32)
+    assert cache.first_hit[1] == 0, "a block was found for tokens whose prefix differs"
 
 
 def test_a_prompt_cached_whole_computes_its_last_token_in_a_block_of_its_own(model):

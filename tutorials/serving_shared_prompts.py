@@ -65,18 +65,18 @@ from ragged_toolkit.device import page_setup
 SIZES = {
     "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
                             ffn_hidden=2816, max_seq_len=4096),
-                 requests=256, systems=4, system_len=1024, user_max=128, out_median=32, out_max=128,
+                 requests=128, systems=4, system_len=1024, user_max=128, out_median=32, out_max=128,
                  slots=32, token_budget=2048, block=16, conversations=32, turns=4, message_max=128,
-                 pressure_blocks=640, shared_cases=[(4, 1024, 1024), (4, 1024, 128), (16, 1024, 1024),
+                 pressure=0.14, shared_cases=[(4, 1024, 1024), (4, 1024, 128), (16, 1024, 1024),
                                                     (16, 1024, 128), (64, 2048, 256)]),
     "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=352, max_seq_len=512),  # real models: billions of weights
                 requests=64, systems=4, system_len=384, user_max=48, out_median=8, out_max=32,
                 slots=16, token_budget=2048, block=16, conversations=16, turns=4, message_max=48,
-                pressure_blocks=128, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
+                pressure=0.14, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
                                                   (16, 256, 32), (32, 256, 32)]),
-    "quick": dict(model=dict(dim=64, ffn_hidden=176), requests=24, conversations=8, turns=3,
-                  pressure_blocks=64, shared_cases=[(4, 128, 128), (16, 128, 16)]),
+    "quick": dict(model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176), requests=24,
+                  conversations=8, turns=3, pressure=0.07, shared_cases=[(4, 128, 128), (16, 128, 16)]),
 }
 setup = page_setup(SIZES)  # device, dtype, quick mode, one thread, seed; prints them
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
@@ -318,7 +318,7 @@ ratio = (N + decode_tokens) / (K + decode_tokens)
 print(f"token-count ratio {ratio:.2f}x, work bound {W:.2f}x: a decode-only step costs "
       f"{step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms, {step_ms / prompt_ms:.0f} prompt "
       f"tokens to a step")
-print(f"so the token count {'overstates' if ratio > W else 'understates'} what the cache can buy: "
+print(f"so the token count {'overstates' if ratio > W else 'understates'} the time the cache can save: "
       + ("the decode steps, which it does not shorten, cost more than their tokens" if ratio > W
          else "the prompt tokens cost more than their count"))
 
@@ -407,20 +407,20 @@ plt.show()
 # %%
 # Under pressure: eviction and preemption
 # ---------------------------------------
-# The system prompts again, all waiting, in a cache of ``pressure_blocks``
-# blocks: too small to keep every prefix, so idle blocks are evicted (the
+# The system prompts again, all waiting, in a cache of ``pressure`` times
+# the blocks the runs above had: too small to keep every prefix, so idle blocks are evicted (the
 # user messages' blocks first: the system prompts' are read again and
 # again), and too small for every running request, so the scheduler
 # preempts. A preempted request's full blocks stay cached, idle, so that
 # it recomputes only what was evicted meanwhile. ``check`` verifies after
 # each step that every block is free, idle or held, its readers counted.
 
-pressure_caches = []
-[pressed] = repeat_turns(starter(systems, True, S.pressure_blocks, pressure_caches, check=True), runs=1)
+pressure_caches, small = [], int(S.pressure * ample)
+[pressed] = repeat_turns(starter(systems, True, small, pressure_caches, check=True), runs=1)
 preempted = sum(r.preempted for r in pressed[0].requests)
 evicted = pressure_caches[0].evictions
 assert preempted > 0 and evicted > 0, "the cache was never short: nothing tested eviction"
-print(f"{S.pressure_blocks} blocks: {evicted} evictions, {preempted} preemptions, hit rate "
+print(f"{small} blocks: {evicted} evictions, {preempted} preemptions, hit rate "
       f"{pressure_caches[0].hit_tokens / pressure_caches[0].asked_tokens:.0%}")
 
 # %%
@@ -444,8 +444,9 @@ every = [run for result in (offline, online, chat) for runs in result["runs"].va
          for run in runs] + pressed
 worst, ties, checked = prove_every_run(reference, every, PROOF_TOLERANCE)
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
-print(f"{len(every)} runs, {checked} requests, each equal to decoding it alone ({DTYPE}, "
-      f"{criterion}): largest difference {worst:.1e}, {ties} ties within atol")
+print(f"every request of every run, {DTYPE}: equal to decoding it alone within {criterion}")
+print(f"{len(every)} runs, {checked} requests (how many follows the time each run took): "
+      f"largest difference {worst:.1e}, {ties} ties within atol")
 
 # %%
 # The tests (``tests/test_prefix_cache.py``) plant three faults and check

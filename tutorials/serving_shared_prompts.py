@@ -459,8 +459,9 @@ print(f"{len(every)} runs, {checked} requests (how many follows the time each ru
 # -----------------------
 # The cache stores a shared prefix once, but a decoding step still reads it
 # once per request: the gathered path of :doc:`serving_continuous_batching`
-# copies each request's whole rows, prefix included, and attends request
-# by request. *Shared-prefix* (cascade) attention reads the prefix once: all
+# copies each request's whole rows, prefix included, and attends over them
+# (with ``ragged_attention``'s default backend here, as that page does;
+# on a CPU, one call per request). *Shared-prefix* (cascade) attention reads the prefix once: all
 # queries of the requests that share it meet its keys in one call, each
 # request meets its own suffix, and the two parts are merged exactly. A
 # softmax over two parts is each part's softmax weighted by its share of the

@@ -245,7 +245,9 @@ EXACT_LINE = re.compile(
     r"|training against length-grouped padding: ragged"
     r"|latency of \w+ \(arrivals at"
     r"|serving: continuous \d+ tokens/s"
-    r"|paged KV cache: \d+ concurrent requests")
+    r"|paged KV cache: \d+ concurrent requests"
+    r"|prefix cache: hit rate \d+%"
+    r"|shared-prefix attention: \d+ requests over a prefix")
 
 
 @pytest.mark.parametrize("rel", TUTORIAL_PAGES)

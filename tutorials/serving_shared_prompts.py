@@ -124,11 +124,11 @@ systems = system_prompt_stream(docs, S.requests, rng, systems=S.systems, system_
 chats = conversation_stream(docs, rng, conversations=S.conversations, turns=S.turns,
                             message_max=S.message_max, out_median=2 * S.out_median,
                             out_max=S.out_max, answer=lambda p, n: greedy_answers(model, p, n, DTYPE))
+print(f"prompts and messages: the openings of {source}")
 for name, stream in (("system prompts", systems), ("conversations", chats)):
     lengths = np.array([len(r.prompt) for r in stream])
-    print(f"{name}: {len(stream)} requests from {source}, prompts {lengths.min()} to "
-          f"{lengths.max()} tokens ({lengths.sum()} in all), outputs {sum(r.n_out for r in stream)} "
-          f"tokens")
+    print(f"{name}: {len(stream)} requests, prompts {lengths.min()} to {lengths.max()} tokens "
+          f"({lengths.sum()} in all), outputs {sum(r.n_out for r in stream)} tokens")
 
 # %%
 # The prefix cache
@@ -300,9 +300,9 @@ print(f"prefix cache: hit rate {offline['hit']:.0%}, prefill tokens {K} of {N} c
       f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}")
 verdict = "outside" if outside_noise(busy["with"], busy["without"]) else "within (no speedup claimed)"
 print(f"runs: {len(offline['runs']['with'])} with the cache, {len(offline['runs']['without'])} "
-      "without; busy seconds, median (IQR): "
-      + ", ".join(f"{k} {t.median_ms:.2f} ({t.q1_ms:.2f}-{t.q3_ms:.2f})" for k, t in busy.items())
-      + f": the speedup is {verdict} the noise")
+      "without; their busy seconds, median (IQR):")
+print("  " + ", ".join(f"{k} {t.median_ms:.2f} ({t.q1_ms:.2f}-{t.q3_ms:.2f})" for k, t in busy.items())
+      + f"; the speedup is {verdict} the noise")
 
 # %%
 # Counting tokens alone, the cache computes ``K`` prompt tokens and the same
@@ -315,12 +315,12 @@ without = offline["runs"]["without"][0]
 step_ms = np.median([s.seconds for s in without.steps if s.prefill == 0]) * 1e3
 prompt_ms = prompt_token_seconds(without.steps) * 1e3
 ratio = (N + decode_tokens) / (K + decode_tokens)
-print(f"token-count ratio {ratio:.2f}x, work bound {W:.2f}x: a decode-only step costs "
-      f"{step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms, {step_ms / prompt_ms:.0f} prompt "
-      f"tokens to a step")
-print(f"so the token count {'overstates' if ratio > W else 'understates'} the time the cache can save: "
-      + ("the decode steps, which it does not shorten, cost more than their tokens" if ratio > W
-         else "the prompt tokens cost more than their count"))
+print(f"token-count ratio {ratio:.2f}x, work bound {W:.2f}x")
+print(f"a decode-only step costs {step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms "
+      f"({step_ms / prompt_ms:.0f} of them cost a step)")
+print(f"the token count {'overstates' if ratio > W else 'understates'} the time saved: "
+      + ("decode steps, not shortened, cost more than their tokens" if ratio > W
+         else "prompt tokens cost more than their count"))
 
 # %%
 # Arriving over time
@@ -340,9 +340,9 @@ arriving = fresh_requests(systems, poisson_arrivals(np.random.default_rng(setup.
                                                      S.requests, rate))
 online = with_and_without(arriving)
 late = {k: t.median_ms for k, t in online["ttft"].items()}
-print(f"online, {rate:.1f} requests/s: time to first token p50 {late['with']:.0f} ms with the cache, "
-      f"{late['without']:.0f} ms without (median of {len(online['runs']['with'])} and "
-      f"{len(online['runs']['without'])} runs); hit rate {online['hit']:.0%}")
+print(f"online, {rate:.1f} requests/s, hit rate {online['hit']:.0%}: time to first token p50 "
+      f"{late['with']:.0f} ms with the cache, {late['without']:.0f} ms without")
+print(f"  (the median of {len(online['runs']['with'])} and {len(online['runs']['without'])} runs)")
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
@@ -375,11 +375,11 @@ chat = with_and_without(chats)
 can = reusable_tokens(chat["runs"]["with"][0].requests, S.block)
 R2, P2 = chat["speed"]["with"].median_ms, chat["speed"]["without"].median_ms
 same = not outside_noise(chat["busy"]["with"], chat["busy"]["without"])
-print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts, every turn after "
-      f"the last: {can / sum(len(r.prompt) for r in chats):.0%}), prefill tokens "
-      f"{chat['prefill']['with']} of {chat['prefill']['without']} computed, throughput {R2:.0f} "
-      f"tokens/s (without: {P2:.0f} tokens/s), speedup {R2 / P2:.2f}x, work bound "
-      f"{chat['bound']:.2f}x" + (", within the noise: none claimed" if same else ""))
+print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts, each turn after "
+      f"the last: {can / sum(len(r.prompt) for r in chats):.0%}),")
+print(f"  prefill tokens {chat['prefill']['with']} of {chat['prefill']['without']} computed")
+print(f"  throughput {R2:.0f} tokens/s (without: {P2:.0f}), speedup {R2 / P2:.2f}x, "
+      f"work bound {chat['bound']:.2f}x" + (" (within the noise)" if same else ""))
 
 # %%
 # Which requests share which blocks
@@ -396,10 +396,10 @@ print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts, ev
 
 from ragged_toolkit.serving.prefix_tree import draw_cached_tree
 
-kinds = [n.kind for n in snapshot["nodes"]]
+copies = [n.kind for n in snapshot["nodes"]].count("copy")
 draw_cached_tree(snapshot["nodes"], f"Blocks at step {snapshot['step']}, {snapshot['running']} "
-                 f"requests running: shared (red),\nread by one (blue), idle (gray), "
-                 f"{kinds.count('copy')} copies (hollow); blocks of {S.block} rows")
+                 f"requests running: shared (red),\nread by one (blue), idle (gray)"
+                 + (f", {copies} copies (hollow)" if copies else "") + f"; blocks of {S.block} rows")
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 2
@@ -444,9 +444,10 @@ every = [run for result in (offline, online, chat) for runs in result["runs"].va
          for run in runs] + pressed
 worst, ties, checked = prove_every_run(reference, every, PROOF_TOLERANCE)
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
-print(f"every request of every run, {DTYPE}: equal to decoding it alone within {criterion}")
-print(f"{len(every)} runs, {checked} requests (how many follows the time each run took): "
-      f"largest difference {worst:.1e}, {ties} ties within atol")
+print(f"every request of every run, {str(DTYPE).removeprefix('torch.')}: equal to decoding it "
+      f"alone ({criterion})")
+print(f"{len(every)} runs, {checked} requests: as many as the time allowed")
+print(f"largest difference {worst:.1e}, {ties} ties within atol, over the runs the time allowed")
 
 # %%
 # The tests (``tests/test_prefix_cache.py``) plant three faults and check
@@ -524,12 +525,11 @@ for (n_req, prefix, suffix), t in timed.items():
 # second call and the merge may cost more than the rows they save. The
 # cases measured here:
 
-verdicts = {"slower": [], "within the noise": [], "faster": []}
-for (n_req, prefix, suffix), t in timed.items():
-    verdicts["within the noise" if not outside_noise(t["gathered"], t["shared"]) else "faster"
-             if t["shared"].median_ms < t["gathered"].median_ms else "slower"].append(
-        f"{n_req} over {prefix} + {suffix}")
-print("shared-prefix attention, " + "; ".join(f"{k}: {', '.join(v) or 'none'}" for k, v in verdicts.items()))
+for tell in ("slower", "faster"):
+    told = [f"{n_req} over {prefix}+{suffix}" for (n_req, prefix, suffix), t in timed.items()
+            if outside_noise(t["gathered"], t["shared"])
+            and (t["shared"].median_ms > t["gathered"].median_ms) == (tell == "slower")]
+    print(f"{tell} than gathered, outside the noise: {', '.join(told) or 'none'}")
 
 # %%
 # Conclusion

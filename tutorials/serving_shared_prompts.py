@@ -95,6 +95,7 @@ cfg = GPTConfig(**S.model)
 model = GPT(cfg).to(DEVICE).eval().to(DTYPE)
 reference = GPT(cfg).to(DEVICE).eval()
 reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, untrained")
 
 # %%
 # Two workloads that share

@@ -24,10 +24,9 @@ from ragged_toolkit.serving.prefix_cache import PrefixCache, block_key, retire_c
 from ragged_toolkit.serving.prefix_tree import cached_tree, tree_rows
 from ragged_toolkit.serving.proof import check_against_alone
 from ragged_toolkit.serving.requests import Request, fresh_requests
-from ragged_toolkit.serving.runs import (prompt_token_seconds, prove_every_run, repeat_turns,
-                                         skipping_bound)
+from ragged_toolkit.serving.runs import prompt_token_seconds, prove_every_run, skipping_bound
 from ragged_toolkit.serving.schedulers import plan_continuous
-from ragged_toolkit.serving.server import StepRecord, ServingRun, serve
+from ragged_toolkit.serving.server import StepRecord, ServingRun, serve, take_turns
 from ragged_toolkit.serving.shared_prefix_attention import (attention_lse, merge_by_lse,
                                                             plan_shared_prefix, rows_read,
                                                             shared_prefix_attention)
@@ -55,8 +54,8 @@ def serve_one(model, requests, n_blocks, cache_type=PrefixCache, block_size=4, b
     """One run of the continuous scheduler with a prefix cache; the run and its cache."""
     cache = cache_type(CFG, n_blocks, block_size, "cpu", torch.float32)
     plan = functools.partial(plan_continuous, max_running=running, token_budget=budget)
-    [[run]] = repeat_turns(lambda: serve(model, fresh_requests(requests, arrivals), cache, plan,
-                                         retire_caching, check=check), runs=1)
+    [[run]] = take_turns(lambda: serve(model, fresh_requests(requests, arrivals), cache, plan,
+                                       retire_caching, check=check))
     return run, cache
 
 
@@ -185,8 +184,8 @@ def test_the_tree_links_each_block_to_the_one_before_it(model, documents):
     cache = PrefixCache(CFG, 64, 4, "cpu", torch.float32)
     plan = functools.partial(plan_continuous, max_running=6, token_budget=64)
     trees = []
-    repeat_turns(lambda: serve(model, fresh_requests(stream), cache, plan, retire_caching,
-                               observe=lambda i, running, c: trees.append(cached_tree(c))), runs=1)
+    take_turns(lambda: serve(model, fresh_requests(stream), cache, plan, retire_caching,
+                             observe=lambda i, running, c: trees.append(cached_tree(c))))
     for nodes in trees:
         by_block, rows = {n.block: n for n in nodes}, tree_rows(nodes)
         for n in nodes:
@@ -362,11 +361,11 @@ def test_system_prompts_stand_in_front_of_distinct_user_messages(documents):
                              out_median=4, out_max=10)
 
 
-def test_repeated_runs_and_the_cost_of_a_prompt_token(model, documents):
+def test_every_run_proved_and_the_cost_of_a_prompt_token(model, documents):
     stream = shared_stream(documents, 6)
     plan = functools.partial(plan_continuous, max_running=6, token_budget=16)
     start = lambda: serve(model, fresh_requests(stream), PagedKVCache(CFG, 64, 4, "cpu", torch.float32), plan)  # noqa: E731
-    runs, more = repeat_turns(start, start, runs=3)
+    runs, more = take_turns(start, start, runs=3)
     assert len(runs) >= 3 and len(more) >= 3
     assert prove_every_run(model, runs + more, FLOAT32)[2] == 6 * (len(runs) + len(more))
     runs[1].requests[0].logits[0] = runs[1].requests[0].logits[0] + 1

@@ -67,13 +67,13 @@ SIZES = {
                             ffn_hidden=2816, max_seq_len=4096),
                  requests=128, systems=4, system_len=1024, user_max=128, out_median=32, out_max=128,
                  slots=32, token_budget=2048, block=16, conversations=32, turns=4, message_max=128,
-                 pressure=0.14, shared_cases=[(4, 1024, 1024), (4, 1024, 128), (16, 1024, 1024),
+                 runs=5, pressure=0.14, shared_cases=[(4, 1024, 1024), (4, 1024, 128), (16, 1024, 1024),
                                                     (16, 1024, 128), (64, 2048, 256)]),
     "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=352, max_seq_len=512),  # real models: billions of weights
                 requests=64, systems=4, system_len=384, user_max=48, out_median=8, out_max=32,
                 slots=16, token_budget=2048, block=16, conversations=16, turns=4, message_max=48,
-                pressure=0.14, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
+                runs=5, pressure=0.14, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
                                                   (16, 256, 32), (32, 256, 32)]),
     "quick": dict(model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176), requests=24,
                   conversations=8, turns=3, pressure=0.07, shared_cases=[(4, 128, 128), (16, 128, 16)]),
@@ -210,7 +210,9 @@ print(f"a request of 20 tokens took {demo.tables[2]}, evicting {demo.evictions} 
 # asks the cache for a newcomer's cached prefix before it reserves the
 # rest (``take_prefix``; a plain paged cache has none), so the prompt chunk
 # it schedules starts after the cached tokens. The server's step end keys
-# the blocks the step filled, then lets finished requests leave:
+# the blocks the step filled, then lets finished requests leave. (``serve``
+# checks every request before it can join a step, with ``check_request`` of
+# :doc:`serving_continuous_batching`: these prompts all fit.)
 #
 # .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
 #    :pyobject: plan_continuous
@@ -247,37 +249,40 @@ def starter(requests, cached, n_blocks=ample, caches=None, **kw):
 # With and without the cache, all requests waiting
 # ------------------------------------------------
 # The same server with and without the cache serves the same system-prompt
-# requests, offline, the two taking turns step by step (``take_turns``), and
-# again until each has run ``MIN_RUNS`` times: each figure is the median of
-# its runs, and a speedup is claimed only where the interquartile ranges of
-# the two servers' busy times do not overlap (the site's noise rule). The
+# requests, offline, the two taking turns step by step (``take_turns``),
+# each at least ``runs`` times. As on :doc:`serving_continuous_batching`,
+# the runs' milliseconds per generated token (``ms_per_token``) give a
+# median and an IQR, printed as tokens per second, and a speedup is claimed
+# only where the two interquartile ranges do not overlap (the site's noise
+# rule); the time to first token is the median of the runs' p50s. The
 # *work bound* is what skipping the cached prompt tokens could buy at this
 # device's costs: the busy time of the run without the cache over that time
 # less what its skipped prompt tokens cost in it, a prompt token's cost
-# read from that run's own steps (the :term:`fraction of the bound` is
-# the speedup over it):
+# read from that run's own steps (the :term:`fraction of the bound` is the
+# speedup over it):
 #
 # .. literalinclude:: ../ragged_toolkit/serving/runs.py
 #    :pyobject: prompt_token_seconds
 
-from ragged_toolkit.measuring.noise import outside_noise
-from ragged_toolkit.serving.metrics import latency_ms
+from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
+from ragged_toolkit.serving.metrics import latency_ms, ms_per_token
 from ragged_toolkit.serving.prefix_tree import cached_tree
-from ragged_toolkit.serving.runs import (busy_seconds, prompt_token_seconds, repeat_turns,
-                                         skipping_bound, spread)
+from ragged_toolkit.serving.runs import busy_seconds, prompt_token_seconds, skipping_bound, spread
+from ragged_toolkit.serving.server import take_turns
+
+assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each server"
 
 
 def with_and_without(requests, observe=None):
     """Runs with and without the cache, taking turns, and what they measured
     (``observe`` watches the runs with the cache)."""
     caches = []
-    runs = dict(zip(("with", "without"), repeat_turns(starter(requests, True, caches=caches, observe=observe),
-                                                       starter(requests, False))))
+    runs = dict(zip(("with", "without"), take_turns(starter(requests, True, caches=caches, observe=observe),
+                                                     starter(requests, False), runs=S.runs)))
     prefill = {k: sum(s.prefill for s in v[0].steps) for k, v in runs.items()}
-    figures = dict(busy=busy_seconds, ttft=lambda run: latency_ms(run.requests)["ttft"][0],
-                   speed=lambda run: sum(r.n_out for r in run.requests) / busy_seconds(run))
     return dict(runs=runs, prefill=prefill, cache=caches[0], hit=caches[0].hit_tokens / caches[0].asked_tokens,
-                **{f: {k: spread(v, fn) for k, v in runs.items()} for f, fn in figures.items()},
+                per_token={k: ms_per_token(v) for k, v in runs.items()},
+                ttft={k: spread(v, lambda run: latency_ms(run.requests)["ttft"][0]) for k, v in runs.items()},
                 bound=np.median([skipping_bound(run, prefill["without"] - prefill["with"])
                                  for run in runs["without"]]))
 
@@ -292,18 +297,19 @@ def keep_tree(step, running, cache):
 
 
 offline = with_and_without(systems, keep_tree)
-speed, ttft, busy = offline["speed"], offline["ttft"], offline["busy"]
-R, P, W = speed["with"].median_ms, speed["without"].median_ms, offline["bound"]
+per_token, ttft = offline["per_token"], offline["ttft"]
+R, P, W = 1e3 / per_token["with"].median_ms, 1e3 / per_token["without"].median_ms, offline["bound"]
 K, N = offline["prefill"]["with"], offline["prefill"]["without"]
 print(f"prefix cache: hit rate {offline['hit']:.0%}, prefill tokens {K} of {N} computed, "
       f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
       f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
       f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}")
-verdict = "outside" if outside_noise(busy["with"], busy["without"]) else "within (no speedup claimed)"
-print(f"runs: {len(offline['runs']['with'])} with the cache, {len(offline['runs']['without'])} "
-      "without; their busy seconds, median (IQR):")
-print("  " + ", ".join(f"{k} {t.median_ms:.2f} ({t.q1_ms:.2f}-{t.q3_ms:.2f})" for k, t in busy.items())
-      + f"; the speedup is {verdict} the noise")
+for name, t in per_token.items():
+    print(f"{name} the cache: median {1e3 / t.median_ms:.0f} tokens/s, IQR {1e3 / t.q3_ms:.0f}-"
+          f"{1e3 / t.q1_ms:.0f}, over {t.runs} runs")
+apart = outside_noise(per_token["with"], per_token["without"])
+print("the speedup " + ("stands: the IQRs of the runs do not overlap" if apart else
+                        "is not claimed: the IQRs of the runs overlap"))
 
 # %%
 # Counting tokens alone, the cache computes ``K`` prompt tokens and the same
@@ -336,7 +342,7 @@ import matplotlib.pyplot as plt
 from ragged_toolkit.figures import FIGURE_STYLE
 from ragged_toolkit.serving.requests import poisson_arrivals
 
-rate = LOAD * S.requests / busy["without"].median_ms  # requests/s
+rate = LOAD * S.requests / np.median([busy_seconds(run) for run in offline["runs"]["without"]])  # requests/s
 arriving = fresh_requests(systems, poisson_arrivals(np.random.default_rng(setup.seed + 1),
                                                      S.requests, rate))
 online = with_and_without(arriving)
@@ -374,8 +380,8 @@ plt.show()
 
 chat = with_and_without(chats)
 can = reusable_tokens(chat["runs"]["with"][0].requests, S.block)
-R2, P2 = chat["speed"]["with"].median_ms, chat["speed"]["without"].median_ms
-same = not outside_noise(chat["busy"]["with"], chat["busy"]["without"])
+R2, P2 = (1e3 / chat["per_token"][k].median_ms for k in ("with", "without"))
+same = not outside_noise(chat["per_token"]["with"], chat["per_token"]["without"])
 print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts, each turn after "
       f"the last: {can / sum(len(r.prompt) for r in chats):.0%}),")
 print(f"  prefill tokens {chat['prefill']['with']} of {chat['prefill']['without']} computed")
@@ -417,7 +423,7 @@ plt.show()
 # each step that every block is free, idle or held, its readers counted.
 
 pressure_caches, small = [], int(S.pressure * ample)
-[pressed] = repeat_turns(starter(systems, True, small, pressure_caches, check=True), runs=1)
+[pressed] = take_turns(starter(systems, True, small, pressure_caches, check=True))
 preempted = sum(r.preempted for r in pressed[0].requests)
 evicted = pressure_caches[0].evictions
 assert preempted > 0 and evicted > 0, "the cache was never short: nothing tested eviction"

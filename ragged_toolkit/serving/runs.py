@@ -1,34 +1,20 @@
-"""Servers run again and again, taking turns step by step, so that every
-figure of a run comes with the median and interquartile range over its runs
-(and a speedup is claimed only outside that spread, by the site's noise
-rule, :func:`~ragged_toolkit.measuring.noise.outside_noise`); and what
-skipping prompt tokens could buy at this device's costs, read from a run's
-own steps. Nothing here reads a clock: the steps were timed by the server."""
+"""What repeated serving runs (``take_turns(..., runs=n)``) measured and
+proved: any figure of a run as the median and interquartile range over its
+runs (:func:`spread`; a speedup is claimed only outside that spread, by the
+site's noise rule, :func:`~ragged_toolkit.measuring.noise.outside_noise`);
+what skipping prompt tokens could buy at this device's costs, read from a
+run's own steps; and every request of every run against decoding it alone.
+Nothing here reads a clock: the server timed the steps."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..measuring.noise import MIN_RUNS
 from ..measuring.timing import Timing
 from .proof import check_against_alone
-from .server import take_turns
 
-__all__ = ["repeat_turns", "busy_seconds", "spread", "prompt_token_seconds", "skipping_bound",
-           "prove_every_run"]
-
-
-def repeat_turns(*starts, runs=MIN_RUNS):
-    """Runs of :func:`~ragged_toolkit.serving.server.take_turns` again until
-    each of ``starts`` has ended at least ``runs`` times, all of them
-    stepping in turn. Returns, for each, its
-    :class:`~ragged_toolkit.serving.server.ServingRun` s."""
-    done = [[] for _ in starts]
-    while min(map(len, done)) < runs:
-        for mine, more in zip(done, take_turns(*starts)):
-            mine += more
-    return done
+__all__ = ["busy_seconds", "spread", "prompt_token_seconds", "skipping_bound", "prove_every_run"]
 
 
 def busy_seconds(run):

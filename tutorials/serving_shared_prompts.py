@@ -519,7 +519,7 @@ for n_req, prefix, suffix in S.shared_cases:
         "gathered": functools.partial(gathered_attention, q, layout, 0),
         "shared": functools.partial(shared_prefix_attention, q, shared, 0, plan)})
 
-timed = {case: measure(c["paths"], min_run_time=0.6, profile=False) for case, c in cases.items()}
+timed = {case: measure(c["paths"], min_run_time=1.0, rounds=5, profile=False) for case, c in cases.items()}
 for (n_req, prefix, suffix), t in timed.items():
     gain, bound = t["gathered"].median_ms / t["shared"].median_ms, cases[n_req, prefix, suffix]["bound"]
     print(f"shared-prefix attention: {n_req} requests over a prefix of {prefix} tokens, suffixes "

@@ -107,7 +107,9 @@ RESULTS = ROOT / "gpu-results"  # where `record` writes; sphinxext/gpu_results.p
 RECORD_FILE = "summary.json"
 
 FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")
-TRAINING = re.compile(r"^(?:\w+ )?training: ragged .*$", re.M)  # "hf training: ragged ..." too
+# "training: ragged ...", "hf training against length-grouped padding: ragged ...",
+# "hybrid training: packed ..."
+TRAINING = re.compile(r"^(?:\w+ )?training(?: against [\w-]+ padding)?: (?:ragged|packed) .*$", re.M)
 # the data-parallel page: one line per wrapper and launch (gloo on the CPU, NCCL per GPU)
 DATA_PARALLEL = re.compile(r"^data-parallel step: world size (\d+), gradient max difference "
                            r"to one process (\S+)$", re.M)
@@ -116,6 +118,10 @@ KEY_LINES = {
     "speedup": re.compile(r"^.*\bspeedup \d.*$", re.M),
     "training": TRAINING,
     "serving": re.compile(r"^\s*(?:[\w-]+ )*serving\b.*\d.*$", re.M | re.I),
+    # the shared-prompts page: the prefix cache and shared-prefix attention
+    "prefix": re.compile(r"^(?:prefix cache: hit rate|shared-prefix attention: \d).*$", re.M),
+    # the recurrent page: each layer packed against padded, and transformers with and without resets
+    "recurrent": re.compile(r"^(?:recurrent layer [\w ]+: packed|transformers \S+ .* on a packed row: ).*$", re.M),
     # the timings (median, IQR, peak) with the attention kernels that ran in
     # brackets, a label wrapped onto a line of its own, and lines naming them
     "kernels": re.compile(r"^(?:.*\bms \(IQR\b.*|.*MiB\b.*\[[^\]]+\][ \t]*|[ \t]+\[[^\]]+\][ \t]*"

@@ -522,6 +522,10 @@ BOUND = {"inference": causal_bound, "training": causal_bound, "GQA": causal_boun
          "decoding": work_bound(torch.ones_like(lengths), lengths, work=PAIRS),  # one query, its keys in use
          "score_mod": work_bound(lengths, work=PAIRS), "serving": padded_pairs / serving_pairs}
 ROWS = ("padded tensors", "one row + mask", *BACKENDS, "flex (refreshed)")  # every path, the baseline first
+BEYOND = {  # what two other pages measure for these jobs
+    "serving": "\nwith shared prompts: a prefix cache, and shared-prefix attention where many requests "
+               "share a long prefix (serving_shared_prompts)",
+    "training": "\nhybrid models: recurrent layers reset at every document (packed_recurrent_layers)"}
 guide = []
 for job, results in table.items():
     ran = {name: r for name, r in results.items() if isinstance(r, Timing)}
@@ -534,7 +538,7 @@ for job, results in table.items():
     chosen = f"{best}, {ran[best].median_ms:.2f} ms" + (f"\nkernels: {ran[best].kernels}" if ran[best].kernels else "")
     versus = ((f"{ragged}: " if ragged != best else "") + f"speedup {gain:.2f}x\nwork bound {bound:.2f}x\n"
               f"fraction {gain / bound:.2f}" + ("" if outside_noise(padded, ran[ragged]) else " (within noise)"))
-    guide.append([job, chosen, versus, ", ".join(then),
+    guide.append([job, chosen, versus, ", ".join(then) + BEYOND.get(job, ""),
                   ", ".join(name for name, r in results.items() if not isinstance(r, Timing))])
 Table(["job", "chosen here", "against padded tensors", "then", "not here"], guide, css_class="decision-guide")
 
@@ -579,7 +583,12 @@ plt.show()
 #   the square of the batch's tokens, not with the sum of its sequences';
 # * FlexAttention is the only path here that takes an arbitrary score
 #   function; whether it has a backward on this device, ``backend_support``
-#   says (on a CPU it has none).
+#   says (on a CPU it has none);
+# * attention is not every layer: a hybrid model's recurrent layers need
+#   their state and convolution reset at every document of a packed row
+#   (:doc:`packed_recurrent_layers`), and a server whose requests share
+#   prompts gains most from caching them (:doc:`serving_shared_prompts`);
+#   those pages measure what each buys on the build's device.
 #
 # References
 # ----------

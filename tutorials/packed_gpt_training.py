@@ -166,6 +166,7 @@ print(f"corpus: {len(docs)} documents, {len(stream_tokens):,} tokens, from {sour
 rows = split_by_token_budget(stream_tokens[:n_tokens], stream_offsets, ROW_LEN)  # STEPS * rows rows
 steps = [concat_batches(rows[i:i + S.rows]) for i in range(0, len(rows), S.rows)]  # (rows * ROW_LEN,) each
 n_docs = int(torch.searchsorted(stream_offsets, n_tokens))  # the documents the rows touch
+assert n_docs >= STEPS, f"{n_docs} documents for {STEPS} padded steps: make each step longer (more rows)"
 row_starts = torch.arange(ROW_LEN, n_tokens, ROW_LEN)
 cut = int((~torch.isin(row_starts, stream_offsets)).sum())  # row starts inside a document
 used = torch.cat([stream_offsets[:n_docs], torch.tensor([n_tokens])])  # the last one as far as the rows go
@@ -176,30 +177,26 @@ print(f"packing: {S.rows} rows of {ROW_LEN} tokens per step, 100% of token slots
 print(f"carrying them instead: {len(carried)} rows for the same tokens, {carried_real:.0%} of the slots real")
 
 # %%
-# Hugging Face's ``DataCollatorWithFlattening`` is the other common scheme:
-# it flattens each batch of whole documents into one row, so the row's
-# length changes with every batch (:doc:`hf_packed_training` trains that
-# way). Nothing is cut, nothing is padded, and every step has a new shape,
-# which a compiled model meets as a new input size.
+# Hugging Face's ``DataCollatorWithFlattening`` instead flattens each batch
+# of whole documents into one row (:doc:`hf_packed_training`): nothing cut,
+# nothing padded, and a new shape, a new input size to compile, every step.
 #
 # Two padded trainers
 # -------------------
 # The padded trainers see the same documents, whole (each cut at the
 # context), in as many steps as the packed trainer, batched two ways:
 #
-# * **naive**: in stream order, the documents split into ``STEPS`` batches
-#   of (nearly) equal count, each padded to its longest document;
-# * **grouped**: as Hugging Face's ``group_by_length``: the documents of a
-#   window of a few batches are sorted by length and cut again into
-#   batches of the same counts, which are shuffled, so that a batch holds
-#   documents of similar length and little padding. It changes which
-#   documents share a step.
+# * **naive**: in stream order, ``STEPS`` batches of (nearly) equal count,
+#   each padded to its longest document;
+# * **grouped**: as Hugging Face's ``group_by_length``, the documents of a
+#   window of a few batches sorted by length and cut again into batches of
+#   the same counts, then shuffled: little padding, but which documents
+#   share a step depends on their length.
 
 
 def group_by_length(batches, lengths, window, rng):
-    """The documents of every ``window`` consecutive batches (arrays of
-    document indices) sorted by ``lengths``, longest first, and cut again
-    into batches of the same sizes; then the batches shuffled."""
+    """Every ``window`` consecutive batches (arrays of document indices) sorted by
+    ``lengths``, longest first, cut again into batches of the same sizes; all shuffled."""
     out = []
     for lo in range(0, len(batches), window):
         chunk = batches[lo:lo + window]
@@ -308,27 +305,24 @@ print(f"{n} sequences: loss {packed_n[0].item():.4f} packed, {padded_n[0].item()
 # Compile, or not
 # ---------------
 # ``ragged_attention`` given the batch's plan compiles into a model's graph
-# with ``fullgraph=True`` (a graph break would be an error), but a graph is
-# specialized to what the plan holds as Python values. The loop backend's
-# plan holds every sequence's length, so a compiled model would compile a
-# graph for every batch of new lengths; FlexAttention's plan holds a
-# ``BlockMask`` of one shape for every step of ``rows * ROW_LEN`` tokens. So
-# the compiled packed trainer takes the flex plan where FlexAttention
-# trains, and otherwise (on a CPU it has no backward) the rows layout,
-# ``PackedRows``: one SDPA call over the ``(rows, ROW_LEN)`` rows with a
-# block-diagonal causal mask, built before the model runs, every shape fixed.
+# with ``fullgraph=True`` (a graph break is an error), a graph specialized
+# to what the plan holds as Python values. The loop backend's plan holds
+# every sequence's length: a graph for every batch of new lengths.
+# FlexAttention's plan holds a ``BlockMask`` of one shape for every step of
+# ``rows * ROW_LEN`` tokens: one graph. So the compiled packed trainer takes
+# the flex plan where FlexAttention trains, and otherwise (a CPU: no
+# backward) the rows layout, ``PackedRows``: one SDPA call over the
+# ``(rows, ROW_LEN)`` rows with a block-diagonal causal mask, every shape fixed.
 #
 # .. literalinclude:: ../ragged_toolkit/layouts.py
 #    :pyobject: PackedRows
 #
-# Each trainer then runs a few steps eager and compiled, on copies of the
-# model, interleaved, and the rule of :doc:`measuring_ragged_batches`
-# chooses (within the noise: eager). The padded trainers, whose batch shape
-# changes every step, compile with dynamic shapes. The step time is per
-# thousand real tokens; compiles fall into the warm-up steps, left out. Each
-# compiled trainer's graphs and graph breaks are counted over its steps; a
-# trainer that meets a graph already compiled compiles none (the grouped
-# trainer runs the naive one's model code).
+# Each trainer runs a few steps eager and compiled, on copies of the model,
+# interleaved, and the rule of :doc:`measuring_ragged_batches` chooses
+# (within the noise: eager), on the time per thousand real tokens after
+# the warm-up steps (compiling falls in those). The padded trainers compile
+# with dynamic shapes. Each compiled trainer's graphs and graph breaks are
+# counted over its steps (the grouped trainer reuses the naive one's graphs).
 
 from dataclasses import dataclass, field
 
@@ -379,8 +373,8 @@ print(f"compiled packed trainer: {'the flex plan' if why_not_flex is None else '
       f"({why_not_flex or 'FlexAttention trains here'}); eager: the {EAGER_BACKEND} plan")
 
 # %%
-# The probe: on a GPU, every trainer first meets every batch shape (cuDNN
-# builds a plan per shape), through the very step it is timed with.
+# On a GPU, every trainer first meets every batch shape (cuDNN plans one per
+# shape), through the step it is timed with.
 
 from ragged_toolkit.measuring.noise import choose
 from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
@@ -407,9 +401,8 @@ for kind in batches:
                            f"{kind} trainer (ms per 1k tokens)") == "compiled"
 
 # %%
-# The compiled packed step, from the same weights, on the first step's
-# batch, gives the eager packed step's loss and gradients (its graph is the
-# one compiled above).
+# From the same weights, on the first batch, the compiled packed step (its
+# graph compiled above) gives the eager step's loss and gradients.
 
 tokens, offsets = batches["packed"][0]
 packed_step = loss_and_grads(lambda m: packed_loss(m, tokens, offsets, PackedLayout.of(offsets, "loop")))
@@ -444,10 +437,9 @@ for kind, timer in timers.items():
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # What each trainer must compute per real token (``model_work``: twice the
 # weights of every matrix per token, and per query-key pair the scores and
-# the sum over values in every layer), the causal half on every side: the
-# padded causal kernel skips the masked half too. Each padded trainer's
-# bound is computed from its own batches; :doc:`measuring_ragged_batches`
-# says what the :term:`fraction of the bound` means.
+# the sum over values in every layer), the causal half on every side (the
+# padded causal kernel skips the masked half too), each padded trainer from
+# its own batches; the :term:`fraction of the bound`: :doc:`measuring_ragged_batches`.
 
 from ragged_toolkit.measuring.bound import model_work, throughput_line, work_per_token
 from ragged_toolkit.measuring.noise import outside_noise
@@ -464,30 +456,27 @@ bound = {kind: work_per_token(lengths_of(kind), work, padded=True) / work_per_to
          for kind in ("naive", "grouped")}
 for kind, label in (("naive", "training"), ("grouped", "training against length-grouped padding")):
     print(throughput_line(label, packed_speed, timers[kind].tokens_per_s(WARMUP_STEPS), bound[kind]))
-faster = {kind: outside_noise(timers["packed"].per_1k_tokens(WARMUP_STEPS), timers[kind].per_1k_tokens(WARMUP_STEPS))
-          and packed_speed > timers[kind].tokens_per_s(WARMUP_STEPS) for kind in bound}
-print(f"packing was {'faster than' if faster['naive'] else 'not faster, beyond the noise, than'} naive padding "
-      f"(bound {bound['naive']:.2f}x) and {'faster than' if faster['grouped'] else 'not faster, beyond the noise, than'} "
+per_1k = {kind: timer.per_1k_tokens(WARMUP_STEPS) for kind, timer in timers.items()}
+than = {kind: "faster than" if outside_noise(per_1k["packed"], per_1k[kind]) and per_1k["packed"].median_ms
+        < per_1k[kind].median_ms else "not faster, beyond the noise, than" for kind in bound}
+print(f"packing was {than['naive']} naive padding (bound {bound['naive']:.2f}x) and {than['grouped']} "
       f"length-grouped padding, whose bound is {bound['grouped']:.2f}x: "
       + ("little padding left to remove" if bound["grouped"] < 1.25 else "padding still worth removing"))
 
 # %%
 # Against naive padding, the bound is what padding a random batch to its
-# longest document costs, and the line above says how much of it packing
-# turned into speed here. Against length-grouped padding the bound is what
-# sorted windows leave (the last line says whether that is little). What
+# longest document costs; against length-grouped padding, what sorted
+# windows leave; the lines above say what this run turned into speed. What
 # packing buys even where the bound is small: one shape for every step
 # (``rows * ROW_LEN`` tokens; the compiled packed trainer's graphs are
 # counted above), a memory footprint that does not depend on which
-# documents meet in a step, and batches whose composition does not depend
-# on length, where grouping puts the long documents together.
+# documents meet in a step, and batches whose make-up does not depend on
+# length, where grouping puts the long documents together.
 #
-# The loss curves: the trainers see the same documents in different
-# batches, so their curves differ by the batches they saw, not only by
+# The loss curves differ by the batches each trainer saw, not only by
 # rounding; the page asserts that each learned at least how often each byte
-# occurs (the mean of its last five losses below 70% of a uniform guess over
-# the 256 bytes, ln 256 = 5.55 nats) and prints the spread of the last
-# losses.
+# occurs (its last five losses below 70% of a uniform guess over 256 bytes,
+# ln 256 = 5.55 nats) and prints the spread of the last losses.
 
 import math
 

@@ -276,19 +276,19 @@ from ragged_toolkit.device import tolerances
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def loss_and_grads(loss_of, model=model):
-    """The loss ``loss_of(copy)`` on a copy of ``model``, and every gradient."""
+def loss_and_grads(loss_of):
+    """The loss ``loss_of(copy)`` on a copy of the model, and every gradient, by name."""
     copy_ = copy.deepcopy(model)
     loss = loss_of(copy_)
     loss.backward()
-    return loss, {n: p.grad for n, p in copy_.named_parameters()}
+    return dict(loss=loss, grads={n: p.grad for n, p in copy_.named_parameters()})
 
 
 def check_same(name, got, want):
-    torch.testing.assert_close(got[0], want[0], **tolerances(DTYPE), msg=lambda m: f"{name}, loss: {m}")
-    for n, g in got[1].items():
-        torch.testing.assert_close(g, want[1][n], **tolerances(DTYPE), msg=lambda m, n=n: f"{name}, {n}: {m}")
-    return max((g - want[1][n]).abs().max().item() for n, g in got[1].items())
+    torch.testing.assert_close(got["loss"], want["loss"], **tolerances(DTYPE), msg=lambda m: f"{name}, loss: {m}")
+    for n, g in got["grads"].items():
+        torch.testing.assert_close(g, want["grads"][n], **tolerances(DTYPE), msg=lambda m, n=n: f"{name}, {n}: {m}")
+    return max((g - want["grads"][n]).abs().max().item() for n, g in got["grads"].items())
 
 
 tokens, offsets = batches["packed"][0]
@@ -298,7 +298,7 @@ packed_n = loss_and_grads(lambda m: packed_loss(m, tokens_n, offsets_n, PackedLa
 with sdpa_kernel(SDPBackend.MATH):
     padded_n = loss_and_grads(lambda m: padded_loss(m, tokens_n, offsets_n))
 gap = check_same("padded, math path", padded_n, packed_n)
-print(f"{n} sequences: loss {packed_n[0].item():.4f} packed, {padded_n[0].item():.4f} padded; "
+print(f"{n} sequences: loss {packed_n['loss'].item():.4f} packed, {padded_n['loss'].item():.4f} padded; "
       f"all {n_params} gradients agree (largest difference {gap:.1e})")
 
 # %%
@@ -425,8 +425,9 @@ trainers = {kind: Trainer(kind, models[kind], COMPILE[kind], losses[kind]) for k
 timers = {kind: StepTimer() for kind in batches}
 for step_i in range(STEPS):
     for kind, trainer in trainers.items():
-        with timers[kind].step(len(batches[kind][step_i][0])):
-            trainer.step(*batches[kind][step_i])
+        tokens_i, offsets_i = batches[kind][step_i]
+        with timers[kind].step(len(tokens_i)):
+            trainer.step(tokens_i, offsets_i)
 for kind, timer in timers.items():
     assert sum(timer.graphs[WARMUP_STEPS:]) == 0, f"{kind}: a graph was compiled inside the timed steps"
     print(f"{kind:8s} loss {np.mean(losses[kind][:3]):.3f} -> {np.mean(losses[kind][-5:]):.3f}, "

@@ -343,14 +343,14 @@ for job, spec in jobs.items():
 # The whole transformer, both sides with the same weights, eager, dropout 0.
 # First each of our layers, in the page's dtype on the chosen backends, fed
 # what ``torch.nn``'s layer got in float32, must give that layer's output
-# within the dtype's tolerance: layer by layer, as rounding adds up with
+# within the tolerance of the dtype: layer by layer, as rounding adds up with
 # depth (at the CUDA sizes, twelve ``bfloat16`` layers miss that tolerance
 # as a whole, and each layer meets it). Then forward, and forward+backward.
 
 
 def check_layers(reference, ours, plans, src_off, tgt_off, run_reference):
     """Each layer of ``ours`` (in its dtype) on the input its ``torch.nn`` twin got in
-    ``run_reference()``: the twin's output within the dtype's tolerance. Returns how many."""
+    ``run_reference()``: the twin's output within the dtype tolerance. Returns how many."""
     seen = []  # every torch.nn layer's inputs and output, in the order they ran
     hooks = [layer.register_forward_hook(lambda m, args, out: seen.append((args, out)))
              for layer in (*reference.encoder.layers, *reference.decoder.layers)]

@@ -458,21 +458,21 @@ bound = {kind: work_per_token(lengths_of(kind), work, padded=True) / work_per_to
 for kind, label in (("naive", "training"), ("grouped", "training against length-grouped padding")):
     print(throughput_line(label, packed_speed, timers[kind].tokens_per_s(WARMUP_STEPS), bound[kind]))
 per_1k = {kind: timer.per_1k_tokens(WARMUP_STEPS) for kind, timer in timers.items()}
-than = {kind: "faster than" if outside_noise(per_1k["packed"], per_1k[kind]) and per_1k["packed"].median_ms
-        < per_1k[kind].median_ms else "not faster, beyond the noise, than" for kind in bound}
-print(f"packing was {than['naive']} naive padding (bound {bound['naive']:.2f}x) and {than['grouped']} "
-      f"length-grouped padding, whose bound is {bound['grouped']:.2f}x: "
-      + ("little padding left to remove" if bound["grouped"] < 1.25 else "padding still worth removing"))
+noise = {kind: "outside" if outside_noise(per_1k["packed"], per_1k[kind]) else "within" for kind in bound}
+print(f"median step per 1k real tokens: packed {per_1k['packed'].median_ms:.0f} ms, naive "
+      f"{per_1k['naive'].median_ms:.0f} ms ({noise['naive']} the noise), length-grouped "
+      f"{per_1k['grouped'].median_ms:.0f} ms ({noise['grouped']} the noise)")
 
 # %%
 # Against naive padding, the bound is what padding a random batch to its
 # longest document costs; against length-grouped padding, what sorted
-# windows leave; the lines above say what this run turned into speed. What
-# packing buys even where the bound is small: one shape for every step
-# (``rows * ROW_LEN`` tokens; the compiled packed trainer's graphs are
-# counted above), a memory footprint that does not depend on which
-# documents meet in a step, and batches whose make-up does not depend on
-# length, where grouping puts the long documents together.
+# windows leave. The lines above say what this run turned into speed, and
+# whether its steps differ beyond the noise. What packing buys even where
+# the bound is small: one shape for every step (``rows * ROW_LEN`` tokens;
+# the compiled packed trainer's graphs are counted above), a memory
+# footprint that does not depend on which documents meet in a step, and
+# batches whose make-up does not depend on length, where grouping puts the
+# long documents together.
 #
 # The loss curves differ by the batches each trainer saw, not only by
 # rounding; the page asserts that each learned at least how often each byte

@@ -172,8 +172,8 @@ cut = int((~torch.isin(row_starts, stream_offsets)).sum())  # row starts inside 
 used = torch.cat([stream_offsets[:n_docs], torch.tensor([n_tokens])])  # the last one as far as the rows go
 carried = split_carrying_documents(stream_tokens[:n_tokens], used, ROW_LEN)
 carried_real = sum(len(t) for t, _ in carried) / (len(carried) * ROW_LEN)
-print(f"packing: {S.rows} rows of {ROW_LEN} tokens per step, 100% of token slots hold real tokens, "
-      f"{cut} documents cut")
+print(f"packing: {S.rows} rows of {ROW_LEN} tokens per step, {n_tokens / (len(rows) * ROW_LEN):.0%} of token "
+      f"slots hold real tokens, {cut} documents cut")
 print(f"carrying them instead: {len(carried)} rows for the same tokens, {carried_real:.0%} of the slots real")
 
 # %%
@@ -322,7 +322,8 @@ print(f"{n} sequences: loss {packed_n['loss'].item():.4f} packed, {padded_n['los
 # (within the noise: eager), on the time per thousand real tokens after
 # the warm-up steps (compiling falls in those). The padded trainers compile
 # with dynamic shapes. Each compiled trainer's graphs and graph breaks are
-# counted over its steps (the grouped trainer reuses the naive one's graphs).
+# counted over its steps (one that meets a graph already compiled, as the
+# grouped trainer may meet the naive one's, compiles none).
 
 from dataclasses import dataclass, field
 
@@ -376,7 +377,7 @@ print(f"compiled packed trainer: {'the flex plan' if why_not_flex is None else '
 # On a GPU, every trainer first meets every batch shape (cuDNN plans one per
 # shape), through the step it is timed with.
 
-from ragged_toolkit.measuring.noise import choose
+from ragged_toolkit.measuring.noise import MIN_RUNS, choose
 from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
 
 if DEVICE == "cuda":
@@ -384,7 +385,7 @@ if DEVICE == "cuda":
         warm = Trainer(kind, copy.deepcopy(model))
         warm_every_shape(lambda batch: warm.step(*batch), batches[kind],
                          lambda batch: (len(batch[1]) - 1, int(batch[1].diff().max())))  # (B, S) padded
-PROBE = WARMUP_STEPS + (3 if setup.quick else 6)
+PROBE = WARMUP_STEPS + (3 if setup.quick else MIN_RUNS)  # MIN_RUNS: the fewest timed runs choose reads
 torch._dynamo.reset()  # the counts start here
 COMPILE = {}
 for kind in batches:

@@ -344,8 +344,8 @@ for job, spec in jobs.items():
 # First each of our layers, in the page's dtype on the chosen backends, fed
 # what ``torch.nn``'s layer got in float32, must give that layer's output
 # within the tolerance of the dtype: layer by layer, as rounding adds up with
-# depth (at the CUDA sizes, twelve ``bfloat16`` layers miss that tolerance
-# as a whole, and each layer meets it). Then forward, and forward+backward.
+# depth, and a tolerance meant for one layer is not one for twelve. Then the
+# forward pass, and forward and backward.
 
 
 def check_layers(reference, ours, plans, src_off, tgt_off, run_reference):

@@ -56,7 +56,7 @@ from ragged_toolkit.device import page_setup
 SIZES = {
     "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
                             max_seq_len=2048),
-                 rows=8, train_tokens=1_310_720, corpus_documents=None, lr=1e-3, prompts=64),  # 80 steps
+                 rows=8, train_tokens=1_048_576, corpus_documents=None, lr=1e-3, prompts=64),  # 64 steps
     "cpu": dict(model=dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
                            max_seq_len=512),
                 rows=2, train_tokens=40_960, corpus_documents=3000, lr=6e-3, prompts=16),  # 40 steps

@@ -48,15 +48,15 @@ prompts of different lengths.
 # tokens are bytes (a vocabulary of 256), so that no tokenizer is needed. A
 # step is ``rows`` rows of the model's context (``max_seq_len`` tokens); a
 # run reads ``train_tokens`` tokens of the ``corpus_documents`` documents it
-# asks the corpus for (``None``: every one). Real runs: width 2048 and up,
-# rows of 2,048 to 8,192 tokens, many rows per step, billions of tokens.
+# asks the corpus for. Real runs: width 2048 and up, rows of 2,048 to 8,192
+# tokens, many rows per step, billions of tokens.
 
 from ragged_toolkit.device import page_setup
 
 SIZES = {
     "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
                             max_seq_len=2048),
-                 rows=8, train_tokens=1_048_576, corpus_documents=None, lr=1e-3, prompts=64),  # 64 steps
+                 rows=8, train_tokens=1_048_576, corpus_documents=6000, lr=1e-3, prompts=64),  # 64 steps
     "cpu": dict(model=dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
                            max_seq_len=512),
                 rows=2, train_tokens=40_960, corpus_documents=3000, lr=6e-3, prompts=16),  # 40 steps
@@ -184,29 +184,26 @@ print(f"carrying them instead: {len(carried)} rows for the same tokens, {carried
 # Two padded trainers
 # -------------------
 # The padded trainers see the same documents, whole (each cut at the
-# context), in as many steps as the packed trainer, batched two ways:
+# context), in as many steps as the packed trainer, ``B`` documents a step:
+# those the rows touch and the next few of the stream, to fill the last step
+# (where the corpus has no more, ``B`` rounds down and leaves a few out).
+# Two ways to batch them:
 #
-# * **naive**: in stream order, ``STEPS`` batches of (nearly) equal count,
-#   each padded to its longest document;
+# * **naive**: in stream order, each batch padded to its longest document;
 # * **grouped**: as Hugging Face's ``group_by_length``, the documents of a
-#   window of a few batches sorted by length and cut again into batches of
-#   the same counts, then shuffled: little padding, but which documents
-#   share a step depends on their length.
+#   window of a few batches sorted by length and cut into batches again,
+#   then shuffled: little padding, but which documents share a step
+#   depends on their length.
+#
+# .. literalinclude:: ../ragged_toolkit/data.py
+#    :pyobject: group_by_length
 
+from ragged_toolkit.data import group_by_length
 
-def group_by_length(batches, lengths, window, rng):
-    """Every ``window`` consecutive batches (arrays of document indices) sorted by
-    ``lengths``, longest first, cut again into batches of the same sizes; all shuffled."""
-    out = []
-    for lo in range(0, len(batches), window):
-        chunk = batches[lo:lo + window]
-        ranked = sorted(np.concatenate(chunk), key=lambda i: -lengths[i])
-        out += np.split(np.array(ranked), np.cumsum([len(b) for b in chunk])[:-1])
-    return [out[i] for i in rng.permutation(len(out))]
-
-
-doc_lengths = stream_offsets[:n_docs + 1].diff().clamp(max=ROW_LEN)  # whole documents, cut at the context
-naive = np.array_split(np.arange(n_docs), STEPS)  # in stream order
+B = min(-(-n_docs // STEPS), (len(stream_offsets) - 1) // STEPS)  # documents per padded step
+doc_lengths = stream_offsets[:STEPS * B + 1].diff().clamp(max=ROW_LEN)  # whole documents, cut at the context
+naive = [range(i * B, (i + 1) * B) for i in range(STEPS)]  # in stream order
+print(f"padded trainers: {STEPS} steps of {B} documents, {STEPS * B} for the {n_docs} the rows touch")
 
 
 def padded_batch(indices):
@@ -216,13 +213,12 @@ def padded_batch(indices):
 
 
 batches = {"packed": steps, "naive": [padded_batch(b) for b in naive],
-           "grouped": [padded_batch(b) for b in group_by_length(naive, doc_lengths.tolist(), 4, rng)]}
+           "grouped": [padded_batch(b) for b in group_by_length(doc_lengths.tolist(), B, 4, rng)]}
 assert {len(b) for b in batches.values()} == {STEPS}, "every trainer makes as many steps as the packed one"
 for name in ("naive", "grouped"):
     lengths = [o.diff() for _, o in batches[name]]
     slots = sum(len(n) * int(n.max()) for n in lengths) / sum(int(n.sum()) for n in lengths)
-    print(f"{name}: {STEPS} steps of {min(map(len, lengths))} to {max(map(len, lengths))} documents, "
-          f"padded slots {slots:.2f}x the real tokens")
+    print(f"{name}: padded slots {slots:.2f}x the real tokens")
 batches = {name: [(t.to(DEVICE), o.to(DEVICE)) for t, o in b] for name, b in batches.items()}
 
 # %%

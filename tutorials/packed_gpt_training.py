@@ -6,8 +6,9 @@ Train a small modern GPT on real documents packed as ``torchtitan`` packs
 them: the document stream cut into rows of a fixed length, each row a
 packed batch with its offsets, so that every step has one shape. Measure it
 against two padded trainers on the same documents, naive padding and the
-length-grouped padding a careful practitioner uses, compiled where
-compiling wins. Then a packed prefill of prompts of different lengths.
+length-grouped padding a careful practitioner uses, each trainer eager or
+compiled as a measurement on this device decides. Then a packed prefill of
+prompts of different lengths.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -23,21 +24,49 @@ compiling wins. Then a packed prefill of prompts of different lengths.
          flattening each batch (Hugging Face's collator)
        * What packing buys over naive padding and over length-grouped
          padding, each beside its :term:`work bound`, and how a packed
-         trainer compiles into one graph with no graph break
+         training step compiles with ``fullgraph=True``, with no graph break
        * How to prefill packed prompts into a KV cache
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
        * :doc:`transformer_building_blocks` (packed values and offsets,
-         ``ragged_attention``) and :doc:`measuring_ragged_batches` (how the
-         site times and chooses); the model and helpers come from the
-         site's toolkit (:doc:`reference </toolkit>`)
+         ``plan_batch`` and ``ragged_attention``) and
+         :doc:`measuring_ragged_batches` (how the site times and chooses);
+         the model and helpers come from the site's toolkit
+         (:doc:`reference </toolkit>`)
        * PyTorch 2.11 or later; a CPU is enough, a CUDA GPU runs the page at
          a larger scale in ``bfloat16``
 """
 
 # sphinx_gallery_tags = ["GPT", "training", "packing", "torch.compile", "benchmarks"]
+
+# %%
+# Sizes
+# -----
+# Every size is set here, per device; :term:`quick mode` shrinks them. The
+# tokens are bytes (a vocabulary of 256), so that no tokenizer is needed. A
+# step is ``rows`` rows of the model's context (``max_seq_len`` tokens); a
+# run reads ``train_tokens`` tokens of the ``corpus_documents`` documents it
+# asks the corpus for. Real runs: width 2048 and up, rows of 2,048 to 8,192
+# tokens, many rows per step, billions of tokens.
+
+from ragged_toolkit.device import page_setup
+
+SIZES = {
+    "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
+                            max_seq_len=2048),
+                 rows=8, train_tokens=1_048_576, corpus_documents=6000, lr=1e-3, prompts=64),  # 64 steps
+    "cpu": dict(model=dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
+                           max_seq_len=512),
+                rows=2, train_tokens=40_960, corpus_documents=3000, lr=6e-3, prompts=16),  # 40 steps
+    "quick": dict(model=dict(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256),
+                  rows=2, train_tokens=12_288, corpus_documents=1000, lr=2e-2, prompts=8),  # 24 steps
+}
+setup = page_setup(SIZES)  # device, dtype, quick mode, one CPU thread, the seed; prints them
+DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
+ROW_LEN = S.model["max_seq_len"]  # a row is the model's context
+WARMUP_STEPS = 3  # steps left out of every throughput figure (first calls, compiling)
 
 # %%
 # One model, two layouts
@@ -46,15 +75,16 @@ compiling wins. Then a packed prefill of prompts of different lengths.
 # only: embeddings, linear layers, norms, activations and residuals treat a
 # packed batch ``(T, dim)`` and a padded one ``(B, S, dim)`` alike. So one
 # model can run on both, if attention alone is told which it got: a small
-# *layout* object. ``Packed`` holds the offsets and calls
-# ``ragged_attention``; ``Padded`` runs one SDPA call (right padding and
-# ``is_causal``: a real token never sees a padding token, no mask needed).
+# *layout* object. ``PackedLayout`` holds the batch's plan (``plan_batch``,
+# built once per batch, causal) and calls ``ragged_attention``;
+# ``PaddedLayout`` runs one SDPA call (right padding and ``is_causal``: a
+# real token never sees a padding token, no mask needed).
 #
-# .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: Packed
+# .. literalinclude:: ../ragged_toolkit/layouts.py
+#    :pyobject: PackedLayout
 #
-# .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: Padded
+# .. literalinclude:: ../ragged_toolkit/layouts.py
+#    :pyobject: PaddedLayout
 #
 # (The cache is for generation, at the end.) A tiny model on documents of
 # 3, 1 and 4 tokens, packed and then padded, gives the same logits on every
@@ -66,54 +96,16 @@ from ragged_toolkit.batches import offsets_from_lengths, to_padded, token_index
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.layouts import PackedLayout, PaddedLayout
 
-torch.manual_seed(0)
 tiny = GPT(GPTConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                      max_seq_len=16))
 tokens = torch.tensor([5, 9, 2, 7, 3, 3, 8, 1])  # (T,): documents of 3, 1 and 4 tokens
 offsets = offsets_from_lengths([3, 1, 4])  # [0, 3, 4, 8]
 ids, valid = to_padded(tokens, offsets)  # (B, S) = (3, 4), right padding
 with torch.no_grad():
-    packed = tiny(tokens, token_index(offsets)[1], PackedLayout(offsets, "loop"))  # (T, vocab)
+    packed = tiny(tokens, token_index(offsets)[1], PackedLayout.of(offsets, "loop"))  # (T, vocab)
     padded = tiny(ids, torch.arange(4).expand_as(ids), PaddedLayout())  # (B, S, vocab)
 torch.testing.assert_close(packed, padded[valid])
 print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: equal on all 8 real tokens")
-
-# %%
-# Sizes
-# ~~~~~
-# Every size is set here, per device; :term:`quick mode` shrinks them. The
-# tokens are bytes (a vocabulary of 256), so that no tokenizer is needed.
-# A step is ``ROWS`` rows of ``ROW_LEN`` tokens. (Real runs: width 2048 and
-# up, rows of 2,048 to 8,192 tokens, many rows per step.)
-
-import numpy as np
-from ragged_toolkit.device import default_device, default_dtype, quick_mode, quiet_known_notes
-from ragged_toolkit.measuring.timing import TIMING_THREADS
-
-DEVICE = default_device()
-DTYPE = default_dtype(DEVICE)
-torch.set_num_threads(TIMING_THREADS)  # as every timing of the site (measuring_ragged_batches)
-QUICK = quick_mode()
-SEED = 0
-if DEVICE == "cuda":
-    MODEL = dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
-                 max_seq_len=2048)
-    ROWS, STEPS, LR, PROMPTS = 8, 200, 1e-3, 64
-else:
-    MODEL = dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
-                 max_seq_len=512)
-    ROWS, STEPS, LR, PROMPTS = 2, 40, 6e-3, 16
-if QUICK:
-    MODEL.update(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256)
-    ROWS, STEPS, LR, PROMPTS = 2, 24, 2e-2, 8
-ROW_LEN = MODEL["max_seq_len"]  # a row is the model's context
-WARMUP_STEPS = 3  # steps left out of every throughput figure (first calls, compiling)
-print(f"PyTorch {torch.__version__}, device: {DEVICE}, dtype: {DTYPE}, quick: {QUICK}")
-print("model: " + ", ".join(f"{k} {v}" for k, v in MODEL.items()))
-
-# sphinx_gallery_start_ignore
-quiet_known_notes()
-# sphinx_gallery_end_ignore
 
 # %%
 # The model
@@ -132,8 +124,8 @@ quiet_known_notes()
 # .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: GPT
 
-cfg = GPTConfig(**MODEL)
-torch.manual_seed(SEED)
+cfg = GPTConfig(**S.model)
+torch.manual_seed(setup.seed)
 model = GPT(cfg).to(DEVICE)  # every trainer starts from a copy of these weights
 n_params = sum(p.numel() for p in model.parameters())
 print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads")
@@ -150,72 +142,68 @@ print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.
 # the target across it. Every token slot holds a real token, and every step
 # has one shape. The alternative, *carrying* a document that does not fit
 # to the next row and padding the rest (``torchtune``'s default), keeps every
-# document whole at the price of padding.
+# document whole at the price of padding. The run takes ``train_tokens``
+# tokens, or as many whole steps as the corpus holds, and says which.
 #
 # .. literalinclude:: ../ragged_toolkit/data.py
 #    :pyobject: split_by_token_budget
 
+import numpy as np
 from ragged_toolkit.data import (
     concat_batches, docstring_corpus, pack_documents, split_by_token_budget, split_carrying_documents,
 )
 
-docs, source = docstring_corpus(min_chars=2)
-rng = np.random.default_rng(SEED)
+docs, source = docstring_corpus(min_chars=2, limit=S.corpus_documents)
+rng = np.random.default_rng(setup.seed)
 order = rng.permutation(len(docs))
-held_out = [docs[i] for i in order[:PROMPTS]]  # prompts for generation, at the end: never trained on
-stream_tokens, stream_offsets = pack_documents([docs[i] for i in order[PROMPTS:]])  # (T,), (B + 1,)
-rows = split_by_token_budget(stream_tokens, stream_offsets, ROW_LEN)[:STEPS * ROWS]
-steps = [concat_batches(rows[i:i + ROWS]) for i in range(0, len(rows), ROWS)]  # (ROWS * ROW_LEN,) each
-n_docs = int(torch.searchsorted(stream_offsets, STEPS * ROWS * ROW_LEN))  # documents the rows touch
-row_starts = torch.arange(ROW_LEN, STEPS * ROWS * ROW_LEN, ROW_LEN)
+held_out = [docs[i] for i in order[:S.prompts]]  # prompts for generation, at the end: never trained on
+stream_tokens, stream_offsets = pack_documents([docs[i] for i in order[S.prompts:]])  # (T,), (B + 1,)
+STEPS = min(S.train_tokens, len(stream_tokens)) // (S.rows * ROW_LEN)  # never more than the corpus holds
+n_tokens = STEPS * S.rows * ROW_LEN
+print(f"corpus: {len(docs)} documents, {len(stream_tokens):,} tokens, from {source}; training reads "
+      f"{n_tokens:,} of them in {STEPS} steps" + (f" (asked for {S.train_tokens:,}: the corpus holds fewer)"
+                                                  if n_tokens < S.train_tokens else ""))
+rows = split_by_token_budget(stream_tokens[:n_tokens], stream_offsets, ROW_LEN)  # STEPS * rows rows
+steps = [concat_batches(rows[i:i + S.rows]) for i in range(0, len(rows), S.rows)]  # (rows * ROW_LEN,) each
+n_docs = int(torch.searchsorted(stream_offsets, n_tokens))  # the documents the rows touch
+assert n_docs >= STEPS, f"{n_docs} documents for {STEPS} padded steps: make each step longer (more rows)"
+row_starts = torch.arange(ROW_LEN, n_tokens, ROW_LEN)
 cut = int((~torch.isin(row_starts, stream_offsets)).sum())  # row starts inside a document
-used = stream_offsets[:n_docs + 1].clone()
-used[-1] = STEPS * ROWS * ROW_LEN
-carried = split_carrying_documents(stream_tokens[:int(used[-1])], used, ROW_LEN)
+used = torch.cat([stream_offsets[:n_docs], torch.tensor([n_tokens])])  # the last one as far as the rows go
+carried = split_carrying_documents(stream_tokens[:n_tokens], used, ROW_LEN)
 carried_real = sum(len(t) for t, _ in carried) / (len(carried) * ROW_LEN)
-print(f"corpus: {len(docs)} documents from {source}")
-print(f"packing: {ROWS} rows of {ROW_LEN} tokens per step, 100% of token slots hold real tokens, "
-      f"{cut} documents cut")
+print(f"packing: {S.rows} rows of {ROW_LEN} tokens per step, {n_tokens / (len(rows) * ROW_LEN):.0%} of token "
+      f"slots hold real tokens, {cut} documents cut")
 print(f"carrying them instead: {len(carried)} rows for the same tokens, {carried_real:.0%} of the slots real")
 
 # %%
-# Hugging Face's ``DataCollatorWithFlattening`` is the other common scheme:
-# it flattens each batch of whole documents into one row, so the row's
-# length changes with every batch (:doc:`hf_packed_training` trains that
-# way). Nothing is cut, nothing is padded, and every step has a new shape,
-# which a compiled model meets as a new input size.
+# Hugging Face's ``DataCollatorWithFlattening`` instead flattens each batch
+# of whole documents into one row (:doc:`hf_packed_training`): nothing cut,
+# nothing padded, and a new shape, a new input size to compile, every step.
 #
 # Two padded trainers
 # -------------------
 # The padded trainers see the same documents, whole (each cut at the
-# context), batched two ways:
+# context), in as many steps as the packed trainer, ``B`` documents a step:
+# those the rows touch and the next few of the stream, to fill the last step
+# (where the corpus has no more, ``B`` rounds down and leaves a few out).
+# Two ways to batch them:
 #
-# * **naive**: in stream order, ``B`` documents per step, padded to the
-#   longest of them;
-# * **grouped**: as Hugging Face's ``group_by_length``: a window of a few
-#   batches' documents is sorted by length and cut into batches, which are
-#   shuffled, so that a batch holds documents of similar length and little
-#   padding. It changes which documents share a step.
+# * **naive**: in stream order, each batch padded to its longest document;
+# * **grouped**: as Hugging Face's ``group_by_length``, the documents of a
+#   window of a few batches sorted by length and cut into batches again,
+#   then shuffled: little padding, but which documents share a step
+#   depends on their length.
 #
-# ``B`` is chosen so that both make as many steps as the packed trainer.
+# .. literalinclude:: ../ragged_toolkit/data.py
+#    :pyobject: group_by_length
 
+from ragged_toolkit.data import group_by_length
 
-def group_by_length(lengths, batch_size, window, rng):
-    """Batches (lists of document indices) of ``batch_size``: each window of
-    ``window`` batches' documents sorted by length, longest first, cut into
-    batches; the batches then shuffled."""
-    order = np.arange(len(lengths))
-    batches = []
-    for lo in range(0, len(order), batch_size * window):
-        chunk = sorted(order[lo:lo + batch_size * window], key=lambda i: -lengths[i])
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    return [batches[i] for i in rng.permutation(len(batches))]
-
-
-doc_lengths = stream_offsets[:n_docs + 1].diff().clamp(max=ROW_LEN)  # whole documents, cut at the context
-B = -(-n_docs // STEPS)
-naive = [list(range(i, min(i + B, n_docs))) for i in range(0, n_docs, B)]
-grouped = group_by_length(doc_lengths.tolist(), B, window=4, rng=rng)
+B = min(-(-n_docs // STEPS), (len(stream_offsets) - 1) // STEPS)  # documents per padded step
+doc_lengths = stream_offsets[:STEPS * B + 1].diff().clamp(max=ROW_LEN)  # whole documents, cut at the context
+naive = [range(i * B, (i + 1) * B) for i in range(STEPS)]  # in stream order
+print(f"padded trainers: {STEPS} steps of {B} documents, {STEPS * B} for the {n_docs} the rows touch")
 
 
 def padded_batch(indices):
@@ -224,36 +212,30 @@ def padded_batch(indices):
     return torch.cat(pieces), offsets_from_lengths([len(p) for p in pieces])
 
 
-for name, batches in (("naive", naive), ("grouped", grouped)):
-    n = [doc_lengths[b] for b in batches]
-    slots = sum(len(x) * int(x.max()) for x in n) / sum(int(x.sum()) for x in n)
-    print(f"{name}: {len(batches)} steps of {B} documents, padded slots {slots:.2f}x the real tokens")
 batches = {"packed": steps, "naive": [padded_batch(b) for b in naive],
-           "grouped": [padded_batch(b) for b in grouped]}
+           "grouped": [padded_batch(b) for b in group_by_length(doc_lengths.tolist(), B, 4, rng)]}
+assert {len(b) for b in batches.values()} == {STEPS}, "every trainer makes as many steps as the packed one"
+for name in ("naive", "grouped"):
+    lengths = [o.diff() for _, o in batches[name]]
+    slots = sum(len(n) * int(n.max()) for n in lengths) / sum(int(n.sum()) for n in lengths)
+    print(f"{name}: padded slots {slots:.2f}x the real tokens")
 batches = {name: [(t.to(DEVICE), o.to(DEVICE)) for t, o in b] for name, b in batches.items()}
 
 # %%
 # One training step, three ways
 # -----------------------------
 # The packed step feeds a step's rows as one packed batch, ``(T,)`` ids and
-# offsets that mark every document and every row start. The padded step is
-# the best padded trainer a reader would write: right-padded ``(B, S)`` ids,
-# a causal kernel and no mask, the loss masked at padding. Both average the
-# loss over the real targets, under autocast where the dtype is not float32.
-# For ``torch.compile`` the packed rows have a third layout, ``PackedRows``:
-# one SDPA call over the ``(ROWS, ROW_LEN)`` rows with a block-diagonal causal
-# mask built before the model runs, so the compiled model is one graph (on
-# CUDA, ``FlexRows``: FlexAttention with a document ``BlockMask``, which skips
-# the blocks across documents).
-#
-# .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: PackedRows
+# offsets that mark every document and every row start, with the batch's
+# plan on the documented default backend. The padded step is the best
+# padded trainer a reader would write: right-padded ``(B, S)`` ids, a causal
+# kernel and no mask, the loss masked at padding. Both average the loss over
+# the real targets, under autocast where the dtype is not float32.
 
 import torch.nn.functional as F
+from ragged_toolkit.attention import backend_support, default_backend, plan_batch
 from ragged_toolkit.data import document_targets
-from ragged_toolkit.layouts import FlexRows, PackedRows
 
-ROWS_LAYOUT = FlexRows if DEVICE == "cuda" else PackedRows
+EAGER_BACKEND = default_backend(DEVICE, DTYPE, cfg.head_dim)
 
 
 def autocast():
@@ -281,9 +263,7 @@ def padded_loss(model, tokens, offsets):
 # and the padded step of the same sequences on SDPA's math backend (matrix
 # products and a softmax: no kernel shared) give the same loss and the same
 # gradient for every parameter; on a GPU the check takes as many sequences as
-# the math path's scores fit in 2 GiB (``math_check_sequences``). Then the
-# rows layout, on the whole step and compiled as its trainer runs it, gives
-# the packed step's loss and gradients.
+# the math path's scores fit in 2 GiB (``math_check_sequences``).
 
 import copy
 
@@ -293,167 +273,208 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def loss_and_grads(loss_of):
-    """The loss ``loss_of(model)`` on a copy of the model, and every gradient."""
+    """The loss ``loss_of(copy)`` on a copy of the model, and every gradient, by name."""
     copy_ = copy.deepcopy(model)
     loss = loss_of(copy_)
     loss.backward()
-    return loss, {n: p.grad for n, p in copy_.named_parameters()}
+    return dict(loss=loss, grads={n: p.grad for n, p in copy_.named_parameters()})
 
 
 def check_same(name, got, want):
-    torch.testing.assert_close(got[0], want[0], **tolerances(DTYPE), msg=lambda m: f"{name}, loss: {m}")
-    for n, g in got[1].items():
-        torch.testing.assert_close(g, want[1][n], **tolerances(DTYPE), msg=lambda m, n=n: f"{name}, {n}: {m}")
-    return max((g - want[1][n]).abs().max().item() for n, g in got[1].items())
+    torch.testing.assert_close(got["loss"], want["loss"], **tolerances(DTYPE), msg=lambda m: f"{name}, loss: {m}")
+    for n, g in got["grads"].items():
+        torch.testing.assert_close(g, want["grads"][n], **tolerances(DTYPE), msg=lambda m, n=n: f"{name}, {n}: {m}")
+    return max((g - want["grads"][n]).abs().max().item() for n, g in got["grads"].items())
 
 
 tokens, offsets = batches["packed"][0]
 n = math_check_sequences(offsets.diff(), cfg.n_heads, cfg.n_layers, budget=2**31)
 tokens_n, offsets_n = tokens[:int(offsets[n])], offsets[:n + 1]
-packed_n = loss_and_grads(lambda m: packed_loss(m, tokens_n, offsets_n, PackedLayout(offsets_n, "loop")))
+packed_n = loss_and_grads(lambda m: packed_loss(m, tokens_n, offsets_n, PackedLayout.of(offsets_n, "loop")))
 with sdpa_kernel(SDPBackend.MATH):
     padded_n = loss_and_grads(lambda m: padded_loss(m, tokens_n, offsets_n))
 gap = check_same("padded, math path", padded_n, packed_n)
-print(f"{n} sequences: loss {packed_n[0].item():.4f} packed, {padded_n[0].item():.4f} padded; "
+print(f"{n} sequences: loss {packed_n['loss'].item():.4f} packed, {padded_n['loss'].item():.4f} padded; "
       f"all {n_params} gradients agree (largest difference {gap:.1e})")
-packed_step = loss_and_grads(lambda m: packed_loss(m, tokens, offsets, PackedLayout(offsets, "loop")))
-rows_step = loss_and_grads(lambda m: packed_loss(torch.compile(m, fullgraph=True, dynamic=False), tokens,
-                                                  offsets, ROWS_LAYOUT.from_offsets(offsets, ROW_LEN)))
-gap = check_same("rows layout", rows_step, packed_step)
-print(f"the whole step, {ROWS_LAYOUT.__name__}: the packed step's loss and gradients "
-      f"(largest difference {gap:.1e})")
 
 # %%
 # Compile, or not
 # ---------------
+# ``ragged_attention`` given the batch's plan compiles into a model's graph
+# with ``fullgraph=True`` (a graph break is an error), a graph specialized
+# to what the plan holds as Python values. The loop backend's plan holds
+# every sequence's length: a graph for every batch of new lengths.
+# FlexAttention's plan holds a ``BlockMask`` of one shape for every step of
+# ``rows * ROW_LEN`` tokens: one graph. So the compiled packed trainer takes
+# the flex plan where FlexAttention trains, and otherwise (a CPU: no
+# backward) the rows layout, ``PackedRows``: one SDPA call over the
+# ``(rows, ROW_LEN)`` rows with a block-diagonal causal mask, every shape fixed.
+#
+# .. literalinclude:: ../ragged_toolkit/layouts.py
+#    :pyobject: PackedRows
+#
 # Each trainer runs a few steps eager and compiled, on copies of the model,
 # interleaved, and the rule of :doc:`measuring_ragged_batches` chooses
-# (within the noise: eager). The packed trainer compiles the rows layout,
-# one shape, ``fullgraph=True`` (a graph break would be an error); the padded
-# trainers, whose batch shape changes every step, compile with dynamic
-# shapes. The step time is per thousand real tokens; compiles fall into the
-# warm-up steps, left out. Each compiled trainer's graphs and graph breaks
-# are counted over its steps; a trainer that meets a graph already compiled
-# compiles none (the grouped trainer runs the naive one's model code).
+# (within the noise: eager), on the time per thousand real tokens after
+# the warm-up steps (compiling falls in those). The padded trainers compile
+# with dynamic shapes. Each compiled trainer's graphs and graph breaks are
+# counted over its steps (one that meets a graph already compiled, as the
+# grouped trainer may meet the naive one's, compiles none).
 
-from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
-from ragged_toolkit.measuring.noise import choose
+from dataclasses import dataclass, field
+
+from ragged_toolkit.layouts import PackedRows
+
+why_not_flex = backend_support("flex", DEVICE, DTYPE, is_causal=True, needs_grad=True, head_dim=cfg.head_dim)
 
 
-def trainer(name, compiled):
-    """A training step for trainer ``name``: a copy of the model, AdamW, and
-    the step's loss, through ``torch.compile`` where ``compiled``."""
-    copy_ = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(copy_.parameters(), lr=LR)
-    if name == "packed":
-        runner = torch.compile(copy_, fullgraph=True, dynamic=False) if compiled else copy_
+def compiled_layout(offsets):
+    """The packed step's layout inside ``torch.compile``: the flex plan where
+    FlexAttention trains, else the rows layout."""
+    if why_not_flex is None:
+        return PackedLayout(plan_batch(offsets, backend="flex", is_causal=True))
+    return PackedRows.from_offsets(offsets, ROW_LEN)
 
-        def loss_of(tokens, offsets):
-            layout = ROWS_LAYOUT.from_offsets(offsets, ROW_LEN) if compiled else PackedLayout(offsets)
-            return packed_loss(runner, tokens, offsets, layout)
-    else:
-        runner = torch.compile(copy_, dynamic=True) if compiled else copy_
 
-        def loss_of(tokens, offsets):
-            return padded_loss(runner, tokens, offsets)
+@dataclass
+class Trainer:
+    """A trainer of kind ``name`` (packed, naive, grouped): its own copy of
+    the model, compiled or not, AdamW, and the losses of its steps."""
 
-    def step(tokens, offsets):
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_of(tokens, offsets)
+    name: str
+    model: torch.nn.Module
+    compiled: bool = False
+    losses: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=S.lr)
+        self.runner = self.model if not self.compiled else torch.compile(
+            self.model, fullgraph=True, dynamic=self.name != "packed")  # a graph break is an error
+
+    def loss(self, tokens, offsets):
+        if self.name != "packed":
+            return padded_loss(self.runner, tokens, offsets)
+        layout = compiled_layout(offsets) if self.compiled else PackedLayout(
+            plan_batch(offsets, backend=EAGER_BACKEND, is_causal=True))  # the batch's plan, built once
+        return packed_loss(self.runner, tokens, offsets, layout)
+
+    def step(self, tokens, offsets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(tokens, offsets)
         loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return step, copy_
+        self.optimizer.step()
+        self.losses.append(loss.item())
 
 
-if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape before any timing
-    for name in batches:
-        warm_every_shape(lambda batch, step=trainer(name, False)[0]: step(*batch), batches[name],
+print(f"compiled packed trainer: {'the flex plan' if why_not_flex is None else 'PackedRows'} "
+      f"({why_not_flex or 'FlexAttention trains here'}); eager: the {EAGER_BACKEND} plan")
+
+# %%
+# On a GPU, every trainer first meets every batch shape (cuDNN plans one per
+# shape), through the step it is timed with.
+
+from ragged_toolkit.measuring.noise import MIN_RUNS, choose
+from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
+
+if DEVICE == "cuda":
+    for kind in batches:
+        warm = Trainer(kind, copy.deepcopy(model))
+        warm_every_shape(lambda batch: warm.step(*batch), batches[kind],
                          lambda batch: (len(batch[1]) - 1, int(batch[1].diff().max())))  # (B, S) padded
-PROBE = WARMUP_STEPS + (3 if QUICK else 6)
-torch._dynamo.reset()  # the graphs of the checks above out: each trainer's count starts here
-probes = {(name, c): (trainer(name, c == "compiled")[0], StepTimer())
-          for name in batches for c in ("eager", "compiled")}
-for i in range(PROBE):
-    for (name, _), (step, timer) in probes.items():
-        tokens_i, offsets_i = batches[name][i]
-        with timer.step(len(tokens_i)):
-            step(tokens_i, offsets_i)
+PROBE = WARMUP_STEPS + (3 if setup.quick else MIN_RUNS)  # MIN_RUNS: the fewest timed runs choose reads
+torch._dynamo.reset()  # the counts start here
 COMPILE = {}
-for name in batches:
-    timings = {c: probes[name, c][1].per_1k_tokens(WARMUP_STEPS) for c in ("eager", "compiled")}
-    compiled_timer = probes[name, "compiled"][1]
-    print(f"compiled trainer {name}: {sum(compiled_timer.graphs)} graphs for {PROBE} steps, "
-          f"{sum(compiled_timer.breaks)} graph breaks")
-    assert sum(compiled_timer.breaks) == 0, f"the compiled {name} trainer broke its graph"
-    COMPILE[name] = choose(timings, "eager", f"{name} trainer (ms per 1k tokens)") == "compiled"
+for kind in batches:
+    probe = {mode: Trainer(kind, copy.deepcopy(model), mode == "compiled") for mode in ("eager", "compiled")}
+    timers = {mode: StepTimer() for mode in probe}
+    for tokens_i, offsets_i in batches[kind][:PROBE]:
+        for mode, trainer in probe.items():
+            with timers[mode].step(len(tokens_i)):
+                trainer.step(tokens_i, offsets_i)
+    print(f"compiled trainer {kind}: {sum(timers['compiled'].graphs)} graphs for {PROBE} steps, "
+          f"{sum(timers['compiled'].breaks)} graph breaks")
+    assert sum(timers["compiled"].breaks) == 0, f"the compiled {kind} trainer broke its graph"
+    COMPILE[kind] = choose({mode: timers[mode].per_1k_tokens(WARMUP_STEPS) for mode in probe}, "eager",
+                           f"{kind} trainer (ms per 1k tokens)") == "compiled"
+
+# %%
+# From the same weights, on the first batch, the compiled packed step (its
+# graph compiled above) gives the eager step's loss and gradients.
+
+tokens, offsets = batches["packed"][0]
+packed_step = loss_and_grads(lambda m: packed_loss(m, tokens, offsets, PackedLayout.of(offsets, "loop")))
+compiled_step = loss_and_grads(lambda m: Trainer("packed", m, compiled=True).loss(tokens, offsets))
+gap = check_same("compiled packed step", compiled_step, packed_step)
+print(f"the compiled packed step: the eager step's loss and gradients (largest difference {gap:.1e})")
 
 # %%
 # Training
 # --------
 # Same initial weights, same documents, same optimizer (AdamW), each trainer
-# compiled or not as chosen above. The three take turns, one step each, so
+# compiled or eager as chosen above. The three take turns, one step each, so
 # that whatever else the machine does slows all alike. Throughput counts
 # *real* tokens after the first ``WARMUP_STEPS``; a graph compiled inside
 # the timed steps would be timed as training, so there must be none.
 
-trainers = {name: (*trainer(name, COMPILE[name]), StepTimer(), []) for name in batches}
-for i in range(STEPS):
-    for name, (step, _, timer, losses) in trainers.items():
-        if i < len(batches[name]):
-            tokens_i, offsets_i = batches[name][i]
-            with timer.step(len(tokens_i)):
-                losses.append(step(tokens_i, offsets_i).item())
-for name, (_, _, timer, losses) in trainers.items():
-    assert sum(timer.graphs[WARMUP_STEPS:]) == 0, f"{name}: a graph was compiled inside the timed steps"
-    print(f"{name:8s} loss {np.mean(losses[:3]):.3f} -> {np.mean(losses[-5:]):.3f}, "
-          f"{timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s ({'compiled' if COMPILE[name] else 'eager'})")
+models = {name: copy.deepcopy(model) for name in batches}
+losses = {name: [] for name in batches}
+trainers = {kind: Trainer(kind, models[kind], COMPILE[kind], losses[kind]) for kind in batches}
+timers = {kind: StepTimer() for kind in batches}
+for step_i in range(STEPS):
+    for kind, trainer in trainers.items():
+        tokens_i, offsets_i = batches[kind][step_i]
+        with timers[kind].step(len(tokens_i)):
+            trainer.step(tokens_i, offsets_i)
+for kind, timer in timers.items():
+    assert sum(timer.graphs[WARMUP_STEPS:]) == 0, f"{kind}: a graph was compiled inside the timed steps"
+    print(f"{kind:8s} loss {np.mean(losses[kind][:3]):.3f} -> {np.mean(losses[kind][-5:]):.3f}, "
+          f"{timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s ({'compiled' if COMPILE[kind] else 'eager'})")
 
 # %%
 # The work bounds of this run
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What each trainer must compute per real token: ``2 x`` the weights of
-# every matrix per token, and ``4 H D`` per query-key pair and layer, the
-# causal half on every side (the padded causal kernel skips the masked half
-# too). Each padded trainer's bound is computed from its own batches.
+# What each trainer must compute per real token (``model_work``: twice the
+# weights of every matrix per token, and per query-key pair the scores and
+# the sum over values in every layer), the causal half on every side (the
+# padded causal kernel skips the masked half too), each padded trainer from
+# its own batches; the :term:`fraction of the bound`: :doc:`measuring_ragged_batches`.
 
-from ragged_toolkit.measuring.bound import work_per_token
+from ragged_toolkit.measuring.bound import model_work, throughput_line, work_per_token
+from ragged_toolkit.measuring.noise import outside_noise
 
-per_token = 2 * (n_params - cfg.vocab_size * cfg.dim)  # every matrix but the embedding
-per_pair = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim
+work = model_work(model, n_layers=cfg.n_layers, attention_width=cfg.n_heads * cfg.head_dim)
 
 
 def lengths_of(name):  # the sequence lengths of each timed step of trainer ``name``
-    return [o.diff().cpu() for _, o in batches[name][WARMUP_STEPS:STEPS]]
+    return [o.diff().cpu() for _, o in batches[name][WARMUP_STEPS:]]
 
 
-packed_work = work_per_token(lengths_of("packed"), per_token, per_pair)
-R = trainers["packed"][2].tokens_per_s(WARMUP_STEPS)
-for name, label in (("naive", "training"), ("grouped", "training against length-grouped padding")):
-    bound = work_per_token(lengths_of(name), per_token, per_pair, padded=True) / packed_work
-    P = trainers[name][2].tokens_per_s(WARMUP_STEPS)
-    print(f"{label}: ragged {R:.0f} tokens/s, padded {P:.0f} tokens/s, speedup {R / P:.2f}x, "
-          f"work bound {bound:.2f}x, fraction {R / P / bound:.2f}")
+packed_speed = timers["packed"].tokens_per_s(WARMUP_STEPS)
+bound = {kind: work_per_token(lengths_of(kind), work, padded=True) / work_per_token(lengths_of("packed"), work)
+         for kind in ("naive", "grouped")}
+for kind, label in (("naive", "training"), ("grouped", "training against length-grouped padding")):
+    print(throughput_line(label, packed_speed, timers[kind].tokens_per_s(WARMUP_STEPS), bound[kind]))
+per_1k = {kind: timer.per_1k_tokens(WARMUP_STEPS) for kind, timer in timers.items()}
+noise = {kind: "outside" if outside_noise(per_1k["packed"], per_1k[kind]) else "within" for kind in bound}
+print(f"median step per 1k real tokens: packed {per_1k['packed'].median_ms:.0f} ms, naive "
+      f"{per_1k['naive'].median_ms:.0f} ms ({noise['naive']} the noise), length-grouped "
+      f"{per_1k['grouped'].median_ms:.0f} ms ({noise['grouped']} the noise)")
 
 # %%
-# The last number is the :term:`fraction of the bound`. Against naive
-# padding, the bound is what padding a random batch to its longest document
-# costs, and packing turns it into speed. Against length-grouped padding
-# the bound is small on this corpus: sorted windows leave little padding, so
-# packing buys little speed there. What it still buys: one shape for every
-# step (one compiled graph, no recompiles), a memory footprint that does not
-# depend on which documents meet in a step, and batches whose composition
-# does not depend on length, where grouping puts the long documents
-# together. Where lengths have a long tail and no grouping is done, packing
-# buys speed too.
+# Against naive padding, the bound is what padding a random batch to its
+# longest document costs; against length-grouped padding, what sorted
+# windows leave. The lines above say what this run turned into speed, and
+# whether its steps differ beyond the noise. What packing buys even where
+# the bound is small: one shape for every step (``rows * ROW_LEN`` tokens;
+# the compiled packed trainer's graphs are counted above), a memory
+# footprint that does not depend on which documents meet in a step, and
+# batches whose make-up does not depend on length, where grouping puts the
+# long documents together.
 #
-# The loss curves: the trainers see the same documents in different
-# batches, so their curves differ by the batches they saw, not only by
+# The loss curves differ by the batches each trainer saw, not only by
 # rounding; the page asserts that each learned at least how often each byte
-# occurs (the mean of its last five losses below 70% of a uniform guess over
-# the 256 bytes, ln 256 = 5.55 nats) and prints the spread of the last
-# losses.
+# occurs (its last five losses below 70% of a uniform guess over 256 bytes,
+# ln 256 = 5.55 nats) and prints the spread of the last losses.
 
 import math
 
@@ -461,16 +482,16 @@ import matplotlib.pyplot as plt
 from ragged_toolkit.figures import FIGURE_STYLE
 
 uniform = math.log(cfg.vocab_size)
-for name, (_, _, _, losses) in trainers.items():
-    last = np.array(losses[-5:])
-    assert last.mean() < 0.7 * uniform, f"{name} did not learn: {losses[0]:.3f} -> {last.mean():.3f}"
+for name, trained in losses.items():
+    last = np.array(trained[-5:])
+    assert last.mean() < 0.7 * uniform, f"{name} did not learn: {trained[0]:.3f} -> {last.mean():.3f}"
     print(f"{name:8s} last five losses {last.mean():.3f} +- {last.std():.3f}")
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-for (name, (_, _, timer, losses)), style in zip(trainers.items(), ("-o", "--s", ":^")):
-    ax.plot(np.cumsum(timer.seconds), losses, style, markevery=max(1, STEPS // 8), lw=2,
-            label=f"{name}, {timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s")
+for (kind, timer), style in zip(timers.items(), ("-o", "--s", ":^")):
+    ax.plot(np.cumsum(timer.seconds), losses[kind], style, markevery=max(1, STEPS // 8), lw=2,
+            label=f"{kind}, {timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s")
 ax.set(xlabel="seconds of training (measured)", ylabel="training loss",
        title=f"Same documents, three trainers ({DEVICE})")
 ax.legend()
@@ -486,20 +507,20 @@ plt.show()
 # prompt at once and writes each token's keys and values into a cache:
 # packed, it computes the real tokens only; padded (left-padded, as
 # Hugging Face's ``generate`` pads prompts), every prompt is as long as the
-# longest, with a mask that also hides the padding.
+# longest, with a mask that also hides the padding, so its kernel scores
+# every pair of the square.
 #
-# .. literalinclude:: ../ragged_toolkit/kv_cache.py
+# .. literalinclude:: ../ragged_toolkit/decoding.py
 #    :pyobject: prefill_packed
 
-from ragged_toolkit.attention import default_backend
-from ragged_toolkit.measuring.bound import pairs_scored, speedup_line
 from ragged_toolkit.data import as_tokens
-from ragged_toolkit.kv_cache import KVCache
 from ragged_toolkit.decoding import generate_packed, prefill_packed
-from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.kv_cache import KVCache
+from ragged_toolkit.measuring.bound import speedup_line, work_bound
 from ragged_toolkit.measuring.tables import print_timings
+from ragged_toolkit.measuring.timing import measure
 
-model = trainers["packed"][1].eval()  # the packed trainer's model (not the compiled wrapper)
+model = models["packed"].eval()  # the packed trainer's model (not a compiled wrapper)
 prompt_docs = [d[:8 + 3 * i] for i, d in enumerate(held_out)]  # openings of 8 to 8 + 3 (B - 1) bytes
 prompt_lengths = torch.tensor([len(d) for d in prompt_docs])
 prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
@@ -523,31 +544,27 @@ def prefill_padded(model, prompts, offsets, cache):
     return model(ids, (column - pad[:, None]).clamp(min=0), PaddedLayout(mask[:, None], cache, 0))[:, -1]
 
 
-caches = {side: KVCache(cfg, PROMPTS, longest + 8, DEVICE, DTYPE) for side in ("packed", "padded")}
-backend = default_backend(DEVICE, DTYPE)
+caches = {side: KVCache(cfg, S.prompts, longest + 8, DEVICE, DTYPE) for side in ("packed", "padded")}
+prefills = {"padded": lambda: prefill_padded(model, prompts, prompt_offsets, caches["padded"]),
+            "packed": lambda: prefill_packed(model, prompts, prompt_offsets, caches["packed"], EAGER_BACKEND)}
 with autocast():
-    prefills = {"padded": lambda: prefill_padded(model, prompts, prompt_offsets, caches["padded"]),
-                "packed": lambda: prefill_packed(model, prompts, prompt_offsets, caches["packed"], backend)}
-    torch.testing.assert_close(prefills["packed"]().float(), prefills["padded"]().float(),
-                               **tolerances(DTYPE))
-    times = measure(prefills, min_run_time=0.5 if QUICK else 1.0)
-print(f"prefill of {PROMPTS} prompts ({len(prompts)} tokens, longest {longest}): the last-token logits agree")
+    torch.testing.assert_close(prefills["packed"]().float(), prefills["padded"]().float(), **tolerances(DTYPE))
+    times = measure(prefills, min_run_time=0.5 if setup.quick else 1.0)
+print(f"prefill of {S.prompts} prompts ({len(prompts)} tokens, longest {longest}): the last-token logits agree")
 print_timings(times)
-prefill_bound = ((per_token * PROMPTS * longest + per_pair * PROMPTS * pairs_scored([longest], [longest], True))
-                 / (per_token * len(prompts) + per_pair * pairs_scored(prompt_lengths, prompt_lengths, True)))
-print(speedup_line("prefill", times["padded"], times["packed"], prefill_bound))
+print(speedup_line("prefill", times["padded"], times["packed"],
+                   work_bound(prompt_lengths, work=work, causal=True, padded_causal=False)))
 
 # %%
 # Decoding then feeds one token per sequence per step: a rectangle on both
 # sides, so packing removes no work there; :doc:`ragged_decoding_kv_cache_gqa`
 # measures it, and the KV cache itself. What the model learned: a few
-# prompts, and the bytes greedy decoding writes after them (after ``|``). A
-# model this small, trained for seconds on a CPU, has learned the most
-# frequent bytes and words of English docstrings and little else.
+# prompts, and the bytes greedy decoding writes after them (after ``|``),
+# from a model this small, trained this briefly.
 
 with torch.no_grad():
     written = generate_packed(model, prompts, prompt_offsets, 24, dtype=DTYPE)
-for b in range(min(4, PROMPTS)):
+for b in range(min(4, S.prompts)):
     text = prompt_docs[b].decode(errors="replace") + " | " + bytes(written[b].tolist()).decode(errors="replace")
     print(repr(text)[:100])
 
@@ -557,12 +574,13 @@ for b in range(min(4, PROMPTS)):
 # A packed trainer is the padded trainer minus the padding: the same
 # modules, loss and optimizer, proved to compute the same loss and
 # gradients. Packed into fixed-length rows, as ``torchtitan`` packs, every
-# step has one shape and compiles into one graph with no graph break; the
-# documents cut at the rows' ends lose a little context. The two training
-# lines say what this device turned into speed: against naive padding, the
-# padding of random batches; against length-grouped padding, little padding
-# to remove, so there packing's gains are one shape, predictable memory and
-# batches mixed independently of length.
+# step has one shape, and the packed step compiles with ``fullgraph=True``
+# and no graph break, through the batch's plan where FlexAttention trains
+# and the rows layout elsewhere; whether compiling paid, the probe decided
+# and printed. The documents cut at the rows' ends lose a little context.
+# The two training lines say what this device turned into speed: against
+# naive padding, the padding of random batches; against length-grouped
+# padding, what grouping left.
 #
 # Further reading
 # ---------------

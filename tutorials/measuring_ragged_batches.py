@@ -253,12 +253,12 @@ for a, q in quartiles.items():
           f"{q['median']:.2f}x (IQR {q['q1']:.2f}-{q['q3']:.2f}) over {N_BATCHES} batches")
 medians = [quartiles[a]["median"] for a in alphas]  # in order of increasing exponent
 change = max(medians) - min(medians)
-spread = np.median([quartiles[a]["q3"] - quartiles[a]["q1"] for a in alphas])
+between_batches = np.median([quartiles[a]["q3"] - quartiles[a]["q1"] for a in alphas])
 steady = all(x > y for x, y in zip(medians, medians[1:]))
 trend = "rises steadily" if steady else "does not move steadily"
-size = "less than" if change < spread else "more than"
+size = "less than" if change < between_batches else "more than"
 print(f"as the exponent falls, the median bound {trend}: it moves by {change:.2f}x in all,\n"
-      f"{size} the IQR of the bound between batches of one exponent ({spread:.2f}x)")
+      f"{size} the IQR of the bound between batches of one exponent ({between_batches:.2f}x)")
 
 # %%
 # The bound is set mostly by the longest sentence of a batch against the

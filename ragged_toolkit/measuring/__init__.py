@@ -10,7 +10,7 @@
 * :mod:`.compare`: one attention job checked and timed on every backend;
 * :mod:`.tables`: measured figures as the pages print them.
 
-:doc:`/auto_tutorials/measuring_ragged_batches` explains the machinery once. A page imports
+The page ``measuring_ragged_batches`` explains the machinery once. A page imports
 each name from its module, so the build knows which modules it uses.
 """
 

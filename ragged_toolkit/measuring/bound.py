@@ -1,7 +1,7 @@
 """The work bound: the work the padded side does over the work the ragged
 side does, each counted for what it computes. A speedup is printed beside
-it, with the fraction of it reached (:ref:`fraction-of-the-bound`, on the
-measuring page, says what that fraction means)."""
+it, with the fraction of it reached (the page ``measuring_ragged_batches``
+says what that fraction means)."""
 
 from __future__ import annotations
 

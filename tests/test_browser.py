@@ -358,6 +358,20 @@ def test_no_sideways_scroll_when_narrow(at_width, browser, rel):
                     "sticking out:\n  " + "\n  ".join(out), pytrace=False)
 
 
+@pytest.mark.parametrize("rel", TUTORIAL_PAGES)
+def test_no_output_hidden_in_a_box_that_scrolls_down(at_width, browser, rel):
+    """Every printed output shows whole, at either width: no output block is
+    taller than the box it sits in (Sphinx-Gallery's own style caps it at
+    30em, and the end of a long table was hidden below)."""
+    for width in (WIDE, NARROW):
+        at_width(rel, width)
+        hidden = browser[0].execute_script(
+            "return [...document.querySelectorAll('.sphx-glr-script-out pre')]"
+            ".filter(p => p.scrollHeight > p.clientHeight + 1)"
+            ".map(p => p.textContent.trim().slice(0, 60))")
+        assert not hidden, f"{rel} at {width} px: output in a box that scrolls down: {hidden}"
+
+
 # The decision guide of which_attention_path, a table the page prints as
 # HTML: at either width its last row, the last job's verdict, shows whole in
 # the page, not inside a box that scrolls or clips it (issue 32: printed as

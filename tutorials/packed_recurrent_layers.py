@@ -31,8 +31,8 @@ shown (in ``transformers`` too), and measured.
        * :doc:`transformer_building_blocks` and :doc:`packed_gpt_training`;
          the functions used here are on :doc:`the toolkit's reference page
          </toolkit>`
-       * PyTorch 2.11 or later; ``transformers`` 5.9 or later for its
-         Qwen3-Next (built from a config: no download); a CPU is enough, a
+       * PyTorch 2.11 or later; ``transformers`` 5.9 or later (by its
+         source) for its Qwen3-Next, built from a config; a CPU is enough, a
          CUDA GPU runs the chunked form compiled in ``bfloat16``
 """
 
@@ -316,7 +316,7 @@ plt.show()
 # document's logits against the document alone: with ``position_ids`` that
 # restart at every document (``DataCollatorWithFlattening``'s default), then
 # with ``cu_seq_lens_q/k``; ``use_cache=False``, or attention mixes them too.
-# Before 5.9 the Gated DeltaNet layers never see ``cu_seq_lens_q``.
+# Before 5.9 (by its source) the layers never see ``cu_seq_lens_q``: checked.
 
 import transformers
 from ragged_toolkit.recurrent_hf import FORWARDS_CU_SEQ_LENS, document_differences, forwards_cu_seq_lens
@@ -351,8 +351,8 @@ else:
 
 # %%
 # The first document has nothing before it; the others read their
-# predecessors' state, silently (a release that accepts the document
-# starts, 5.9 say, still mixes: its PyTorch fallback ignores them). The
+# predecessors' state, silently (where a release accepts the document
+# starts, the line above prints how far they still are). The
 # toolkit's packed layer, with the same weights, takes the place of every
 # Gated DeltaNet layer and reads ``cu_seq_lens_q``, on any device:
 #

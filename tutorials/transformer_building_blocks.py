@@ -255,8 +255,8 @@ except ValueError as err:
 # .. literalinclude:: ../ragged_toolkit/attention/flex.py
 #    :pyobject: flex_backend
 #
-# Each compiled graph is counted per head configuration; past a bound the
-# call fails, naming the cause, instead of falling back to an unfused kernel
+# The compiled graphs are bounded: past ``FLEX_RECOMPILE_LIMIT`` the call
+# fails, naming the cause, instead of falling back to an unfused kernel
 # that materializes every score (``compiled_flex_attention``). The mask of
 # a batch of this page's size, block by block:
 

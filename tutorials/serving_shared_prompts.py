@@ -43,16 +43,16 @@ and let the requests of a decoding step that share a prefix read it once.
 # A server's requests often begin alike: a system prompt, few-shot examples,
 # a conversation's earlier turns sent again with each message. Attention is
 # causal, so equal beginnings have equal keys and values in every layer.
-# vLLM's automatic prefix caching keys each full block of the paged cache by
-# its parent's key and its own tokens; SGLang keeps a radix tree of cached
-# prefixes; ``nano-vllm`` chains hashes with reference counts in about 120
-# lines; ``transformers``' continuous batching shares content-hashed blocks
-# for full-attention models.
+# Automatic prefix caching in vLLM keys each full block of the paged cache
+# by its parent's key and its own tokens; SGLang keeps a radix tree of
+# cached prefixes; ``nano-vllm`` chains hashes with reference counts in
+# about 120 lines; ``transformers``' continuous batching shares
+# content-hashed blocks for full-attention models.
 #
 # The model, cache and scheduler are those of :doc:`serving_continuous_batching`,
-# with vLLM's default token budget per step (2,048). The prompts are longer
-# and the answers shorter than there, as with a long system prompt and a
-# short question (real system prompts run to thousands of tokens).
+# with the default token budget per step of vLLM (2,048). The prompts are
+# longer and the answers shorter than there, as with a long system prompt
+# and a short question (real system prompts run to thousands of tokens).
 
 from ragged_toolkit.device import page_setup
 
@@ -220,8 +220,8 @@ ample = S.slots * -(-longest // S.block) * 2  # room for every running request, 
 # ``PrefixCache`` and with a plain ``PagedKVCache``, taking turns step by
 # step, each at least ``runs`` times. As on :doc:`serving_continuous_batching`,
 # throughput is the median over the runs with its IQR, and a speedup is
-# claimed only where the two IQRs do not overlap; the time to first token is
-# the median of the runs' p50s. The *work bound* is what skipping the cached
+# claimed only where the two interquartile ranges do not overlap; the time
+# to first token is the median of the runs' p50s. The *work bound* is what skipping the cached
 # prompt tokens could buy at this device's costs: a run without the cache's
 # busy time over that time less what its skipped prompt tokens cost, a prompt
 # token's cost read from that run's own steps (:term:`fraction of the bound`):
@@ -300,7 +300,7 @@ plt.show()
 # %%
 # Conversations
 # -------------
-# In a conversation the shared prefix grows: each turn resends the last
+# In a conversation the shared prefix grows: each turn sends again the last
 # turn's prompt and answer, whose blocks the last turn left cached (a block
 # filled while decoding is keyed too). All turns wait at once, every first
 # turn before every second; a turn that starts before the last ends finds less:
@@ -440,10 +440,9 @@ for (n_req, prefix, suffix), t in timed.items():
           f"fraction {gain / bound:.2f}" + ("" if outside_noise(t["gathered"], t["shared"]) else " (within noise)"))
 
 # %%
-# Where it does not pay: with few requests, or suffixes as long as the
-# prefix, the work bound is small (little is read only once), and the
-# second call and the merge may cost more than the rows they save. The
-# cases measured here:
+# Where it does not pay: with few requests, or suffixes as long as the prefix,
+# the work bound is small (little is read only once), and the second call and
+# the merge may cost more than the rows they save. The cases measured here:
 
 for tell in ("slower", "faster"):
     told = [f"{n_req} over {prefix}+{suffix}" for (n_req, prefix, suffix), t in timed.items()

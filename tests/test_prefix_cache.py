@@ -4,12 +4,14 @@ taking the cached prefix; every request served with the cache equal to
 decoding it alone, under eviction and preemption; three planted faults, each
 caught (a key without its parent, a block evicted while a request reads it,
 a request writing into a shared block); shared-prefix attention against a
-float64 reference; the workloads and the repeated runs."""
+float64 reference; the workloads and the repeated runs, with and without
+the cache."""
 
 from __future__ import annotations
 
 import functools
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
@@ -18,18 +20,18 @@ from ragged_toolkit.device import tolerances
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import PagedKVCache
 from ragged_toolkit.serving import prefix_cache
-from ragged_toolkit.serving.engine import build_step
 from ragged_toolkit.serving.paged_attention import gathered_attention
 from ragged_toolkit.serving.prefix_cache import PrefixCache, block_key, retire_caching
-from ragged_toolkit.serving.prefix_tree import cached_tree, tree_rows
+from ragged_toolkit.serving.prefix_tree import MostSharedTree, cached_tree, tree_rows
 from ragged_toolkit.serving.proof import check_against_alone
 from ragged_toolkit.serving.requests import Request, fresh_requests
-from ragged_toolkit.serving.runs import prompt_token_seconds, prove_every_run, skipping_bound
+from ragged_toolkit.serving.runs import (draw_trace, prompt_token_seconds, prove_every_run, skipping_bound,
+                                         with_and_without)
 from ragged_toolkit.serving.schedulers import plan_continuous
 from ragged_toolkit.serving.server import StepRecord, ServingRun, serve, take_turns
 from ragged_toolkit.serving.shared_prefix_attention import (attention_lse, merge_by_lse,
                                                             plan_shared_prefix, rows_read,
-                                                            shared_prefix_attention)
+                                                            shared_prefix_attention, shared_prefix_step)
 from ragged_toolkit.serving.shared_prompts import (conversation_stream, greedy_answers,
                                                    reusable_tokens, system_prompt_stream)
 
@@ -274,20 +276,19 @@ def test_a_request_writing_into_a_shared_block_is_caught(model):
 def _shared_step(n_req, prefix, suffixes, dtype=torch.float32, block_size=4):
     """A cache in which ``n_req`` requests share ``prefix`` tokens, each with its own suffix
     (``suffixes``), one decode token each; random keys and values."""
-    cache = PrefixCache(CFG, n_req * (prefix + max(suffixes)) // block_size + 4, block_size, "cpu", dtype)
-    gen = torch.Generator().manual_seed(n_req + prefix)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
-    work = []
-    for i, s in enumerate(suffixes):
-        req = Request(i, list(range(prefix)) + [100 + i] * s, 1)
-        req.computed = cache.take_prefix(i, req.prompt)
-        cache.reserve(i, len(req.prompt))
-        req.computed = len(req.prompt) - 1
-        cache.note_computed(req)
-        work.append((req, 1))
-    _, _, layout = build_step(cache, work, "cpu")
-    return cache, layout
+    assert len(suffixes) == n_req
+    return shared_prefix_step(CFG, prefix, suffixes, block_size, "cpu", dtype,
+                              torch.Generator().manual_seed(n_req + prefix))
+
+
+def test_the_shared_step_shares_the_prefix_blocks_and_feeds_each_last_token():
+    cache, layout = _shared_step(3, 10, [1, 6, 3])
+    tables = [cache.tables[i] for i in range(3)]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2], "the two full blocks of the prefix are not shared"
+    assert len({t[2] for t in tables}) == 3, "a partial block was shared"
+    assert layout.kv_lengths.tolist() == [11, 16, 13] and layout.q_offsets.tolist() == [0, 1, 2, 3]
+    assert cache.k.abs().sum() > 0 and cache.v.std() > 0.5, "the keys and values are not random"
+    cache.check()
 
 
 def _float64_reference(q, cache, layout, layer=0):
@@ -359,6 +360,27 @@ def test_system_prompts_stand_in_front_of_distinct_user_messages(documents):
     with pytest.raises(ValueError, match="documents of at least 400 bytes"):
         system_prompt_stream(documents, 4, np.random.default_rng(4), systems=2, system_len=400, user_max=8,
                              out_median=4, out_max=10)
+
+
+def test_with_and_without_the_cache_serve_the_same_requests_and_name_their_figures(model, documents):
+    stream = shared_stream(documents, 8)
+    plan = functools.partial(plan_continuous, max_running=4, token_budget=16)
+    tree = MostSharedTree()
+    served = with_and_without(model, stream, plan, n_blocks=64, block_size=4, runs=2, observe=tree)
+    for figure in (served.runs, served.prefill, served.per_token, served.ttft):
+        assert set(figure) == {"with", "without"}
+    assert all(len(done) >= 2 for done in served.runs.values())
+    assert served.prefill["without"] == sum(len(r.prompt) for r in stream)
+    assert served.prefill["with"] == served.prefill["without"] - served.cache.hit_tokens
+    assert isinstance(served.cache, PrefixCache) and 0 < served.hit < 1 and served.bound > 1
+    assert served.per_token["with"].runs == len(served.runs["with"])
+    assert tree.sharing > 1 and tree.nodes and any(n.readers > 1 for n in tree.nodes), "no shared step kept"
+    prove_every_run(model, [run for done in served.runs.values() for run in done], FLOAT32)
+    arriving = fresh_requests(stream, np.arange(8) * 1e-3)
+    fig = draw_trace(arriving, with_and_without(model, arriving, plan, n_blocks=64, block_size=4, runs=1),
+                     "a trace")
+    assert len(fig.axes) == 2 and fig.axes[0].get_title() == "a trace"
+    plt.close(fig)
 
 
 def test_every_run_proved_and_the_cost_of_a_prompt_token(model, documents):

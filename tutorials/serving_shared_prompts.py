@@ -40,25 +40,19 @@ and let the requests of a decoding step that share a prefix read it once.
 # %%
 # Prompts that begin alike
 # ------------------------
-# A server's requests often begin with the same tokens: the same system
-# prompt, the same few-shot examples, or the turns of a conversation sent
-# again with each new message. Their keys and values are the same too, in
-# every layer, as long as everything before them is the same: attention is
-# causal, so the keys of a token depend on the tokens before it and on
-# nothing after. Servers turn this into their largest saving. Automatic
-# prefix caching in vLLM keys each full block of the paged cache by its
-# parent's key and its own tokens; SGLang keeps a tree of cached prefixes
-# (a radix tree); ``nano-vllm`` chains hashes with reference counts in about
-# 120 lines; ``transformers``' continuous batching shares content-hashed blocks
-# for full-attention models.
+# A server's requests often begin alike: a system prompt, few-shot examples,
+# a conversation's earlier turns sent again with each message. Attention is
+# causal, so equal beginnings have equal keys and values in every layer.
+# Automatic prefix caching in vLLM keys each full block of the paged cache
+# by its parent's key and its own tokens; SGLang keeps a radix tree of
+# cached prefixes; ``nano-vllm`` chains hashes with reference counts in
+# about 120 lines; ``transformers``' continuous batching shares
+# content-hashed blocks for full-attention models.
 #
-# Sizes
-# ~~~~~
-# The model, cache and scheduler are those of
-# :doc:`serving_continuous_batching`, with a token budget per step as vLLM's
-# default (2,048; it chunks longer prompts). The prompts are longer and the
-# answers shorter than there, as with a long system prompt and a short
-# question: real system prompts run from hundreds to thousands of tokens.
+# The model, cache and scheduler are those of :doc:`serving_continuous_batching`,
+# with the default token budget per step of vLLM (2,048). The prompts are
+# longer and the answers shorter than there, as with a long system prompt
+# and a short question (real system prompts run to thousands of tokens).
 
 from ragged_toolkit.device import page_setup
 
@@ -100,16 +94,13 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 # %%
 # Two workloads that share
 # ------------------------
-# The prompts come from the site's corpus, the docstrings of Python's
-# standard library (a token per byte). **System prompts**: ``systems``
-# openings of long documents, each in front of many user messages (the
-# openings of other documents). **Conversations**: turn ``n``'s prompt is
-# turn ``n - 1``'s prompt, its answer and a new message. The answer is what
-# greedy decoding of that turn alone gives, so that the conversation is the
-# one a client would send back; the proof below shows that the server
-# generates exactly it. Both stream all requests at time 0 (offline) or at
-# a stated rate (online).
-#
+# The prompts are openings of the site's corpus, the docstrings of Python's
+# standard library (a token per byte). **System prompts**: ``systems`` long
+# openings, each in front of many user messages. **Conversations**: turn
+# ``n``'s prompt is turn ``n - 1``'s prompt, its answer (what greedy decoding
+# of that turn alone gives, as a client would send it back; the proof below
+# shows the server generates exactly it) and a new message. Both stream all
+# requests at time 0 (offline) or at a stated rate (online).
 # ``reusable_tokens`` counts the prompt tokens, in full blocks, that an
 # earlier request's blocks hold: what a cache that never evicts could find.
 
@@ -135,21 +126,19 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 # The prefix cache
 # ----------------
 # A full block is known by its *key*: its parent block's key and its own
-# tokens. The parent's key holds the grandparent's, and so on, so equal
-# keys mean equal tokens from position 0 to the end of the block, hence
-# equal keys and values in every layer. Leave the parent out, and the same
-# tokens at another place would read keys computed for another context
-# and another position (the tests plant that fault).
+# tokens. The parent's key holds the grandparent's, and so on, so equal keys
+# mean equal tokens from position 0 to the block's end, hence equal keys and
+# values in every layer. Leave the parent out, and the same tokens elsewhere
+# would read keys computed for another context and position:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
 #    :pyobject: block_key
 #
 # ``PrefixCache`` is the paged cache of :doc:`serving_continuous_batching`
-# with three more things per block: its key once it is full and computed,
-# ``refs``, the requests whose table holds it, and whether it is *idle*:
-# cached, read by none, waiting to be reused or evicted. Admission takes a
-# newcomer's longest cached prefix of full blocks, leaving at least its last
-# token to compute (its logits choose the first new token):
+# with three more things per block: its key once full and computed, ``refs``,
+# the requests whose table holds it, and whether it is *idle* (cached, read by
+# none). Admission takes a newcomer's longest cached prefix of full blocks,
+# leaving at least its last token to compute (its logits choose the next):
 #
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
 #    :pyobject: PrefixCache.take_prefix
@@ -172,19 +161,17 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
 #    :pyobject: PrefixCache.note_computed
 #
-# A last, partial block is never shared. Its free rows are where its request
-# writes its next tokens; sharing it would need a copy on the first write
-# (copy-on-write, as vLLM once did for beam search). Keying only full,
-# computed blocks makes every shared block read-only by construction, at the
-# cost of recomputing fewer than ``block`` tokens per request; the cache
-# refuses any write into a cached or shared block (``slots``). Two requests,
-# a cache of six blocks of four rows:
+# A last, partial block is never shared: its request writes its next tokens
+# into its free rows, and sharing it would need copy-on-write (as vLLM once
+# did for beam search). Keying only full, computed blocks makes every shared
+# block read-only by construction, at the cost of recomputing fewer than
+# ``block`` tokens per request; the cache refuses any write into a cached or
+# shared block (``slots``). Two requests, a cache of six blocks of four rows:
 
 from ragged_toolkit.serving.prefix_cache import PrefixCache
 from ragged_toolkit.serving.requests import Request
 
-tiny = GPTConfig(vocab_size=64, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16,
-                 max_seq_len=32)
+tiny = GPTConfig(vocab_size=64, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=32)
 demo = PrefixCache(tiny, n_blocks=6, block_size=4, device="cpu", dtype=torch.float32)
 first, second = Request(0, [5, 1, 2, 3, 4, 6, 7, 8, 9, 10], 1), Request(1, [5, 1, 2, 3, 4, 6, 7, 8, 42], 1)
 for req in (first, second):
@@ -195,24 +182,22 @@ for req in (first, second):
     req.computed = len(req.prompt)  # what its prefill computes
     demo.note_computed(req)
 print(f"readers of blocks 0-3: {demo.refs[:4]}; keyed: {sorted(demo.key_of)}")
-demo.release(0)
-demo.release(1)
+demo.release(0), demo.release(1)
 print(f"both left: idle (cached) {list(demo.idle)}, free {sorted(demo.free)}")
 assert demo.reserve(2, 20) and demo.evictions == 1  # five blocks: one idle block evicted
 demo.check()  # every block free, idle or held, its readers counted right
 print(f"a request of 20 tokens took {demo.tables[2]}, evicting {demo.evictions} idle block; "
       f"still cached: {list(demo.idle)}")
 
+
 # %%
 # Admission takes the cached prefix
 # ---------------------------------
 # The continuous-batching scheduler of :doc:`serving_continuous_batching`
-# asks the cache for a newcomer's cached prefix before it reserves the
-# rest (``take_prefix``; a plain paged cache has none), so the prompt chunk
-# it schedules starts after the cached tokens. The server's step end keys
-# the blocks the step filled, then lets finished requests leave. (``serve``
-# checks every request before it can join a step, with ``check_request`` of
-# :doc:`serving_continuous_batching`: these prompts all fit.)
+# asks the cache for a newcomer's cached prefix before it reserves the rest
+# (``take_prefix``; a plain paged cache has none), so the prompt chunk it
+# schedules starts after the cached tokens. The server's step end keys the
+# blocks the step filled, then lets finished requests leave.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
 #    :pyobject: plan_continuous
@@ -222,85 +207,41 @@ print(f"a request of 20 tokens took {demo.tables[2]}, evicting {demo.evictions} 
 
 import functools
 
-from ragged_toolkit.kv_cache import PagedKVCache
-from ragged_toolkit.serving.prefix_cache import retire_caching
-from ragged_toolkit.serving.requests import fresh_requests
-from ragged_toolkit.serving.schedulers import plan_continuous, retire_finished
-from ragged_toolkit.serving.server import serve
+from ragged_toolkit.serving.schedulers import plan_continuous
 
 continuous = functools.partial(plan_continuous, max_running=S.slots, token_budget=S.token_budget)
 longest = max(len(r.prompt) + r.n_out for r in systems + chats)
 ample = S.slots * -(-longest // S.block) * 2  # room for every running request, and a cache beside it
 
-
-def starter(requests, cached, n_blocks=ample, caches=None, **kw):
-    """What starts a run of ``serve`` on fresh requests, with a prefix cache
-    (kept in ``caches``) or a plain paged cache of ``n_blocks`` blocks."""
-    def start():
-        cache = (PrefixCache if cached else PagedKVCache)(cfg, n_blocks, S.block, DEVICE, DTYPE)
-        if caches is not None:
-            caches.append(cache)
-        return serve(model, fresh_requests(requests), cache, continuous,
-                     retire_caching if cached else retire_finished, **kw)
-    return start
-
-
 # %%
 # With and without the cache, all requests waiting
 # ------------------------------------------------
-# The same server with and without the cache serves the same system-prompt
-# requests, offline, the two taking turns step by step (``take_turns``),
-# each at least ``runs`` times. As on :doc:`serving_continuous_batching`,
-# the runs' milliseconds per generated token (``ms_per_token``) give a
-# median and an IQR, printed as tokens per second, and a speedup is claimed
-# only where the two interquartile ranges do not overlap (the site's noise
-# rule); the time to first token is the median of the runs' p50s. The
-# *work bound* is what skipping the cached prompt tokens could buy at this
-# device's costs: the busy time of the run without the cache over that time
-# less what its skipped prompt tokens cost in it, a prompt token's cost
-# read from that run's own steps (the :term:`fraction of the bound` is the
-# speedup over it):
+# ``with_and_without`` serves the system-prompt requests offline with a
+# ``PrefixCache`` and with a plain ``PagedKVCache``, taking turns step by
+# step, each at least ``runs`` times. As on :doc:`serving_continuous_batching`,
+# throughput is the median over the runs with its IQR, and a speedup is
+# claimed only where the two interquartile ranges do not overlap; the time
+# to first token is the median of the runs' p50s. The *work bound* is what skipping the cached
+# prompt tokens could buy at this device's costs: a run without the cache's
+# busy time over that time less what its skipped prompt tokens cost, a prompt
+# token's cost read from that run's own steps (:term:`fraction of the bound`):
 #
 # .. literalinclude:: ../ragged_toolkit/serving/runs.py
 #    :pyobject: prompt_token_seconds
 
 from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
-from ragged_toolkit.serving.metrics import latency_ms, ms_per_token
-from ragged_toolkit.serving.prefix_tree import cached_tree
-from ragged_toolkit.serving.runs import busy_seconds, prompt_token_seconds, skipping_bound, spread
-from ragged_toolkit.serving.server import take_turns
+from ragged_toolkit.serving.prefix_tree import MostSharedTree
+from ragged_toolkit.serving.runs import prompt_token_seconds, with_and_without
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each server"
-
-
-def with_and_without(requests, observe=None):
-    """Runs with and without the cache, taking turns, and what they measured
-    (``observe`` watches the runs with the cache)."""
-    caches = []
-    runs = dict(zip(("with", "without"), take_turns(starter(requests, True, caches=caches, observe=observe),
-                                                     starter(requests, False), runs=S.runs)))
-    prefill = {k: sum(s.prefill for s in v[0].steps) for k, v in runs.items()}
-    return dict(runs=runs, prefill=prefill, cache=caches[0], hit=caches[0].hit_tokens / caches[0].asked_tokens,
-                per_token={k: ms_per_token(v) for k, v in runs.items()},
-                ttft={k: spread(v, lambda run: latency_ms(run.requests)["ttft"][0]) for k, v in runs.items()},
-                bound=np.median([skipping_bound(run, prefill["without"] - prefill["with"])
-                                 for run in runs["without"]]))
-
-
-snapshot = {}  # the tree of cached blocks at the step where most requests read a shared block
-
-
-def keep_tree(step, running, cache):
-    sharing = sum(r for r in cache.refs if r > 1)
-    if sharing > snapshot.get("sharing", -1):
-        snapshot.update(sharing=sharing, step=step, nodes=cached_tree(cache), running=len(running))
-
-
-offline = with_and_without(systems, keep_tree)
-per_token, ttft = offline["per_token"], offline["ttft"]
-R, P, W = 1e3 / per_token["with"].median_ms, 1e3 / per_token["without"].median_ms, offline["bound"]
-K, N = offline["prefill"]["with"], offline["prefill"]["without"]
-print(f"prefix cache: hit rate {offline['hit']:.0%}, prefill tokens {K} of {N} computed, "
+serve_both = functools.partial(with_and_without, model, plan=continuous, n_blocks=ample,
+                               block_size=S.block, runs=S.runs)
+tree = MostSharedTree()  # the cached blocks at the step where most requests share them, drawn below
+offline = serve_both(systems, observe=tree)
+per_token, ttft = offline.per_token, offline.ttft
+R, P, W = 1e3 / per_token["with"].median_ms, 1e3 / per_token["without"].median_ms, offline.bound
+K, N = offline.prefill["with"], offline.prefill["without"]
+print(f"prefix cache: hit rate {offline.hit:.0%}, prefill tokens {K} of {N} computed, "
       f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
       f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
       f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}")
@@ -318,7 +259,7 @@ print("the speedup " + ("stands: the IQRs of the runs do not overlap" if apart e
 # each token by what it costs in the run without the cache:
 
 decode_tokens = sum(r.n_out for r in systems)
-without = offline["runs"]["without"][0]
+without = offline.runs["without"][0]
 step_ms = np.median([s.seconds for s in without.steps if s.prefill == 0]) * 1e3
 prompt_ms = prompt_token_seconds(without.steps) * 1e3
 ratio = (N + decode_tokens) / (K + decode_tokens)
@@ -333,79 +274,64 @@ print(f"the token count {'overstates' if ratio > W else 'understates'} the time 
 # Arriving over time
 # ------------------
 # Online, the same requests arrive one by one, Poisson-distributed, at
-# ``LOAD`` times the rate the server without the cache served them offline.
-# The time to first token is what a user waits: queuing and prefill. Each
-# request's share of its prompt found cached, and its time to first token,
-# over the trace (the first run of each server):
+# ``LOAD`` times the rate the server without the cache served offline. The
+# time to first token is what a user waits: queuing and prefill. Over the
+# trace (each server's first run), each request's share of its prompt found
+# cached, and its time to first token:
 
 import matplotlib.pyplot as plt
 from ragged_toolkit.figures import FIGURE_STYLE
-from ragged_toolkit.serving.requests import poisson_arrivals
+from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals
+from ragged_toolkit.serving.runs import busy_seconds, draw_trace
 
-rate = LOAD * S.requests / np.median([busy_seconds(run) for run in offline["runs"]["without"]])  # requests/s
+rate = LOAD * S.requests / np.median([busy_seconds(run) for run in offline.runs["without"]])  # requests/s
 arriving = fresh_requests(systems, poisson_arrivals(np.random.default_rng(setup.seed + 1),
                                                      S.requests, rate))
-online = with_and_without(arriving)
-late = {k: t.median_ms for k, t in online["ttft"].items()}
-print(f"online, {rate:.1f} requests/s, hit rate {online['hit']:.0%}: time to first token p50 "
+online = serve_both(arriving)
+late = {k: t.median_ms for k, t in online.ttft.items()}
+print(f"online, {rate:.1f} requests/s, hit rate {online.hit:.0%}: time to first token p50 "
       f"{late['with']:.0f} ms with the cache, {late['without']:.0f} ms without")
-print(f"  (the median of {len(online['runs']['with'])} and {len(online['runs']['without'])} runs)")
+print(f"  (the median of {len(online.runs['with'])} and {len(online.runs['without'])} runs)")
 
 plt.rcParams.update(FIGURE_STYLE)
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
-arrival = [r.arrival for r in arriving]
-prompt = np.array([len(r.prompt) for r in arriving])
-found = np.array([online["cache"].first_hit.get(r.rid, 0) for r in arriving])
-ax1.scatter(arrival, found / prompt, s=12, color="C0", label="each request")
-ax1.plot(arrival, np.cumsum(found) / np.cumsum(prompt), color="C1", label="hit rate so far")
-ax1.set(ylabel="prompt found cached", ylim=(-0.05, 1.05),
-        title=f"System prompts arriving at {rate:.1f} requests/s (without the cache: no hit)")
-ax1.legend(loc="lower right")
-for name, color in (("with", "C0"), ("without", "C3")):
-    first = {r.rid: r.first_token_s for r in online["runs"][name][0].requests}
-    ax2.scatter(arrival, [(first[r.rid] - r.arrival) * 1e3 for r in arriving], s=12, color=color,
-                label=f"{name} the cache")
-ax2.set(xlabel="arrival (s, simulated clock)", ylabel="time to first token (ms)", ylim=(0, None))
-ax2.legend(loc="upper left")
+draw_trace(arriving, online, f"System prompts arriving at {rate:.1f} requests/s (without the cache: no hit)")
 plt.show()
 
 # %%
 # Conversations
 # -------------
-# In a conversation the shared prefix grows: every turn sends the last
-# turn's prompt and its answer again, whose blocks the last turn left cached (a
-# block filled while decoding gets its key too). All turns wait at once,
-# every first turn before every second; a turn that starts before the last
-# one has finished finds less:
+# In a conversation the shared prefix grows: each turn sends again the last
+# turn's prompt and answer, whose blocks the last turn left cached (a block
+# filled while decoding is keyed too). All turns wait at once, every first
+# turn before every second; a turn that starts before the last ends finds less:
 
-chat = with_and_without(chats)
-can = reusable_tokens(chat["runs"]["with"][0].requests, S.block)
-R2, P2 = (1e3 / chat["per_token"][k].median_ms for k in ("with", "without"))
-same = not outside_noise(chat["per_token"]["with"], chat["per_token"]["without"])
-print(f"conversations: hit rate {chat['hit']:.0%} (a cache that never evicts, each turn after "
+chat = serve_both(chats)
+can = reusable_tokens(chat.runs["with"][0].requests, S.block)
+R2, P2 = (1e3 / chat.per_token[k].median_ms for k in ("with", "without"))
+same = not outside_noise(chat.per_token["with"], chat.per_token["without"])
+print(f"conversations: hit rate {chat.hit:.0%} (a cache that never evicts, each turn after "
       f"the last: {can / sum(len(r.prompt) for r in chats):.0%}),")
-print(f"  prefill tokens {chat['prefill']['with']} of {chat['prefill']['without']} computed")
+print(f"  prefill tokens {chat.prefill['with']} of {chat.prefill['without']} computed")
 print(f"  throughput {R2:.0f} tokens/s (without: {P2:.0f}), speedup {R2 / P2:.2f}x, "
-      f"work bound {chat['bound']:.2f}x" + (" (within the noise)" if same else ""))
+      f"work bound {chat.bound:.2f}x" + (" (within the noise)" if same else ""))
 
 # %%
 # Which requests share which blocks
 # ---------------------------------
 # The cached blocks form a tree: a block's parent is the block before it in
-# the prefixes that hold it. At the step of the offline run where most
-# requests read a shared block, each system prompt is a trunk that the
-# requests behind it read, branching into their user messages. Requests
-# admitted in one step all compute their prompts: the first to finish a
-# block keys it, and the others keep their copies (hollow) until they leave.
+# the prefixes that hold it. At the offline step where most requests read a
+# shared block, each system prompt is a trunk that branches into user
+# messages. Requests admitted in one step all compute their prompts: the
+# first to finish a block keys it, the others keep copies (hollow).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_tree.py
 #    :pyobject: cached_tree
 
 from ragged_toolkit.serving.prefix_tree import draw_cached_tree
 
-copies = [n.kind for n in snapshot["nodes"]].count("copy")
-draw_cached_tree(snapshot["nodes"], f"Blocks at step {snapshot['step']}, {snapshot['running']} "
-                 f"requests running: shared (red),\nread by one (blue), idle (gray)"
+copies = [n.kind for n in tree.nodes].count("copy")
+draw_cached_tree(tree.nodes, f"Blocks at step {tree.step}, {tree.running} requests running: "
+                 f"shared (red),\nread by one (blue), idle (gray)"
                  + (f", {copies} copies (hollow)" if copies else "") + f"; blocks of {S.block} rows")
 plt.show()
 
@@ -414,31 +340,32 @@ plt.show()
 # %%
 # Under pressure: eviction and preemption
 # ---------------------------------------
-# The system prompts again, all waiting, in a cache of ``pressure`` times
-# the blocks the runs above had: too small to keep every prefix, so idle blocks are evicted (the
-# user messages' blocks first: the system prompts' are read again and
-# again), and too small for every running request, so the scheduler
-# preempts. A preempted request's full blocks stay cached, idle, so that
-# it recomputes only what was evicted meanwhile. ``check`` verifies after
-# each step that every block is free, idle or held, its readers counted.
+# The system prompts again, all waiting, in a cache of ``pressure`` times the
+# blocks the runs above had: too small to keep every prefix, so idle blocks
+# are evicted (the user messages' blocks first: the system prompts' are read
+# again and again), and too small for every running request, so the
+# scheduler preempts. A preempted request's full blocks stay cached, idle,
+# so that it recomputes only what was evicted meanwhile. ``check`` verifies
+# after each step that every block is free, idle or held, its readers counted.
 
-pressure_caches, small = [], int(S.pressure * ample)
-[pressed] = take_turns(starter(systems, True, small, pressure_caches, check=True))
-preempted = sum(r.preempted for r in pressed[0].requests)
-evicted = pressure_caches[0].evictions
-assert preempted > 0 and evicted > 0, "the cache was never short: nothing tested eviction"
-print(f"{small} blocks: {evicted} evictions, {preempted} preemptions, hit rate "
-      f"{pressure_caches[0].hit_tokens / pressure_caches[0].asked_tokens:.0%}")
+from ragged_toolkit.serving.prefix_cache import retire_caching
+from ragged_toolkit.serving.server import serve, take_turns
+
+pressure = PrefixCache(cfg, int(S.pressure * ample), S.block, DEVICE, DTYPE)
+[[pressed]] = take_turns(lambda: serve(model, fresh_requests(systems), pressure, continuous,
+                                       retire_caching, check=True))
+preempted = sum(r.preempted for r in pressed.requests)
+assert preempted > 0 and pressure.evictions > 0, "the cache was never short: nothing tested eviction"
+print(f"{pressure.n_blocks} blocks: {pressure.evictions} evictions, {preempted} preemptions, hit rate "
+      f"{pressure.hit_tokens / pressure.asked_tokens:.0%}")
 
 # %%
 # Proof: every request equals decoding it alone
 # ---------------------------------------------
 # Every request of every run above is checked as on
-# :doc:`serving_continuous_batching`: its logits against those of decoding it
-# alone in float32 without a cache, each of its tokens the reference's
-# greedy choice (or a tie within the tolerance). A request that generated
-# the same tokens for the same prompt as one already proved is checked
-# against that one's logits.
+# :doc:`serving_continuous_batching`, against decoding it alone in float32
+# without a cache; a request that generated the same tokens for the same
+# prompt as one already proved, against that one's logits.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/runs.py
 #    :pyobject: prove_every_run
@@ -447,31 +374,28 @@ from ragged_toolkit.device import tolerances
 from ragged_toolkit.serving.runs import prove_every_run
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
-every = [run for result in (offline, online, chat) for runs in result["runs"].values()
-         for run in runs] + pressed
+every = [run for result in (offline, online, chat) for runs in result.runs.values()
+         for run in runs] + [pressed]
 worst, ties, checked = prove_every_run(reference, every, PROOF_TOLERANCE)
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
 print(f"every request of every run, {str(DTYPE).removeprefix('torch.')}: equal to decoding it "
       f"alone ({criterion})")
-print(f"{len(every)} runs, {checked} requests: as many as the time allowed")
-print(f"largest difference {worst:.1e}, {ties} ties within atol, over the runs the time allowed")
+print(f"{len(every)} runs (as many as the time allowed), {checked} requests: largest difference "
+      f"{worst:.1e}, {ties} ties within atol")
 
 # %%
-# The tests (``tests/test_prefix_cache.py``) plant three faults and check
-# that each is caught: a key that leaves out its parent (the same tokens at
-# another position reuse a block computed for another context), a block
-# evicted while a request still reads it, and a request that writes into a
-# shared block.
+# The tests (``tests/test_prefix_cache.py``) plant three faults and catch
+# each: a key without its parent, a block evicted while a request still
+# reads it, and a request that writes into a shared block.
 #
 # Shared-prefix attention
 # -----------------------
 # The cache stores a shared prefix once, but a decoding step still reads it
 # once per request: the gathered path of :doc:`serving_continuous_batching`
-# copies each request's whole rows, prefix included, and attends over them
-# (with ``ragged_attention``'s default backend here, as that page does;
-# on a CPU, one call per request). *Shared-prefix* (cascade) attention reads the prefix once: all
-# queries of the requests that share it meet its keys in one call, each
-# request meets its own suffix, and the two parts are merged exactly. A
+# copies each request's whole rows and attends over them (one call per
+# request on a CPU). *Shared-prefix* (cascade) attention reads the prefix
+# once: all the queries that share it meet its keys in one call, each
+# request meets its own suffix, and the two parts are merged exactly: a
 # softmax over two parts is each part's softmax weighted by its share of the
 # whole denominator, known from each part's log-sum-exp:
 #
@@ -484,32 +408,21 @@ print(f"largest difference {worst:.1e}, {ties} ties within atol, over the runs t
 # .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
 #    :pyobject: shared_prefix_attention
 #
-# For each case below, ``Q`` requests whose tables share ``L`` cached
-# tokens, each with ``S`` tokens of its own, decode one token. Shared-prefix
-# attention must give the gathered path's output (the tests check both
-# against a float64 reference), then both are timed. The work bound counts
-# the rows of keys and values each reads: the scores computed are the same,
-# but the gathered path reads the prefix ``Q`` times.
+# In each case below, ``Q`` requests sharing ``L`` cached tokens, each with
+# ``S`` of its own, decode one token (``shared_prefix_step``: random keys).
+# Shared-prefix attention must give the gathered path's output (the tests
+# check both against float64), then both are timed. The work bound counts
+# the rows of keys and values read: the gathered path reads the prefix ``Q``
+# times.
 
 from ragged_toolkit.measuring.timing import measure
-from ragged_toolkit.serving.engine import build_step
 from ragged_toolkit.serving.paged_attention import gathered_attention
 from ragged_toolkit.serving.shared_prefix_attention import (plan_shared_prefix, rows_read,
-                                                            shared_prefix_attention)
+                                                            shared_prefix_attention, shared_prefix_step)
 
 cases = {}
 for n_req, prefix, suffix in S.shared_cases:
-    shared = PrefixCache(cfg, n_req * -(-(prefix + suffix) // S.block) + 1, S.block, DEVICE, DTYPE)
-    shared.k.normal_(), shared.v.normal_()  # keys and values as a model would have written them
-    step = []
-    for i in range(n_req):  # the prefix's tokens, then each request's own
-        req = Request(i, list(range(prefix)) + [i] * suffix, 1)
-        req.computed = shared.take_prefix(i, req.prompt)
-        assert shared.reserve(i, len(req.prompt))
-        req.computed = len(req.prompt) - 1
-        shared.note_computed(req)
-        step.append((req, 1))  # its last token, as a decoding step feeds it
-    _, _, layout = build_step(shared, step, DEVICE)
+    shared, layout = shared_prefix_step(cfg, prefix, [suffix] * n_req, S.block, DEVICE, DTYPE)
     plan = plan_shared_prefix(shared, list(range(n_req)), layout.kv_lengths.tolist(), DEVICE)
     q = torch.randn(n_req, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
     torch.testing.assert_close(shared_prefix_attention(q, shared, 0, plan),
@@ -527,10 +440,9 @@ for (n_req, prefix, suffix), t in timed.items():
           f"fraction {gain / bound:.2f}" + ("" if outside_noise(t["gathered"], t["shared"]) else " (within noise)"))
 
 # %%
-# Where it does not pay: with few requests, or suffixes as long as the
-# prefix, the work bound is small (little is read only once), and the
-# second call and the merge may cost more than the rows they save. The
-# cases measured here:
+# Where it does not pay: with few requests, or suffixes as long as the prefix,
+# the work bound is small (little is read only once), and the second call and
+# the merge may cost more than the rows they save. The cases measured here:
 
 for tell in ("slower", "faster"):
     told = [f"{n_req} over {prefix}+{suffix}" for (n_req, prefix, suffix), t in timed.items()
@@ -543,21 +455,15 @@ for tell in ("slower", "faster"):
 # ----------
 # A prefix cache is bookkeeping on top of the paged cache: a key per full
 # block that names everything before it, a count of readers, and an idle
-# list that remembers blocks until their memory is needed. The lines above
-# say, for this device and these sizes, how many prompt tokens it skipped,
-# what that bought against what it could buy, and how the time to first
-# token moved; the proof says that no request changed. Shared-prefix
-# attention takes the sharing one step further, into each decoding step's
-# reads.
+# list that keeps blocks until their memory is needed; the proof says that
+# no request changed. Shared-prefix attention carries the sharing into each
+# decoding step's reads.
 #
 # References
 # ----------
-# * vLLM, automatic prefix caching:
-#   https://docs.vllm.ai/en/latest/design/prefix_caching.html
+# * vLLM, automatic prefix caching: https://docs.vllm.ai/en/latest/design/prefix_caching.html
 # * Zheng et al., "SGLang: Efficient Execution of Structured Language Model
 #   Programs" (RadixAttention), 2024: https://arxiv.org/abs/2312.07104
 # * ``nano-vllm``'s block manager: https://github.com/GeeeekExplorer/nano-vllm
-# * FlashInfer, cascade attention:
-#   https://flashinfer.ai/2024/02/02/cascade-inference.html
-# * attention-gym, shared-prefix split attention:
-#   https://github.com/meta-pytorch/attention-gym
+# * FlashInfer, cascade attention: https://flashinfer.ai/2024/02/02/cascade-inference.html
+# * attention-gym, shared-prefix split attention: https://github.com/meta-pytorch/attention-gym

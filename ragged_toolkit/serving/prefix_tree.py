@@ -1,7 +1,8 @@
 """The tree of a :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache`'s
 blocks: each cached or held block and the block before it in the prefixes
-that hold it (:func:`cached_tree`), and its picture (:func:`draw_cached_tree`):
-which requests share which blocks at one step."""
+that hold it (:func:`cached_tree`), the tree at the step of a run where most
+requests share blocks (:class:`MostSharedTree`), and its picture
+(:func:`draw_cached_tree`): which requests share which blocks at one step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CachedBlock", "cached_tree", "tree_rows", "draw_cached_tree"]
+__all__ = ["CachedBlock", "cached_tree", "MostSharedTree", "tree_rows", "draw_cached_tree"]
 
 
 @dataclass
@@ -47,6 +48,22 @@ def cached_tree(cache):
                 nodes[b] = CachedBlock(b, table[depth - 1] if depth else None, depth, cache.refs[b],
                                        "copy" if depth < computed else "own")
     return sorted(nodes.values(), key=lambda n: (n.depth, n.block))
+
+
+class MostSharedTree:
+    """An observer of serving runs (``serve(..., observe=)``) that keeps the
+    :func:`cached_tree` of the step, over all the runs it watched, where the
+    blocks read by several requests had the most readers: ``nodes`` (empty
+    until a step was seen), ``step`` (its index in its run) and ``running``
+    (the requests running after it)."""
+
+    def __init__(self):
+        self.sharing, self.step, self.running, self.nodes = -1, None, 0, []
+
+    def __call__(self, step, running, cache):
+        sharing = sum(r for r in cache.refs if r > 1)  # readers of the blocks read by several
+        if sharing > self.sharing:
+            self.sharing, self.step, self.running, self.nodes = sharing, step, len(running), cached_tree(cache)
 
 
 def tree_rows(nodes):

@@ -3,18 +3,29 @@ proved: any figure of a run as the median and interquartile range over its
 runs (:func:`spread`; a speedup is claimed only outside that spread, by the
 site's noise rule, :func:`~ragged_toolkit.measuring.noise.outside_noise`);
 what skipping prompt tokens could buy at this device's costs, read from a
-run's own steps; and every request of every run against decoding it alone.
-Nothing here reads a clock: the server timed the steps."""
+run's own steps; one stream served with a prefix cache and without, taking
+turns (:func:`with_and_without`), and what it did over an online trace
+(:func:`draw_trace`); and every request of every run against decoding it
+alone. Nothing here reads a clock: the server timed the steps."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..kv_cache import PagedKVCache
 from ..measuring.timing import Timing
+from .metrics import latency_ms, ms_per_token
+from .prefix_cache import PrefixCache, retire_caching
 from .proof import check_against_alone
+from .requests import fresh_requests
+from .schedulers import retire_finished
+from .server import serve, take_turns
 
-__all__ = ["busy_seconds", "spread", "prompt_token_seconds", "skipping_bound", "prove_every_run"]
+__all__ = ["busy_seconds", "spread", "prompt_token_seconds", "skipping_bound", "CachingRuns",
+           "with_and_without", "draw_trace", "prove_every_run"]
 
 
 def busy_seconds(run):
@@ -49,6 +60,85 @@ def skipping_bound(run, skipped):
     tokens cost in it (:func:`prompt_token_seconds`)."""
     total = busy_seconds(run)
     return total / (total - skipped * prompt_token_seconds(run.steps))
+
+
+@dataclass
+class CachingRuns:
+    """What :func:`with_and_without` served and measured, each figure by the
+    name of its server (``"with"`` the prefix cache, ``"without"``):
+    ``runs``, its :class:`~ragged_toolkit.serving.server.ServingRun` s;
+    ``prefill``, the prompt tokens its first run computed; ``per_token``, the
+    spread over its runs of the milliseconds per generated token
+    (:func:`~ragged_toolkit.serving.metrics.ms_per_token`); ``ttft``, the
+    spread of its runs' median time to first token, in ms. And ``cache``,
+    the :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache` of the
+    first run with it; ``hit``, the share of prompt tokens that run's
+    admissions found cached; ``bound``, the work bound of skipping them
+    (:func:`skipping_bound`, the median over the runs without)."""
+
+    runs: dict
+    prefill: dict
+    per_token: dict
+    ttft: dict
+    cache: PrefixCache
+    hit: float
+    bound: float
+
+
+def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, observe=None):
+    """Serve ``requests`` (fresh copies each run) with a
+    :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache`, whose steps
+    end with :func:`~ragged_toolkit.serving.prefix_cache.retire_caching`,
+    and with a plain :class:`~ragged_toolkit.kv_cache.PagedKVCache`, each of
+    ``n_blocks`` blocks of ``block_size`` rows on the model's device and in
+    its dtype, taking turns step by step until each ran ``runs`` times
+    (:func:`~ragged_toolkit.serving.server.take_turns`). ``plan`` is the
+    scheduler; ``observe`` watches the runs with the cache. Returns
+    :class:`CachingRuns`."""
+    weights, caches = next(model.parameters()), []
+
+    def starter(cache_type, retire, **kw):
+        def start():
+            caches.append(cache_type(model.cfg, n_blocks, block_size, weights.device, weights.dtype))
+            return serve(model, fresh_requests(requests), caches[-1], plan, retire, **kw)
+        return start
+
+    served = dict(zip(("with", "without"), take_turns(starter(PrefixCache, retire_caching, observe=observe),
+                                                      starter(PagedKVCache, retire_finished), runs=runs)))
+    cache = caches[0]  # the first run with the cache started first
+    prefill = {name: sum(s.prefill for s in done[0].steps) for name, done in served.items()}
+    skipped = prefill["without"] - prefill["with"]
+    return CachingRuns(
+        runs=served, prefill=prefill,
+        per_token={name: ms_per_token(done) for name, done in served.items()},
+        ttft={name: spread(done, lambda run: latency_ms(run.requests)["ttft"][0]) for name, done in served.items()},
+        cache=cache, hit=cache.hit_tokens / cache.asked_tokens,
+        bound=float(np.median([skipping_bound(run, skipped) for run in served["without"]])))
+
+
+def draw_trace(requests, served, title):
+    """A figure of ``requests`` (with their arrivals) served online with and
+    without a prefix cache (``served``, their :class:`CachingRuns`), the
+    first run of each, over the trace: above, each request's share of its
+    prompt found cached at its first admission and the hit rate so far;
+    below, each request's time to first token in ms. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
+    arrival = [r.arrival for r in requests]
+    prompt = np.array([len(r.prompt) for r in requests])
+    found = np.array([served.cache.first_hit.get(r.rid, 0) for r in requests])
+    ax1.scatter(arrival, found / prompt, s=12, color="C0", label="each request")
+    ax1.plot(arrival, np.cumsum(found) / np.cumsum(prompt), color="C1", label="hit rate so far")
+    ax1.set(ylabel="prompt found cached", ylim=(-0.05, 1.05), title=title)
+    ax1.legend(loc="lower right")
+    for name, color in (("with", "C0"), ("without", "C3")):
+        first = {r.rid: r.first_token_s for r in served.runs[name][0].requests}
+        ax2.scatter(arrival, [(first[r.rid] - r.arrival) * 1e3 for r in requests], s=12, color=color,
+                    label=f"{name} the cache")
+    ax2.set(xlabel="arrival (s, simulated clock)", ylabel="time to first token (ms)", ylim=(0, None))
+    ax2.legend(loc="upper left")
+    return fig
 
 
 def prove_every_run(reference, runs, tolerance):

@@ -166,10 +166,10 @@ print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e
 # * **A fixed number of documents** per micro-batch: its token count is the
 #   sum of a few document lengths, so it varies, and so does each rank's work.
 # * **A token budget**: the packed stream cut every ``BUDGET`` tokens (chosen
-#   to hold the same tokens on average), inside a document where a cut falls
-#   in one, as :doc:`packed_gpt_training` cuts its rows: no padding, one
-#   shape. Carrying such a document whole to the next micro-batch instead
-#   costs padding.
+#   to hold the same tokens on average), through any document a cut falls
+#   in, as :doc:`packed_gpt_training` cuts its rows: no padding, one shape.
+#   Carrying such a document whole to the next micro-batch instead costs
+#   padding.
 #
 # ``deal_to_ranks`` deals micro-batches to the ranks in turn, as
 # ``DistributedSampler`` deals samples. ``token_imbalance`` is the tokens of
@@ -240,8 +240,8 @@ plt.show()
 # ``compiled_graphs`` compiles the first ``COMPILE_STEPS`` micro-batches of
 # each way, with static shapes (``dynamic=False``, what CUDA graphs need),
 # the default (static, then symbolic where a size changes) and symbolic
-# sizes from the start (``dynamic=True``); dynamo's ``eager`` backend counts
-# graphs and breaks without generating kernels:
+# sizes from the start (``dynamic=True``), and counts dynamo's graphs and
+# breaks; its ``eager`` backend generates no kernels:
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: compiled_graphs
@@ -272,7 +272,8 @@ for path, (layout_of, dynamic) in PATHS.items():
 # %%
 # The rows layout compiled the budget once on every path, fixed documents
 # once per token count with static shapes (asserted below): the budget buys
-# one static shape, which CUDA graphs need. The loop's plan follows the sequences:
+# one static shape, which CUDA graphs need. The loop's plan follows the
+# sequences:
 
 token_counts = len({len(t) for t, _ in by_documents[:COMPILE_STEPS]})
 assert all(graphs["token budget", path] == 1 for path in PATHS if path.startswith("rows")), graphs
@@ -301,9 +302,9 @@ print(f"loop plan: fixed documents hold {held['fixed documents']} sequences, {lo
 # batch packed as one, ``cross_entropy`` averaged over its targets, float32.
 # The check takes tiny micro-batches (``GRAD_DOCS`` whole documents) from
 # the most uneven of the first 50 steps, where a wrong normalization shows,
-# such as the common shortcut (``loss / accumulation_steps``, then DDP's
-# average over the ranks): each micro-batch's loss over its own targets,
-# those means averaged. It is tried on the same data, in one process.
+# such as the common shortcut (``loss / accumulation_steps``, then the
+# average DDP takes over the ranks): each micro-batch's loss over its own
+# targets, those means averaged. It is tried on the same data, in one process.
 
 from ragged_toolkit.data_parallel import one_process_gradients
 
@@ -347,9 +348,9 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # calls ``data_parallel_worker``. The ranks leave together (each marks
 # itself done in the job's folder and waits for the others) before the
 # process group is destroyed, so that no rank closes a connection its peer
-# still uses; then the script exits without the interpreter's teardown
-# (``os._exit``), where objects that still held a gloo connection were seen
-# to abort a rank about once in 50 launches:
+# still uses; then the script leaves with ``os._exit``, skipping the
+# interpreter's shutdown, where objects that still held a gloo connection
+# were seen to abort a rank about once in 50 launches:
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
 #    :pyobject: data_parallel_worker

@@ -1,8 +1,10 @@
 """Packed training on several ranks, what each rank does: the checks that a
-pack trains each document as if it were alone, a loss normalized over every
-rank, the DDP and FSDP2 wrapping. :mod:`ragged_toolkit.data_parallel_launch`
-starts the ranks."""
+pack trains each document as if it were alone, micro-batches dealt to the
+ranks and the imbalance of their tokens, the step compiled whole, a loss
+normalized over every rank, the DDP and FSDP2 wrapping.
+:mod:`ragged_toolkit.data_parallel_launch` starts the ranks."""
 
+import textwrap
 from contextlib import nullcontext
 
 import torch
@@ -12,8 +14,11 @@ import torch.nn.functional as F
 from .batches import token_index
 from .data import concat_batches, document_targets
 from .layouts import PackedLayout
+from .measuring.bound import pairs_scored
+from .measuring.compiling import compile_counter
 
-__all__ = ["check_documents_apart", "check_targets", "check_positions", "token_loss_sum", "data_parallel_step",
+__all__ = ["check_documents_apart", "check_targets", "check_positions", "failure_message", "deal_to_ranks",
+           "rank_tokens", "token_imbalance", "step_load", "token_loss_sum", "compiled_graphs", "data_parallel_step",
            "one_process_gradients", "check_same_gradients", "wrap_model", "nccl_ranks"]
 
 # --- the three packing checks -------------------------------------------------------
@@ -69,6 +74,65 @@ def check_positions(positions, offsets):
         )
 
 
+def failure_message(check, *args, width=110):
+    """Run ``check(*args)`` on a wrong variant, which it must refuse, and
+    return the ``AssertionError`` message it fails with, wrapped to ``width``
+    characters and indented for printing under the line it explains. Raise
+    ``AssertionError`` if the check passes: the mistake went unnoticed."""
+    try:
+        check(*args)
+    except AssertionError as failure:
+        return "\n".join(textwrap.wrap(str(failure), width, initial_indent="  ", subsequent_indent="    "))
+    raise AssertionError(f"{check.__name__} accepted the wrong variant: it would not catch the mistake")
+
+
+# --- micro-batches dealt to the ranks ------------------------------------------------
+
+
+def deal_to_ranks(micro_batches, world, per_rank):
+    """The steps of ``world`` ranks that run ``per_rank`` micro-batches each,
+    the micro-batches (a list of ``(tokens, offsets)``) dealt in turn, as
+    ``DistributedSampler`` deals samples: ``steps[s][r]`` is the list of rank
+    ``r``'s micro-batches in step ``s``. What is left after the last whole
+    step is left out."""
+    if world < 1 or per_rank < 1:
+        raise ValueError(f"world ({world}) and per_rank ({per_rank}) must be at least 1")
+    per_step = world * per_rank
+    return [[micro_batches[s + r : s + per_step : world] for r in range(world)]
+            for s in range(0, len(micro_batches) - per_step + 1, per_step)]
+
+
+def rank_tokens(steps):
+    """The tokens each rank holds in each step of :func:`deal_to_ranks`: an
+    int64 tensor (steps, ranks)."""
+    per_rank = [[sum(len(t) for t, _ in rank) for rank in step] for step in steps]
+    return torch.tensor(per_rank, dtype=torch.int64).reshape(len(steps), len(steps[0]) if steps else 0)
+
+
+def token_imbalance(steps):
+    """The tokens of each step's busiest rank over the mean of its ranks,
+    summed over the steps (of :func:`deal_to_ranks`): the factor by which the
+    steps take longer than with perfectly balanced work, 1.0 when every rank
+    holds the same tokens in every step."""
+    per_rank = rank_tokens(steps).double()  # (steps, ranks)
+    if per_rank.numel() == 0 or per_rank.sum() == 0:
+        raise ValueError(f"no tokens in {len(steps)} steps: deal_to_ranks had fewer micro-batches "
+                         "than one step takes (world * per_rank)")
+    return float(per_rank.max(1).values.sum() / per_rank.mean(1).sum())
+
+
+def step_load(steps):
+    """What the steps of :func:`deal_to_ranks` hold, as named values: the
+    ``tokens`` of every rank and the query-key ``pairs`` that causal attention
+    scores (each sequence on its own), both per step, averaged over the
+    steps, and the steps' ``imbalance`` (:func:`token_imbalance`)."""
+    imbalance = token_imbalance(steps)  # refuses steps without tokens
+    micro_batches = [mb for step in steps for rank in step for mb in rank]
+    return {"tokens": sum(len(t) for t, _ in micro_batches) / len(steps),
+            "pairs": sum(pairs_scored(o.diff(), o.diff(), True) for _, o in micro_batches) / len(steps),
+            "imbalance": imbalance}
+
+
 # --- the loss of a step, on every rank ---------------------------------------------
 
 
@@ -83,6 +147,30 @@ def token_loss_sum(model, tokens, offsets, backend=None, dtype=torch.float32, *,
         logits = model(tokens, token_index(offsets)[1], layout)  # (T, vocab)
     loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
     return loss, (targets != -100).sum()
+
+
+def compiled_graphs(model, micro_batches, layout_of, *, dynamic=None, dtype=torch.float32):
+    """What ``torch.compile(model, fullgraph=True)`` does over the forward and
+    backward of each micro-batch ``(tokens, offsets)``, the attention layout
+    built outside the model by ``layout_of(tokens, offsets)``: a
+    :class:`~ragged_toolkit.measuring.compiling.CompileCount` (graphs, breaks,
+    uncompiled fallbacks). ``dynamic`` is ``torch.compile``'s. Dynamo's own
+    ``eager`` backend runs each graph as captured (no kernels generated);
+    dynamo is reset before and after, so the count is this call's, and its
+    recompile limit is lifted to 64 (past 8 versions of a function it would
+    stop compiling it). The gradients are dropped."""
+    torch._dynamo.reset()
+    runner = torch.compile(model, backend="eager", fullgraph=True, dynamic=dynamic)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=64), compile_counter() as count:
+            for tokens, offsets in micro_batches:
+                loss, targets = token_loss_sum(runner, tokens, offsets, dtype=dtype,
+                                               layout=layout_of(tokens, offsets))
+                (loss / targets).backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+    return count
 
 
 def data_parallel_step(model, micro_batches, sync=None, *, reduce_count=True, backend=None,

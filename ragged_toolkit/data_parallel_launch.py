@@ -25,7 +25,7 @@ from .gpt import GPT, GPTConfig
 from .measuring.timing import stopwatch
 
 __all__ = ["GradientRun", "DataParallelJob", "data_parallel_worker", "data_parallel_command",
-           "run_data_parallel"]
+           "run_data_parallel", "step_times_ms"]
 
 
 @dataclass
@@ -226,3 +226,15 @@ def run_data_parallel(job, data, nproc, *, timeout=600):
         grads = {run.name: torch.load(folder / f"grads-{run.name}.pt", weights_only=True)
                  for run in job.grad_runs}
     return reports, grads
+
+
+def step_times_ms(reports, scheme, skip=0):
+    """Each timed step of ``scheme`` in ms, read from the ranks' reports
+    (:func:`run_data_parallel`): the slowest rank's time, since a step ends
+    for every rank when the slowest has sent its gradients. The first
+    ``skip`` steps (the warm-up) are left out. A list of floats, one a step."""
+    seconds = [report["timing"][scheme]["seconds"][skip:] for report in reports]
+    if not seconds or len({len(s) for s in seconds}) != 1:
+        raise ValueError(f"timed steps of {scheme!r} per rank after the first {skip}: "
+                         f"{[len(s) for s in seconds]}; every rank of one run times the same steps")
+    return [1e3 * max(step) for step in zip(*seconds)]

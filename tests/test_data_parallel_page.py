@@ -1,11 +1,13 @@
 """The data-parallel page (tutorials/data_parallel_packed_training.py) through
 the toolkit functions it runs: the docstring corpus, the two ways of filling
-a micro-batch, the three packing checks failing on the wrong variants, and
-the two-rank step (DDP, FSDP2; torch.distributed.run over gloo, tiny sizes)
-matching one process, and failing to when the count is not reduced; a
-failing rank's own error shown; the step compiled with ``fullgraph=True``
-(no break, and an error when a break or a host sync is put back), and the
-rows layout compiling a token budget once."""
+a micro-batch, micro-batches dealt to the ranks and their imbalance, the
+three packing checks failing on the wrong variants (and ``failure_message``
+refusing a check that passes), and the two-rank step (DDP, FSDP2;
+torch.distributed.run over gloo, tiny sizes) matching one process, and
+failing to when the count is not reduced; a failing rank's own error shown;
+the step times read from the ranks' reports; the step compiled with
+``fullgraph=True`` (no break, and an error when a break or a host sync is
+put back), and the rows layout compiling a token budget once."""
 
 from __future__ import annotations
 
@@ -21,8 +23,6 @@ from toolkit_api import MODULES, tk
 PAGE = REPO / "tutorials" / "data_parallel_packed_training.py"
 CORPUS_LINE = re.compile(r"corpus: (\d+) documents from (.+), lengths min (\d+), median (\d+), max (\d+)")
 TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=512)
-
-
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,40 @@ def test_a_token_budget_cuts_the_stream_and_keeps_every_boundary(corpus):
     carried = tk.split_carrying_documents(tokens, offsets, budget)
     assert all(len(t) <= budget and (o.diff() > 0).all() for t, o in carried)
     assert sum(len(o) - 1 for _, o in carried) == len(offsets) - 1, "every document, whole, once"
+
+
+def _batch(*lengths):
+    """A packed micro-batch of documents of these lengths: (tokens, offsets)."""
+    return torch.zeros(sum(lengths), dtype=torch.int64), tk.offsets_from_lengths(list(lengths))
+
+
+def test_micro_batches_are_dealt_to_the_ranks_in_turn_and_the_imbalance_counts_tokens():
+    micro = [_batch(n) for n in (10, 20, 30, 40, 50, 60, 70, 80, 90)]  # 9: one left over
+    steps = tk.deal_to_ranks(micro, 2, 2)
+    assert len(steps) == 2 and [len(rank) for step in steps for rank in step] == [2, 2, 2, 2]
+    assert [[len(t) for t, _ in rank] for rank in steps[0]] == [[10, 30], [20, 40]]  # in turn, as a sampler
+    assert tk.rank_tokens(steps).tolist() == [[40, 60], [120, 140]]
+    assert tk.token_imbalance(steps) == pytest.approx((60 + 140) / (50 + 130))
+    assert tk.token_imbalance(tk.deal_to_ranks([_batch(8, 8)] * 4, 2, 2)) == 1.0
+    load = tk.step_load(steps)
+    assert load["tokens"] == (100 + 260) / 2 and load["imbalance"] == tk.token_imbalance(steps)
+    assert load["pairs"] == sum(n * (n + 1) / 2 for n in range(10, 90, 10)) / 2  # causal, a sequence each
+    with pytest.raises(ValueError, match=r"no tokens in 0 steps: deal_to_ranks had fewer micro-batches"):
+        tk.token_imbalance(tk.deal_to_ranks(micro[:3], 2, 2))
+    with pytest.raises(ValueError, match=r"world \(0\) and per_rank \(2\) must be at least 1"):
+        tk.deal_to_ranks(micro, 0, 2)
+
+
+def test_failure_message_wraps_the_failure_and_refuses_a_check_that_passes():
+    def check(x):
+        assert x, "the value is false: " + "word " * 40
+
+    message = tk.failure_message(check, False, width=60)
+    lines = message.splitlines()
+    assert lines[0].startswith("  the value is false: word") and all(len(line) <= 60 for line in lines)
+    assert len(lines) > 1 and all(line.startswith("    ") for line in lines[1:])
+    with pytest.raises(AssertionError, match="check accepted the wrong variant"):
+        tk.failure_message(check, True)
 
 
 def _message(check, *args):
@@ -137,6 +171,9 @@ def test_two_ranks_match_one_process_and_fail_when_the_count_is_not_reduced(corp
     reports, grads = tk.run_data_parallel(job, data, 2, timeout=120)
     assert [r["rank"] for r in reports] == [0, 1] and {r["world_size"] for r in reports} == {2}
     assert all(len(r["timing"]["token budget"]["seconds"]) == 1 for r in reports)
+    step_ms = tk.step_times_ms(reports, "token budget")
+    assert len(step_ms) == 1 and step_ms[0] == 1e3 * max(r["timing"]["token budget"]["seconds"][0] for r in reports)
+    assert tk.step_times_ms(reports, "token budget", skip=1) == []
     assert tk.check_same_gradients(grads["ddp"], reference) < 1e-4
     assert tk.check_same_gradients(grads["fsdp"], reference) < 1e-4
     with pytest.raises(AssertionError, match=r"differ from one process on the whole batch: max difference"):
@@ -226,23 +263,32 @@ def test_the_data_parallel_step_compiles_with_fullgraph_and_fails_when_a_break_i
 
 
 def test_a_token_budget_compiles_the_rows_layout_once_and_fixed_documents_per_token_count(corpus, model):
-    """The page's claim: with the rows layout (the micro-batch as one row,
-    its mask built outside), static shapes compile one graph for every
-    micro-batch of a budget and one per token count for fixed documents."""
+    """The page's claim, through ``compiled_graphs``: with the rows layout
+    (the micro-batch as one row, its mask built outside), static shapes
+    compile one graph for every micro-batch of a budget and one per token
+    count for fixed documents; symbolic sizes one for both."""
     tokens, offsets = tk.pack_documents(corpus[0][:40], max_len=400)  # documents of 200 to 400 tokens
     schemes = {"budget": tk.split_by_token_budget(tokens, offsets, 192)[:3],
                "documents": tk.split_by_documents(tokens, offsets, 2)[:3]}
-    counts = {}
-    for name, micro in schemes.items():
-        torch._dynamo.reset()
-        compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="eager")
-        with tk.compile_counter() as count:
-            for t, o in micro:
-                loss, targets = tk.token_loss_sum(compiled, t, o, layout=tk.PackedRows.from_offsets(o, len(t)))
-                (loss / targets).backward()
-        counts[name] = count
-    model.zero_grad(set_to_none=True)
-    torch._dynamo.reset()
-    assert counts["budget"].graphs == 1 and counts["budget"].breaks == 0, str(counts["budget"])
     sizes = len({len(t) for t, _ in schemes["documents"]})
-    assert sizes > 1 and counts["documents"].graphs == sizes and counts["documents"].breaks == 0
+    assert sizes > 1
+
+    def rows(t, o):
+        return tk.PackedRows.from_offsets(o, len(t))
+
+    for dynamic, expected in ((False, {"budget": 1, "documents": sizes}), (True, {"budget": 1, "documents": 1})):
+        for name, micro in schemes.items():
+            count = tk.compiled_graphs(model, micro, rows, dynamic=dynamic)
+            assert (count.graphs, count.breaks, count.fallbacks) == (expected[name], 0, []), (name, dynamic, str(count))
+    assert all(p.grad is None for p in model.parameters()), "compiled_graphs drops the gradients"
+
+
+def test_compiled_graphs_follows_the_sequences_with_the_loop_plan(corpus, model):
+    """The loop backend's plan unrolls a call per sequence into the graph:
+    micro-batches of one token count but other numbers of sequences compile
+    again."""
+    tokens, offsets = tk.pack_documents(corpus[0][:40], max_len=400)
+    micro = tk.split_by_token_budget(tokens, offsets, 192)[:4]
+    sequences = {len(o) - 1 for _, o in micro}
+    count = tk.compiled_graphs(model, micro, lambda t, o: tk.PackedLayout.of(o, "loop"), dynamic=False)
+    assert count.breaks == 0 and count.graphs >= len(sequences), (sequences, str(count))

@@ -3,11 +3,10 @@ Packed training across data-parallel ranks
 ==========================================
 
 Packed documents on several ranks: DDP and FSDP2 (``fully_shard``) started
-with ``torch.distributed.run``, micro-batches filled to a fixed token budget
-instead of a fixed number of documents, and a loss divided by the number of
-targets of the whole step on every rank, proved against one process on
-the whole batch. Real text, offline: the docstrings of Python's standard
-library, one byte per token.
+with ``torch.distributed.run``, micro-batches filled to a token budget
+instead of a fixed number of documents, and a loss divided by the targets of
+the whole step on every rank, proved against one process on the whole
+batch. Real text, offline: Python's docstrings, one byte per token.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -20,9 +19,8 @@ library, one byte per token.
          of a data-parallel step, and what a token budget does instead
        * How the training step compiles with ``fullgraph=True``, and when a
          fixed budget compiles once
-       * How to normalize the loss with gradient accumulation on several
-         ranks, and how to prove it: the gradients of one process on the
-         whole batch
+       * How to normalize the loss over micro-batches and ranks, proved
+         against the gradients of one process on the whole batch
        * Three packing mistakes, each caught by a check that fails loudly
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
@@ -40,14 +38,9 @@ library, one byte per token.
 # %%
 # Sizes
 # -----
-# Every size is set here, per device; :term:`quick mode` shrinks them. Two
-# ranks run on the CPU over ``gloo`` on every machine; a CUDA machine also
-# runs one rank per GPU over NCCL. The model is the GPT of the training page
-# with a byte vocabulary (256 tokens). ``corpus_documents`` docstrings are
-# read, cut at ``context`` tokens and packed end to end; the first
-# ``train_tokens`` of that stream are cut into micro-batches, and every
-# figure below reads from them. (Real runs: thousands of GPUs, a budget of
-# 4096 to 16384 tokens per micro-batch and rank.)
+# Every size is set here, per device; :term:`quick mode` shrinks them. The
+# model is the GPT of :doc:`packed_gpt_training`, bytes as tokens. (Real runs:
+# thousands of GPUs, a budget of 4096 to 16384 tokens per micro-batch and rank.)
 
 import torch
 from ragged_toolkit.device import page_setup
@@ -76,17 +69,14 @@ print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micr
 # %%
 # Real text, offline
 # ------------------
-# The documents are the docstrings of the standard library of the Python
-# that runs the page: ``docstring_corpus`` reads every ``.py`` file of
-# ``sysconfig.get_paths()["stdlib"]`` with ``ast`` (no module is imported),
-# in the order of their paths, and keeps the docstrings of modules, classes
-# and functions of at least 200 characters, each once. Each byte
-# is a token. Docstrings are as ragged as web documents: a line for a small
-# function, pages for a module.
-
+# ``docstring_corpus`` reads the standard library's docstrings of 200
+# characters or more with ``ast``, a byte a token: as ragged as web
+# documents, a line for a small function, pages for a module. Packed end to
+# end, each cut at ``context`` tokens, the stream's first ``train_tokens``
+# feed every figure below.
 
 import numpy as np
-from ragged_toolkit.data import docstring_corpus, pack_documents
+from ragged_toolkit.data import docstring_corpus, pack_documents, split_by_token_budget
 
 documents, source = docstring_corpus(min_chars=200, limit=S.corpus_documents)
 lengths = np.array([len(d) for d in documents])
@@ -97,8 +87,7 @@ tokens, offsets = pack_documents(documents, max_len=S.context)  # (T,), (B + 1,)
 assert len(documents) == S.corpus_documents and len(tokens) >= S.train_tokens, (
     f"this Python's standard library holds {len(documents)} docstrings of 200+ characters, "
     f"{len(tokens)} tokens: lower corpus_documents or train_tokens in SIZES")
-inside = offsets[offsets < S.train_tokens]  # the documents the stream's first train_tokens touch
-tokens, offsets = tokens[:S.train_tokens], torch.cat([inside, inside.new_tensor([S.train_tokens])])
+tokens, offsets = split_by_token_budget(tokens, offsets, S.train_tokens)[0]  # the stream's first train_tokens
 print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
       f"{(lengths > S.context).sum()} documents of the corpus cut at {S.context}")
 
@@ -106,8 +95,8 @@ print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
 # Three packing mistakes, each checked
 # ------------------------------------
 # A pack is right when each document in it trains as if it were alone.
-# Three things make that so, and each has a check in the toolkit that
-# fails, naming the problem, when it is broken:
+# Three things make that so; each check below passes on the right code, then
+# prints what it fails with on the wrong variant (``failure_message``):
 #
 # 1. **Attention stays inside each document.** Two copies of one document
 #    in one pack must give the same logits; if the offsets describe the pack
@@ -120,20 +109,18 @@ print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
 #    .. literalinclude:: ../ragged_toolkit/data.py
 #       :pyobject: document_targets
 #
-# 3. **Positions restart at every document.** ``token_index`` gives them. With
-#    rotary embeddings the scores depend only on the distance between two
-#    tokens, so a constant shift moves this model's logits by rounding alone
-#    (the page checks it); but a model with learned absolute positions sees other
-#    inputs, the position table runs out at ``max_seq_len``, and Hugging Face's
-#    padding-free path reads the document boundaries from positions that
-#    restart (``offsets_from_position_ids``).
-#
-# Each check runs on the right code, then on the wrong variant; the page
-# shows the message the wrong one fails with.
+# 3. **Positions restart at every document** (``token_index``). Rotary
+#    scores depend only on the distance between two tokens, so a constant
+#    shift moves this model's logits by rounding alone (checked below); but
+#    learned absolute positions see other inputs, the position table runs
+#    out at ``max_seq_len``, and Hugging Face's padding-free path reads the
+#    document boundaries from positions that restart
+#    (``offsets_from_position_ids``).
 
 from ragged_toolkit.batches import offsets_from_position_ids, token_index
 from ragged_toolkit.data import document_targets
-from ragged_toolkit.data_parallel import check_documents_apart, check_positions, check_targets
+from ragged_toolkit.data_parallel import (check_documents_apart, check_positions, check_targets,
+                                          failure_message)
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.layouts import PackedLayout
 
@@ -149,35 +136,19 @@ def pack_as_one(docs):
     return tokens, torch.tensor([0, len(tokens)])
 
 
-def shows_failure(check, *args):
-    """Run a check that must fail; return its message."""
-    try:
-        check(*args)
-    except AssertionError as failure:
-        return str(failure)
-    raise AssertionError(f"{check.__name__} accepted the wrong variant")
-
-
-def wrapped(message, width=110):
-    import textwrap
-
-    return "\n".join(textwrap.wrap(message, width, initial_indent="  ",
-                                   subsequent_indent="    "))
-
-
 gap = check_documents_apart(model, doc, pack_documents)
 print(f"1. two copies of a {len(doc)}-token document: largest logit difference {gap:.1e}")
-print(wrapped(shows_failure(check_documents_apart, model, doc, pack_as_one)))
+print(failure_message(check_documents_apart, model, doc, pack_as_one))
 
 pair, pair_offsets = pack_documents(documents[2:5], max_len=40)
 check_targets(pair, document_targets(pair, pair_offsets), pair_offsets)
 print("2. targets of three packed documents: -100 at each document's last token")
-print(wrapped(shows_failure(check_targets, pair, pair.roll(-1), pair_offsets)))
+print(failure_message(check_targets, pair, pair.roll(-1), pair_offsets))
 
 right, wrong = token_index(pair_offsets)[1], torch.arange(len(pair))
 check_positions(right, pair_offsets)
 print(f"3. positions restart: {right.tolist()[36:45]} around the first boundary")
-print(wrapped(shows_failure(check_positions, wrong, pair_offsets)))
+print(failure_message(check_positions, wrong, pair_offsets))
 with torch.no_grad():
     layout = PackedLayout.of(pair_offsets, "loop")  # the batch's plan, built once for both calls
     shifted = (model(pair, right, layout) - model(pair, wrong, layout)).abs().max()
@@ -189,67 +160,46 @@ print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e
 # %%
 # Two ways to fill a micro-batch
 # ------------------------------
-# Each rank of a data-parallel step runs ``MICRO_BATCHES`` micro-batches and
-# then waits for the others (the gradients are summed over the ranks at the
-# end of the last backward), so the step takes as long as its slowest rank.
+# Each rank runs ``MICRO_BATCHES`` micro-batches a step, then waits for the
+# others to sum the gradients, so a step takes as long as its slowest rank.
 #
-# * **A fixed number of documents** per micro-batch: the token count of a
-#   micro-batch is the sum of a few document lengths, so it varies, and so
-#   does each rank's work.
-# * **A token budget**: the packed stream cut every ``BUDGET`` tokens, the
-#   budget chosen here to hold the same tokens on average. A document that
-#   crosses a cut is **cut** there; its rest opens the next micro-batch as a
-#   sequence of its own. That costs the rest its context before the cut and
-#   one target, and nothing else: no padding, one shape. The alternative is to
-#   **carry** a document that does not fit whole to the next micro-batch and
-#   pad what is left; that keeps every document whole but costs padding, and
-#   documents longer than the budget must be cut anyway.
+# * **A fixed number of documents** per micro-batch: its token count is the
+#   sum of a few document lengths, so it varies, and so does each rank's work.
+# * **A token budget**: the packed stream cut every ``BUDGET`` tokens (chosen
+#   to hold the same tokens on average), through any document a cut falls
+#   in, as :doc:`packed_gpt_training` cuts its rows: no padding, one shape.
+#   Carrying such a document whole to the next micro-batch instead costs
+#   padding.
 #
-# Micro-batches are dealt to the ranks in turn, as ``DistributedSampler``
-# deals samples. The imbalance is the token count of the slowest rank over
-# the mean of the ranks, summed over every step of the stream: the factor by
-# which the step is longer than it would be with perfectly balanced work.
+# ``deal_to_ranks`` deals micro-batches to the ranks in turn, as
+# ``DistributedSampler`` deals samples. ``token_imbalance`` is the tokens of
+# the busiest rank over the mean of the ranks, summed over the steps: the
+# factor by which a step is longer than with perfectly balanced work.
 
-from ragged_toolkit.data import split_by_documents, split_by_token_budget, split_carrying_documents
+from ragged_toolkit.data import split_by_documents, split_carrying_documents
+from ragged_toolkit.data_parallel import deal_to_ranks, rank_tokens, token_imbalance
 
 by_documents = split_by_documents(tokens, offsets, S.docs_per_micro_batch)
 BUDGET = int(round(np.mean([len(t) for t, _ in by_documents]) / 64)) * 64
 by_budget = split_by_token_budget(tokens, offsets, BUDGET)
 carried = split_carrying_documents(tokens, offsets, BUDGET)
-
-
-def deal(micro_batches, world=WORLD, per_rank=MICRO_BATCHES):
-    """Steps of ``world`` ranks with ``per_rank`` micro-batches each, dealt
-    in turn: ``steps[s][r]`` is the list of rank ``r``'s micro-batches."""
-    per_step = world * per_rank
-    return [[micro_batches[s + r : s + per_step : world] for r in range(world)]
-            for s in range(0, len(micro_batches) - per_step + 1, per_step)]
-
-
-def rank_tokens(steps):
-    return np.array([[sum(len(t) for t, _ in rank) for rank in step] for step in steps])
-
-
-def imbalance(steps):
-    per_rank = rank_tokens(steps)  # (steps, ranks)
-    return per_rank.max(1).sum() / per_rank.mean(1).sum()
-
-
-steps_docs, steps_budget = deal(by_documents), deal(by_budget)
+steps_docs = deal_to_ranks(by_documents, WORLD, MICRO_BATCHES)
+steps_budget = deal_to_ranks(by_budget, WORLD, MICRO_BATCHES)
 cuts = torch.arange(BUDGET, len(by_budget) * BUDGET, BUDGET)
 cut = int((~torch.isin(cuts, offsets)).sum())  # cuts that fall inside a document
 padding = 1 - sum(len(t) for t, _ in carried) / (BUDGET * len(carried))
 print(f"token budget {BUDGET} (the mean of {S.docs_per_micro_batch} documents); "
       f"{len(steps_docs)} and {len(steps_budget)} steps of the stream")
 print(f"token imbalance (max/mean tokens per rank): fixed documents "
-      f"{imbalance(steps_docs):.2f}, token budget {imbalance(steps_budget):.2f}")
+      f"{token_imbalance(steps_docs):.2f}, token budget {token_imbalance(steps_budget):.2f}")
 print(f"the budget cuts {cut} documents (one target each); carrying them instead "
       f"would pad {padding:.1%} of the slots")
-assert imbalance(steps_budget) == 1.0, "a token budget gives every rank the same tokens"
+assert token_imbalance(steps_budget) == 1.0, "a token budget gives every rank the same tokens"
 
 # %%
-# How the budget cuts the stream: the first micro-batches, each document its
-# color, each cut inside a document marked.
+# How the budget cuts the stream (the first micro-batches, each document its
+# color, each cut inside a document marked), and the tokens each rank holds
+# in the first steps, both ways:
 
 import matplotlib.pyplot as plt
 from ragged_toolkit.figures import FIGURE_STYLE, draw_token_budget
@@ -258,15 +208,10 @@ plt.rcParams.update(FIGURE_STYLE)
 draw_token_budget(offsets.diff()[:40].tolist(), BUDGET, micro_batches=6)
 plt.show()
 
-# %%
-# The tokens each rank holds in the first steps, both ways:
-
 fig, ax = plt.subplots(figsize=(8, 3.6))
-shown = min(20, len(steps_docs))
-for r, marker in zip(range(WORLD), "os"):
-    ax.plot(rank_tokens(steps_docs[:shown])[:, r], marker=marker,
-            label=f"rank {r}, fixed documents")
-ax.plot(rank_tokens(steps_budget[:shown])[:, 0], "k--", label="every rank, token budget")
+for r, marker in zip(range(WORLD), "os"):  # the first 20 steps
+    ax.plot(rank_tokens(steps_docs[:20])[:, r], marker=marker, label=f"rank {r}, fixed documents")
+ax.plot(rank_tokens(steps_budget[:20])[:, 0], "k--", label="every rank, token budget")
 ax.set(xlabel="step", ylabel="tokens on the rank", ylim=(0, None))
 ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
 ax.legend(loc="lower right", ncols=2, fontsize=10)
@@ -276,41 +221,33 @@ plt.show()
 # %%
 # One shape, one compiled graph
 # -----------------------------
-# A rank computes each micro-batch's loss with ``token_loss_sum``. The
-# layout it hands the model, and the batch's plan in it, is built before the
-# model runs, so ``ragged_attention`` reads nothing back from the device and
-# ``torch.compile(model, fullgraph=True)`` takes a micro-batch's forward
-# whole, with its backward: a graph break would be an error.
+# A rank computes each micro-batch's loss with ``token_loss_sum``, the
+# layout and the batch's plan in it built before the model runs, so that
+# ``ragged_attention`` reads nothing back from the device and
+# ``torch.compile(model, fullgraph=True)`` takes the forward and backward
+# whole (a graph break would be an error):
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: token_loss_sum
 #
-# What a compiled graph is specialized on depends on how attention reads
-# the micro-batch, and that decides what a fixed budget buys:
+# What a graph is specialized on depends on how attention reads the
+# micro-batch (:doc:`packed_gpt_training` shows both): the **rows** layout,
+# ``PackedRows``, one SDPA call with a block-diagonal causal mask, on the
+# token count alone; the ``loop`` backend's plan, which the ranks below run
+# on a CPU, one SDPA call per sequence unrolled into the graph, on how many
+# sequences the micro-batch holds (with static shapes, on every length).
 #
-# * the **rows** layout, ``PackedRows`` (:doc:`packed_gpt_training`): the
-#   micro-batch as one row, one SDPA call with a block-diagonal causal mask
-#   built outside the model. The graph depends on the token count alone. It
-#   scores every pair of the row and masks those across documents (on CUDA,
-#   ``FlexRows`` skips them).
-# * the **packed** layout with the ``loop`` backend's plan, what the ranks
-#   below run on a CPU: one SDPA call per sequence, unrolled into the graph,
-#   which therefore depends on how many sequences the micro-batch holds (and,
-#   with static shapes, on every length), whatever its token count.
+# ``compiled_graphs`` compiles the first ``COMPILE_STEPS`` micro-batches of
+# each way, with static shapes (``dynamic=False``, what CUDA graphs need),
+# the default (static, then symbolic where a size changes) and symbolic
+# sizes from the start (``dynamic=True``), and counts dynamo's graphs and
+# breaks; its ``eager`` backend generates no kernels:
 #
-# Each path compiles the first ``COMPILE_STEPS`` micro-batches of each way
-# of filling them: with static shapes (``dynamic=False``, what CUDA graphs
-# need), the default (static, then symbolic sizes where a size changes) and
-# symbolic sizes from the start (``dynamic=True``). ``compile_counter``
-# counts the graphs and graph breaks, with dynamo's recompile limit lifted
-# (past 8 versions of a function it would stop compiling it). Graphs and
-# breaks are dynamo's, whatever compiles the graphs after it: the ``eager``
-# backend runs each graph as captured, where inductor would spend seconds
-# generating its kernels (:doc:`packed_gpt_training` times that).
+# .. literalinclude:: ../ragged_toolkit/data_parallel.py
+#    :pyobject: compiled_graphs
 
-from ragged_toolkit.data_parallel import token_loss_sum
+from ragged_toolkit.data_parallel import compiled_graphs, token_loss_sum
 from ragged_toolkit.layouts import PackedRows
-from ragged_toolkit.measuring.compiling import compile_counter
 
 COMPILE_STEPS = 3
 schemes = {"fixed documents": by_documents, "token budget": by_budget}
@@ -320,43 +257,23 @@ def rows(t, o):  # the micro-batch as one row of all its tokens
     return PackedRows.from_offsets(o, len(t))
 
 
-def loop_plan(t, o):
-    return PackedLayout.of(o, "loop")
-
-
-PATHS = {"rows, static shapes": (rows, False), "rows, default shapes": (rows, None),
-         "rows, dynamic shapes": (rows, True), "loop plan, default shapes": (loop_plan, None)}
-
-
-def compiled_trainer(micro_batches, layout_of, dynamic):
-    """Each micro-batch's forward and backward through the model compiled
-    with ``fullgraph=True``; returns what ``torch.compile`` did."""
-    torch._dynamo.reset()  # each path counts its own graphs
-    runner = torch.compile(model, backend="eager", fullgraph=True, dynamic=dynamic)
-    with torch._dynamo.config.patch(recompile_limit=64), compile_counter() as count:
-        for t, o in micro_batches:
-            loss, targets = token_loss_sum(runner, t, o, dtype=CPU_DTYPE, layout=layout_of(t, o))
-            (loss / targets).backward()
-    model.zero_grad(set_to_none=True)
-    return count
-
-
+PATHS = {"rows, static shapes": (rows, False), "rows, default shapes": (rows, None),  # (layout, dynamic)
+         "rows, dynamic shapes": (rows, True),
+         "loop plan, default shapes": (lambda t, o: PackedLayout.of(o, "loop"), None)}  # an SDPA call a sequence
 graphs = {}
 for path, (layout_of, dynamic) in PATHS.items():
-    for scheme, micro_batches in schemes.items():
-        count = compiled_trainer(micro_batches[:COMPILE_STEPS], layout_of, dynamic)
+    for scheme, mbs in schemes.items():
+        count = compiled_graphs(model, mbs[:COMPILE_STEPS], layout_of, dynamic=dynamic, dtype=CPU_DTYPE)
         assert count.breaks == 0 and not count.fallbacks, f"{scheme}, {path}: {count}"
         graphs[scheme, path] = count.graphs
         print(f"compiled trainer {scheme}, {path}: {count.graphs} graphs for {COMPILE_STEPS} steps, "
               f"{count.breaks} graph breaks")
-torch._dynamo.reset()
 
 # %%
-# No path broke its graph. With the rows layout, the budget compiled one
-# graph on every path, fixed documents one per token count with static
-# shapes and one with symbolic sizes from the start (each checked below):
-# what the budget buys there is one static shape, which CUDA graphs need.
-# With the loop's plan, the graph follows the sequences:
+# The rows layout compiled the budget once on every path, fixed documents
+# once per token count with static shapes (asserted below): the budget buys
+# one static shape, which CUDA graphs need. The loop's plan follows the
+# sequences:
 
 token_counts = len({len(t) for t, _ in by_documents[:COMPILE_STEPS]})
 assert all(graphs["token budget", path] == 1 for path in PATHS if path.startswith("rows")), graphs
@@ -372,48 +289,40 @@ print(f"loop plan: fixed documents hold {held['fixed documents']} sequences, {lo
 # %%
 # A loss that is right on every rank
 # ----------------------------------
-# The loss of a step is the mean over its targets: the sum of every token's
-# loss, over every micro-batch of every rank, divided by the number of
-# targets of all of them. No rank knows that number alone, so each sums its
-# own count and ``all_reduce`` sums the counts before the first backward.
-# DDP and FSDP2 then average the gradients over the ranks; multiplying each
-# rank's loss by the world size undoes that average.
+# The loss of a step is the sum of every token's loss, over every
+# micro-batch of every rank, divided by the targets of all of them. No rank
+# knows that count alone: each sums its own and ``all_reduce`` sums them
+# before the first backward. DDP and FSDP2 average the gradients over the
+# ranks; multiplying each rank's loss by the world size undoes that.
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: data_parallel_step
 #
-# The reference is independent of all of it: one process, the whole batch of
-# the step packed as one, ``cross_entropy`` averaged over its targets, float32.
-# The gradient check uses tiny micro-batches of ``GRAD_DOCS`` whole documents:
-# the most uneven of the first 50 steps, since uneven target counts are where
-# a wrong normalization shows.
+# The reference is independent of all of it: one process, the step's whole
+# batch packed as one, ``cross_entropy`` averaged over its targets, float32.
+# The check takes tiny micro-batches (``GRAD_DOCS`` whole documents) from
+# the most uneven of the first 50 steps, where a wrong normalization shows,
+# such as the common shortcut (``loss / accumulation_steps``, then the
+# average DDP takes over the ranks): each micro-batch's loss over its own
+# targets, those means averaged. It is tried on the same data, in one process.
 
 from ragged_toolkit.data_parallel import one_process_gradients
 
-grad_steps = deal(split_by_documents(tokens, offsets, GRAD_DOCS), per_rank=3)[:50]
-grad_batches = max(grad_steps, key=lambda step: imbalance([step]))  # the most uneven
+grad_steps = deal_to_ranks(split_by_documents(tokens, offsets, GRAD_DOCS), WORLD, 3)[:50]
+grad_batches = max(grad_steps, key=lambda step: token_imbalance([step]))  # the most uneven
 reference = one_process_gradients(model, [mb for rank in grad_batches for mb in rank])
-targets_per_rank = [sum(int((document_targets(t, o) != -100).sum()) for t, o in rank)
-                    for rank in grad_batches]
+targets_per_rank = [sum(int((document_targets(t, o) != -100).sum()) for t, o in rank) for rank in grad_batches]
 print(f"gradient check: {WORLD} ranks x 3 micro-batches of {GRAD_DOCS} documents, "
       f"targets per rank {targets_per_rank}")
 
-# %%
-# The common shortcut divides each micro-batch's loss by its own targets and
-# averages those means (``loss / accumulation_steps``, then the average that
-# DDP takes over the ranks).
-# On the same data, in one process:
-
-model.zero_grad(set_to_none=True)
+model.zero_grad(set_to_none=True)  # the shortcut: the mean of the micro-batches' means
 micro = [mb for turn in zip(*grad_batches) for mb in turn]  # rank r holds micro[r::WORLD]
 means = [torch.div(*token_loss_sum(model, t, o)) for t, o in micro]
 torch.stack(means).mean().backward()
-shortcut = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+mean_gap = max((p.grad - reference[n]).abs().max().item() for n, p in model.named_parameters())
 model.zero_grad(set_to_none=True)
-mean_gap = max((shortcut[n] - g).abs().max().item() for n, g in reference.items())
 with torch.no_grad():
-    right_loss = sum(token_loss_sum(model, t, o)[0] for t, o in micro)
-    right_loss /= sum(targets_per_rank)
+    right_loss = sum(token_loss_sum(model, t, o)[0] for t, o in micro) / sum(targets_per_rank)
 print(f"mean of per-micro-batch means: loss {torch.stack(means).mean():.4f}, "
       f"over every target {right_loss:.4f}; gradient max difference {mean_gap:.1e}")
 counts_differ = len({int((document_targets(t, o) != -100).sum()) for t, o in micro}) > 1
@@ -423,29 +332,25 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # %%
 # Two ranks, launched as a reader launches them
 # ---------------------------------------------
-# Each rank wraps its own copy of the model. With DDP, every rank holds the
-# whole model and the gradients are averaged over the ranks during the
-# backward of the last micro-batch: ``no_sync`` keeps the others local.
-# With FSDP2, ``fully_shard`` on every block and then on the model leaves
-# each rank a shard of every weight (``full_tensor()`` gathers one), and
-# ``set_requires_gradient_sync`` plays the part of ``no_sync``. The mesh is
-# named, not guessed: ranks on the CPU build it on the CPU.
+# Each rank wraps its own copy of the model. With DDP every rank holds the
+# whole model, and ``no_sync`` keeps the gradients local until the last
+# micro-batch's backward averages them over the ranks. With FSDP2,
+# ``fully_shard`` on every block, then on the model, leaves each rank a shard
+# of every weight (``full_tensor()`` gathers one), and
+# ``set_requires_gradient_sync`` plays the part of ``no_sync``:
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: wrap_model
 #
-# What every rank does is a ``DataParallelJob``: the process group's
-# backend, the model's sizes, the gradient runs (DDP, FSDP2, and DDP with
-# the count not reduced, the mistake), then timed training steps under DDP
-# with AdamW, both ways of filling a micro-batch, on the attention backend
-# named for them. The tensors (the initial weights, each rank's
-# micro-batches) travel beside it. Each rank runs the same script, which
-# calls ``data_parallel_worker``. The ranks leave together, each marking
-# itself done in the job's folder and waiting for the others, before the
+# A ``DataParallelJob`` says what every rank does: the gradient runs
+# (``RUNS``), then timed steps under DDP with AdamW, both ways of filling a
+# micro-batch; the tensors travel beside it. Each rank runs a script that
+# calls ``data_parallel_worker``. The ranks leave together (each marks
+# itself done in the job's folder and waits for the others) before the
 # process group is destroyed, so that no rank closes a connection its peer
-# still uses; then the script exits without the interpreter's teardown
-# (``os._exit``), where objects that still held a gloo connection were seen
-# to abort a rank about once in 50 launches:
+# still uses; then the script leaves with ``os._exit``, skipping the
+# interpreter's shutdown, where objects that still held a gloo connection
+# were seen to abort a rank about once in 50 launches:
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
 #    :pyobject: data_parallel_worker
@@ -454,14 +359,12 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 #    :start-at: DATA_PARALLEL_SCRIPT =
 #    :end-at: os._exit(0)
 #
-# ``torch.distributed.run`` (``torchrun``) starts the ranks, over the
-# local network interface; ``run_data_parallel`` writes the job into a temporary
-# folder, reads each rank's report back, and where a rank fails, raises with
-# that rank's own error. The command, and its twin on a CUDA machine, where
-# each rank takes a GPU and the ranks talk over NCCL:
+# ``run_data_parallel`` writes the job into a temporary folder, starts the
+# ranks, reads each rank's report back, and raises with a failing rank's own
+# error. The command, and its twin on a CUDA machine (a rank per GPU, NCCL):
 #
 # * ``python -m torch.distributed.run --standalone --nproc-per-node=2 worker.py FOLDER``
-# * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER`` (a rank per GPU)
+# * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER``
 
 from ragged_toolkit.attention import backend_support
 from ragged_toolkit.data_parallel import check_same_gradients, nccl_ranks
@@ -472,23 +375,22 @@ RUNS = [GradientRun("DDP", wrap="ddp"), GradientRun("FSDP2", wrap="fsdp"),
 
 
 def launch(backend, nproc, device, dtype):
-    """The job on ``nproc`` ranks: the gradient check's micro-batches and the
-    timed steps dealt to that many ranks; the gradients checked."""
+    """The job on ``nproc`` ranks, its micro-batches dealt to them; the gradients checked."""
     fused = backend_support("varlen", device, dtype, is_causal=True, needs_grad=True, gqa=True,
-                            head_dim=cfg.head_dim)
+                            head_dim=cfg.head_dim) is None  # flash varlen trains here
     job = DataParallelJob(backend=backend, config=S.model, dtype=str(dtype).removeprefix("torch."), lr=LR,
-                          grad_runs=RUNS, grad_backend="loop", time_backend="varlen" if fused is None else "loop")
+                          grad_runs=RUNS, time_backend="varlen" if fused else "loop")
     data = {"init": model.state_dict(),  # every rank starts from these weights
             "grad_batches": [micro[r::nproc] for r in range(nproc)],  # the micro-batches of rank r
-            "time_batches": {name: deal(mbs, world=nproc)[:WARMUP_STEPS + S.steps]
+            "time_batches": {name: deal_to_ranks(mbs, nproc, MICRO_BATCHES)[:WARMUP_STEPS + S.steps]
                              for name, mbs in schemes.items()}}
     reports, grads = run_data_parallel(job, data, nproc)
     print(f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]} (CPU threads per rank: "
           f"{reports[0]['threads']}), timed steps on {job.time_backend!r}:")
     for run in RUNS[:2]:
         gap = check_same_gradients(grads[run.name], reference, GRAD_TOL)
-        print(f"{run.name}:")
-        print(f"data-parallel step: world size {nproc}, gradient max difference to one process {gap:.1e}")
+        print(f"{run.name}:\ndata-parallel step: world size {nproc}, "
+              f"gradient max difference to one process {gap:.1e}")
     return reports, grads
 
 
@@ -504,42 +406,35 @@ elif GPUS == 1:
 # Without the ``all_reduce`` of the count, each rank divides by its own
 # number of targets, and the same check fails:
 
-print(wrapped(shows_failure(check_same_gradients, grads["DDP, count not reduced"], reference, GRAD_TOL)))
+print(failure_message(check_same_gradients, grads["DDP, count not reduced"], reference, GRAD_TOL))
 
 # %%
 # What the ranks measured
 # -----------------------
-# Every rank timed each step between two barriers; a step ends for all
-# ranks when the slowest has sent its gradients. Tokens per second count
-# every rank's tokens. Ranks that share the cores of one machine add no
-# compute, so what the CPU build measures is correctness (the gradients),
-# the imbalance and the compile counts; with a GPU per rank, the same
-# script measures data-parallel throughput (the NCCL lines, where the build
-# machine has more than one GPU). The last line sets the step times of the
-# two ways side by side with what differs between their steps: the
-# imbalance, the tokens, and the attention pairs (a document cut by the
-# budget is two shorter sequences, with fewer pairs than the whole).
+# Every rank timed each step between two barriers; tokens per second count
+# every rank's tokens. Ranks sharing one machine's cores add no compute, so
+# a CPU build measures correctness, imbalance and graphs; a GPU per rank
+# (the NCCL lines) measures throughput. The last line sets the step times
+# beside what differs between the two ways (a document cut by the budget is
+# two shorter sequences, with fewer attention pairs than the whole).
 
-from ragged_toolkit.measuring.bound import pairs_scored
+from ragged_toolkit.data_parallel import step_load
+from ragged_toolkit.data_parallel_launch import step_times_ms
 
 
 def summary(reports, label):
-    """Each way's step times, speed, imbalance, attention pairs and tokens per step."""
+    """Each way's step times, speed, and what its timed steps held."""
     print(label)
     out = {}
-    for scheme in schemes:
-        per_rank = [r["timing"][scheme] for r in reports]
-        step_ms = 1e3 * np.max([t["seconds"][WARMUP_STEPS:] for t in per_rank], axis=0)
+    for scheme, micro_batches in schemes.items():
+        timed = deal_to_ranks(micro_batches, len(reports), MICRO_BATCHES)[WARMUP_STEPS:WARMUP_STEPS + S.steps]
+        step_ms = step_times_ms(reports, scheme, skip=WARMUP_STEPS)  # each step's slowest rank
         q1, median, q3 = np.percentile(step_ms, [25, 50, 75])
-        total = sum(sum(t["tokens"][WARMUP_STEPS:]) for t in per_rank)
-        timed = deal(schemes[scheme], world=len(reports))[WARMUP_STEPS:WARMUP_STEPS + S.steps]
-        pairs = np.mean([sum(pairs_scored(o.diff(), o.diff(), True) for rank in step for _, o in rank)
-                         for step in timed])
-        out[scheme] = dict(median_ms=median, imbalance=imbalance(timed), pairs=pairs, tokens=total / len(step_ms))
+        out[scheme] = held = dict(median_ms=median, **step_load(timed))  # tokens, pairs, imbalance
         print(f"  {scheme:15s}: step median {median:6.1f} ms (IQR {q1:.1f}-{q3:.1f}, {len(step_ms)} steps), "
-              f"aggregate {total / step_ms.sum() * 1e3:,.0f} tokens/s")
-        print(f"  {'':15s}  imbalance {out[scheme]['imbalance']:.2f}, attention pairs per step {pairs:,.0f}, "
-              f"tokens per step {out[scheme]['tokens']:,.0f}")
+              f"aggregate {held['tokens'] * len(step_ms) / sum(step_ms) * 1e3:,.0f} tokens/s")
+        print(f"  {'':15s}  imbalance {held['imbalance']:.2f}, attention pairs per step {held['pairs']:,.0f}, "
+              f"tokens per step {held['tokens']:,.0f}")
     ratio = {k: out["fixed documents"][k] / out["token budget"][k] for k in out["token budget"]}
     print(f"  fixed documents / token budget: step time {ratio['median_ms']:.2f}x, imbalance "
           f"{ratio['imbalance']:.2f}x, tokens {ratio['tokens']:.2f}x, attention pairs {ratio['pairs']:.2f}x")
@@ -553,11 +448,11 @@ if NCCL_RANKS:
 # %%
 # Conclusion
 # ----------
-# Filling micro-batches to a token budget balances the ranks by
-# construction and gives every micro-batch one shape, which compiles once
-# where attention reads the micro-batch by its shape (the rows layout);
-# cutting documents at the budget costs a target and some context per cut,
-# carrying them costs padding. Whatever fills the micro-batches, the loss is a sum over every
+# A token budget balances the ranks by construction and gives every
+# micro-batch one shape, which compiles once where attention reads the
+# micro-batch by its shape (the rows layout); cutting documents at the
+# budget costs a target and some context per cut, carrying them costs
+# padding. Whatever fills the micro-batches, the loss is a sum over every
 # token divided by a count summed over every rank, and a gradient check
 # against one process on the whole batch is cheap enough to run in a test.
 #

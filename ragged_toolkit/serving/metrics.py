@@ -1,6 +1,7 @@
 """What a serving run measured: throughput (over runs, and its spread from
 run to run), the slot bound of static batches, time to first token and
-time per output token; and their pictures (:func:`draw_steps`,
+time per output token, what a slot bound leaves out (:func:`step_costs`);
+and their pictures (:func:`draw_steps`,
 :func:`draw_throughput_and_latency`)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import numpy as np
 
 from ..measuring.timing import Timing
 
-__all__ = ["tokens_per_second", "ms_per_token", "slot_bound", "latency_ms", "draw_steps",
+__all__ = ["tokens_per_second", "ms_per_token", "slot_bound", "step_costs", "latency_ms", "draw_steps",
            "draw_throughput_and_latency"]
 
 
@@ -35,6 +36,25 @@ def slot_bound(run):
     steps) over the tokens it generated."""
     slots = max(s.running for s in run.steps)
     return slots * len(run.steps) / sum(r.n_out for r in run.requests)
+
+
+def step_costs(steps, slots):
+    """Two costs of a continuous run that its slot bound leaves out, from
+    its ``steps`` (``StepRecord`` s, seconds measured): the *tail*, steps
+    with fewer than ``slots`` requests running and none waiting; and the
+    prompt tokens mixed into decode steps, as the seconds that the steps
+    carrying them took beyond as many decode-only steps (the median of
+    those neither mixed nor in the tail). A dict: ``seconds``, ``tail_steps``,
+    ``tail_seconds``, ``mixed_steps``, ``prompt_tokens``, ``prompt_seconds``,
+    ``decode_step_s``."""
+    seconds = np.array([s.seconds for s in steps])
+    tail = np.array([s.running < slots and s.waiting == 0 for s in steps])
+    mixed = np.array([s.prefill > 0 for s in steps])
+    plain = ~mixed & ~tail
+    decode_step = float(np.median(seconds[plain] if plain.any() else seconds))
+    return dict(seconds=float(seconds.sum()), tail_steps=int(tail.sum()), tail_seconds=float(seconds[tail].sum()),
+                mixed_steps=int(mixed.sum()), prompt_tokens=int(sum(s.prefill for s in steps)),
+                prompt_seconds=float(seconds[mixed].sum() - mixed.sum() * decode_step), decode_step_s=decode_step)
 
 
 def latency_ms(requests):

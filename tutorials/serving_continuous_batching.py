@@ -119,9 +119,8 @@ from ragged_toolkit.data import docstring_corpus
 from ragged_toolkit.serving.requests import request_stream
 
 docs, source = docstring_corpus(min_chars=2)
-rng = np.random.default_rng(setup.seed)
-stream = request_stream(docs, S.requests, rng, prompt_max=S.prompt_max, out_median=S.out_median,
-                        out_max=S.out_max)
+stream = request_stream(docs, S.requests, np.random.default_rng(setup.seed), prompt_max=S.prompt_max,
+                        out_median=S.out_median, out_max=S.out_max)
 prompt_lengths = np.array([len(req.prompt) for req in stream])
 out_lengths = np.array([req.n_out for req in stream])
 print(f"prompts: openings of {source}, {prompt_lengths.min()} to {prompt_lengths.max()} "
@@ -144,8 +143,9 @@ print(f"{sum(w.numel() for w in model.parameters()) / 1e6:.2f} M parameters, unt
 # request brings its last generated token, a newcomer a chunk of its
 # prompt, each after the ``computed`` tokens of its history (``prompt +
 # generated``) already cached. ``build_step`` packs tokens, positions
-# (restarting per request), the cache row (*slot*) of each new key, each
-# request's keys in use and block table, and what the attention path reads.
+# (restarting per request), each new key's cache row (*slot*), each
+# request's keys in use and block table, and what attention reads the cache
+# with, built once for every layer.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/engine.py
 #    :pyobject: build_step
@@ -247,7 +247,8 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # one's slot computing a padding token. ``serve`` runs a scheduler on a
 # clock advanced by each step's measured time (jumping to the next arrival
 # when idle), one step a turn, so that runs take turns (``take_turns``)
-# until each has ended ``runs`` times: the machine's noise weighs on all.
+# until each has ended ``runs`` times, and whatever else the machine does
+# weighs on all alike.
 
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
 from ragged_toolkit.serving.server import serve, take_turns
@@ -382,7 +383,7 @@ plt.show()
 # that each block is free or held by one request. Concurrent requests: the
 # median over the steps in which requests waited (the cache held them
 # back); a paged request holds rows beyond its tokens only in its last
-# block. The cache at its fullest step with a block free:
+# block. The cache at the step with the most requests and a block free:
 
 memory_blocks = S.contiguous_slots * blocks_per_slot
 unlimited = functools.partial(plan_continuous, max_running=S.requests, token_budget=S.token_budget)
@@ -420,9 +421,12 @@ plt.show()
 # float32, without a cache: one padded pass over its prompt and generated
 # tokens gives the logits with which greedy decoding alone chooses each
 # token (teacher forcing). The server's logits must agree within the
-# tolerance (``atol=0.1, rtol=0.05`` in a 16-bit dtype), and each token be
-# the reference's greedy choice or tie with it within ``atol``: by induction
-# on the tokens, each request generated what decoding it alone generates.
+# tolerance (``atol=0.1, rtol=0.05`` in a 16-bit dtype), and each token
+# must be the reference's greedy choice or tie with it within ``atol``: by
+# induction on the tokens, each request generated what decoding it alone
+# generates. ``tests/test_serving.py`` plants three classic bugs that this
+# proof catches: a block table read one block off, a freed block still in
+# use, a preempted request resuming at the wrong position.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/proof.py
 #    :pyobject: check_against_alone
@@ -443,10 +447,6 @@ print(f"{len(checked)} runs (how many, and the online batches, follow the time):
 print(f"requests: {S.requests}/{S.requests} finished, each equal to decoding it alone; preempted {preempted}")
 
 # %%
-# ``tests/test_serving.py`` plants three classic bugs this proof catches (a
-# block table read one block off, a freed block still in use, a preempted
-# request resuming at the wrong position) and sends each bad request.
-#
 # Conclusion
 # ----------
 # Continuous batching is the ragged batch at its most ragged: packed tokens,
@@ -461,8 +461,7 @@ print(f"requests: {S.requests}/{S.requests} finished, each equal to decoding it 
 # ----------
 # * Kwon et al., "Efficient Memory Management for Large Language Model
 #   Serving with PagedAttention" (vLLM), 2023: https://arxiv.org/abs/2309.06180
-# * Yu et al., "Orca: A Distributed Serving System for Transformer-Based
-#   Generative Models" (iteration-level scheduling), OSDI 2022:
+# * Yu et al., "Orca" (iteration-level scheduling), OSDI 2022:
 #   https://www.usenix.org/conference/osdi22/presentation/yu
 # * Agrawal et al., "Sarathi-Serve" (chunked prefill), 2024: https://arxiv.org/abs/2403.02310
 # * attention-gym's paged attention with FlexAttention: https://github.com/meta-pytorch/attention-gym

@@ -48,8 +48,8 @@ measured against static batches.
 # Sizes per device (:term:`quick mode` shrinks them), the CPU's for a build
 # of well under a minute on two cores; servers run billions of weights,
 # hundreds of requests, prompts of thousands of tokens, blocks of 16 rows
-# (vLLM). CUDA blocks have 256 rows, the fewest FlashAttention's paged
-# kernel takes. ``runs``: how often each scheduler serves the stream.
+# (vLLM). CUDA blocks have 256 rows, the fewest the paged kernel of
+# FlashAttention takes. ``runs``: how often each scheduler serves the stream.
 
 from ragged_toolkit.device import page_setup
 
@@ -178,7 +178,7 @@ print(f"one step, {len(tokens)} tokens: {len(decoding)} decode tokens, then a pr
 # packed batch for ``ragged_attention``. **flex**: FlexAttention over the
 # whole cache in place, its block mask letting a query see its request's
 # rows. **varlen**: ``varlen_attn`` reading the cache in place through
-# ``block_table`` (FlashAttention's paged kernel, CUDA only).
+# ``block_table`` (the paged kernel of FlashAttention, CUDA only).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: gathered_attention
@@ -236,7 +236,7 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # newcomers while blocks, slots and the token budget allow, a long prompt
 # cut into chunks. When a running request needs a block and none is free,
 # the most recently admitted is *preempted*: its blocks are freed, and it
-# waits at the front of the queue to recompute its keys (vLLM's default).
+# waits at the front of the queue to recompute its keys (as vLLM does).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
 #    :pyobject: plan_continuous
@@ -302,12 +302,12 @@ print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refuse
 # static, static skipping finished slots) take turns, each serving the
 # stream at least ``runs`` times; the runs' ms per token (``ms_per_token``)
 # give a median and an IQR, printed as tokens/s, and a speedup is claimed
-# only where the IQRs do not overlap (``outside_noise``). The *slot bound*
-# (static slot-steps over tokens) is what idle slots cost, its
-# :ref:`fraction <fraction-of-the-bound>` read as a work bound's. It leaves
-# out the *tail* (fewer requests than slots, none waiting) and prompt
-# tokens mixed into decode steps: both in the continuous run of median
-# throughput, printed and drawn.
+# only where the interquartile ranges do not overlap (``outside_noise``).
+# The *slot bound* (static slot-steps over tokens) is what idle slots cost,
+# its :ref:`fraction <fraction-of-the-bound>` read as a work bound's. It
+# leaves out the *tail* (fewer requests than slots, none waiting) and
+# prompt tokens mixed into decode steps: both in the continuous run of
+# median throughput, printed and drawn.
 
 from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
 from ragged_toolkit.serving.metrics import ms_per_token, slot_bound

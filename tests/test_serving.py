@@ -20,8 +20,11 @@ from ragged_toolkit.device import tolerances
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
 from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals, Request, request_stream
-from ragged_toolkit.serving.proof import check_against_alone
-from ragged_toolkit.serving.metrics import latency_ms, ms_per_token, slot_bound
+from ragged_toolkit.kv_cache import draw_paged_cache
+from ragged_toolkit.serving.engine import forward_step, step_logits
+from ragged_toolkit.serving.proof import check_against_alone, logits_after, logits_alone
+from ragged_toolkit.serving.metrics import (draw_steps, draw_throughput_and_latency, latency_ms, ms_per_token,
+                                            slot_bound, step_costs)
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
 from ragged_toolkit.serving.server import serve, ServingRun, StepRecord, take_turns
 
@@ -189,6 +192,73 @@ def test_the_spread_of_throughput_over_runs_by_hand():
     spread = ms_per_token([run(1.0, 100), run(2.0, 100), run(3.0, 100), run(4.0, 100), run(5.0, 100)])
     assert spread.runs == 5 and spread.median_ms == pytest.approx(30.0)  # 3 s over 100 tokens
     assert (spread.q1_ms, spread.q3_ms) == pytest.approx((20.0, 40.0))
+
+
+def test_costs_a_slot_bound_leaves_out_by_hand():
+    def step(seconds, prefill, running, waiting):
+        return StepRecord(seconds, prefill, running, running, waiting, 0, 0)
+
+    steps = [step(3.0, 10, 4, 2), step(1.0, 0, 4, 2), step(1.2, 0, 4, 1), step(0.8, 0, 4, 3),  # full
+             step(2.0, 5, 2, 0), step(0.5, 0, 2, 0)]  # the tail: fewer running than 4, none waiting
+    cost = step_costs(steps, slots=4)
+    assert cost["decode_step_s"] == pytest.approx(1.0)  # the median of 1.0, 1.2 and 0.8: neither mixed nor tail
+    assert (cost["tail_steps"], cost["mixed_steps"], cost["prompt_tokens"]) == (2, 2, 15)
+    assert cost["tail_seconds"] == pytest.approx(2.5) and cost["seconds"] == pytest.approx(8.5)
+    assert cost["prompt_seconds"] == pytest.approx(3.0 + 2.0 - 2 * 1.0)
+
+
+def test_the_logits_of_a_step_and_of_decoding_alone(model, stream):
+    """``logits_after`` is the row of ``logits_alone`` that chose each token;
+    ``step_logits`` gives what ``forward_step`` chooses with and changes no request."""
+    run = serve_all(model, stream[:3], continuous(), n_blocks=64)
+    req = run.requests[0]
+    alone = logits_alone(model, req)
+    for i in (0, len(req.generated) - 1):
+        torch.testing.assert_close(logits_after(model, req.prompt + req.generated[:i]), alone[i], **FLOAT32)
+    cache = PagedKVCache(CFG, 16, 4, "cpu", torch.float32)
+    requests = fresh_requests(stream[:2])
+    work = [(r, len(r.prompt)) for r in requests]
+    assert all(cache.reserve(r.rid, len(r.prompt)) for r in requests)
+    logits = step_logits(model, cache, work)
+    assert logits.shape == (2, CFG.vocab_size) and all(r.computed == 0 and not r.generated for r in requests)
+    forward_step(model, cache, work)
+    assert [r.generated for r in requests] == [[t] for t in logits.argmax(-1).tolist()]
+    torch.testing.assert_close(torch.stack([r.logits[0] for r in requests]), logits, **FLOAT32)
+    for r in requests:
+        torch.testing.assert_close(logits_after(model, r.prompt), r.logits[0], **FLOAT32)
+
+
+def test_the_pictures_draw_each_step_run_and_block(model, stream):
+    import matplotlib
+
+    matplotlib.use("agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: [serve_all(model, stream[:6], continuous(max_running=m), n_blocks=64) for _ in range(2)]
+            for name, m in (("continuous", 8), ("one at a time", 1))}
+    steps = runs["continuous"][0].steps
+    fig = draw_steps(steps, 16, "title")
+    decode_bars, prompt_bars = fig.axes[0].containers
+    assert [b.get_height() for b in decode_bars] == [s.decode for s in steps]
+    assert [b.get_height() for b in prompt_bars] == [s.prefill for s in steps]
+    plt.close(fig)
+    latency = {name: latency_ms(each[0].requests) for name, each in runs.items()}
+    fig = draw_throughput_and_latency(runs, latency, rate=3.0)
+    points = [line.get_ydata() for line in fig.axes[0].lines[::2]]  # a point per run, then the median's bar
+    assert [list(p) for p in points] == [[sum(r.n_out for r in run.requests) / sum(s.seconds for s in run.steps)
+                                          for run in each] for each in runs.values()]
+    assert len(fig.axes[1].patches) == 4 * len(latency) and fig.axes[1].get_title() == "Arrivals at 3.0 requests/s"
+    plt.close(fig)
+    cache = PagedKVCache(CFG, 8, 4, "cpu", torch.float32)
+    for rid, n in ((0, 6), (1, 3), (2, 9)):
+        cache.reserve(rid, n)
+    fig = draw_paged_cache(cache.tables, cache.free, cache.n_blocks, cache.block_size, {0: 6, 1: 3, 2: 9}, shown=2)
+    top, tables = fig.axes
+    assert [t.get_text() for t in top.texts] == ["0", "1", "", "0", "1", "2", "", ""]  # request 2, then 0
+    assert [t.get_text() for t in tables.texts] == ["3", "4", "5", "0", "1"]
+    assert [t.get_text() for t in tables.get_yticklabels()] == ["request 2, 9 keys", "request 0, 6 keys"]
+    assert "1 others (gray), 2 free (white)" in top.get_title()
+    plt.close(fig)
 
 
 def test_bfloat16_logits_stay_within_the_stated_tolerance(model, stream):

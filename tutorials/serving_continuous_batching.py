@@ -15,11 +15,11 @@ measured against static batches.
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites
 
-       * How a paged KV cache works: blocks, a free list, a block table per
-         request, and attention that reads each request's keys through it
-       * How one step packs prompt chunks and decode tokens, how a
-         continuous-batching scheduler plans every step (a token budget,
-         admissions, preemption), and how a bad request is refused by name
+       * How a paged KV cache works: blocks, a free list, block tables, and
+         attention reading each request's keys through them
+       * How a step packs prompt chunks with decode tokens, and how a
+         continuous-batching scheduler plans it (token budget, admissions,
+         preemption) and refuses a bad request by name
        * How to prove a server correct (every request equals decoding it
          alone) and measure it: throughput over repeated runs with its
          spread, beside the slot bound; latency; requests per MiB of cache
@@ -39,19 +39,16 @@ measured against static batches.
 # %%
 # The most ragged batch
 # ---------------------
-# The decoding page runs one static batch: every sequence starts together,
-# decodes until the longest is done, and reserves its rows up front.
-# Servers (vLLM, SGLang, TGI, ``transformers``' continuous batching) do
-# otherwise: at every step finished requests leave and waiting ones join,
-# newcomers' prompts are packed with the decode token of each running
-# request, and the cache is *paged*, so that memory follows the tokens in
-# use. Every step is a new ragged batch.
+# :doc:`ragged_decoding_kv_cache_gqa` runs one static batch. Servers (vLLM,
+# SGLang, TGI, ``transformers``' continuous batching) let finished requests
+# leave and waiting ones join at every step, pack newcomers' prompts with
+# each running request's decode token, and *page* the cache, so that memory
+# follows the tokens in use: every step is a new ragged batch.
 #
-# Every size is set here, per device; :term:`quick mode` shrinks them. The
-# CPU sizes are chosen for a build of well under a minute on two cores;
-# servers run models of billions of weights, hundreds of requests at once,
-# prompts of thousands of tokens and blocks of 16 rows (vLLM). On CUDA the
-# blocks have 256 rows, the smallest that the paged kernel of
+# Sizes per device (:term:`quick mode` shrinks them), the CPU's for a build
+# of well under a minute on two cores; servers run billions of weights,
+# hundreds of requests, prompts of thousands of tokens, blocks of 16 rows
+# (vLLM). CUDA blocks have 256 rows, the fewest the paged kernel of
 # FlashAttention takes. ``runs``: how often each scheduler serves the stream.
 
 from ragged_toolkit.device import page_setup
@@ -75,17 +72,20 @@ print(f"{S.requests} requests, {S.slots} slots, {S.token_budget} tokens per step
 # %%
 # A paged KV cache
 # ----------------
-# A paged cache cuts its rows into blocks of ``block_size``. A request
-# holds a *block table*, the list of its blocks; its token at position
-# ``p`` lives in row ``table[p // block_size] * block_size + p %
-# block_size``. Blocks come from a free list and go back to it when the
-# request leaves:
+# A paged cache cuts its rows into blocks of ``block_size``; a request
+# holds a *block table*, the list of its blocks, taken from a free list and
+# given back when it leaves. Its token at position ``p`` lives in row
+# ``table[p // block_size] * block_size + p % block_size``:
 #
 # .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: PagedKVCache
 #
-# Three requests of 6, 3 and 9 tokens in blocks of 4; the second leaves, and
-# a fourth request gets its block:
+# Attention reads the rows of every key a step uses through ``paged_rows``:
+#
+# .. literalinclude:: ../ragged_toolkit/kv_cache.py
+#    :pyobject: paged_rows
+#
+# Three requests in blocks of 4; the second leaves, and a fourth comes:
 
 import torch
 from ragged_toolkit.gpt import GPTConfig
@@ -105,31 +105,22 @@ assert rows.tolist() == [0, 1, 2, 3, 4, 5] + [12, 13, 14, 15, 16, 17, 18, 19, 20
 print(f"block table of requests 0 and 2: {table.tolist()}\nthe rows of their keys: {rows.tolist()}")
 
 # %%
-# ``paged_rows`` is what attention reads through: the rows of every key
-# each sequence of a step uses, from the step's block table.
-#
-# .. literalinclude:: ../ragged_toolkit/kv_cache.py
-#    :pyobject: paged_rows
-#
 # A stream of requests
 # --------------------
-# The prompts are openings of the docstrings of Python's standard library
-# (bytes as tokens, as in :doc:`packed_gpt_training`). Each request's
-# output length is drawn from a long-tailed log-normal distribution, and
-# fixed, as serving benchmarks fix it by ignoring the end-of-sequence
-# token, so that every scheduler does the same work.
-#
-# .. literalinclude:: ../ragged_toolkit/serving/requests.py
-#    :pyobject: request_stream
+# Prompts open docstrings of Python's standard library, a token per byte;
+# output lengths are long-tailed and fixed (benchmarks ignore the
+# end-of-sequence token), so every scheduler does the same work. The model
+# is the GPT of :doc:`packed_gpt_training`, untrained (a server's
+# correctness and speed do not depend on its weights), with a float32 copy
+# of its weights as the proof's reference.
 
 import numpy as np
 from ragged_toolkit.data import docstring_corpus
 from ragged_toolkit.serving.requests import request_stream
 
 docs, source = docstring_corpus(min_chars=2)
-rng = np.random.default_rng(setup.seed)
-stream = request_stream(docs, S.requests, rng, prompt_max=S.prompt_max, out_median=S.out_median,
-                        out_max=S.out_max)
+stream = request_stream(docs, S.requests, np.random.default_rng(setup.seed), prompt_max=S.prompt_max,
+                        out_median=S.out_median, out_max=S.out_max)
 prompt_lengths = np.array([len(req.prompt) for req in stream])
 out_lengths = np.array([req.n_out for req in stream])
 print(f"prompts: openings of {source}, {prompt_lengths.min()} to {prompt_lengths.max()} "
@@ -137,17 +128,11 @@ print(f"prompts: openings of {source}, {prompt_lengths.min()} to {prompt_lengths
 print(f"outputs: log-normal, median {S.out_median}, sigma 1, cut to {S.out_max}: "
       f"{out_lengths.min()} to {out_lengths.max()} tokens, mean {out_lengths.mean():.1f}")
 
-# %%
-# The model is the GPT of :doc:`packed_gpt_training`, untrained: a server's
-# correctness and speed do not depend on what the weights learned.
-# A float32 copy of the same weights is the proof's reference.
-
 from ragged_toolkit.gpt import GPT
 
 cfg = GPTConfig(**S.model)
-model = GPT(cfg).to(DEVICE).eval()
+model = GPT(cfg).to(DEVICE, DTYPE).eval()  # a server runs its weights in the low precision too
 reference = GPT(cfg).to(DEVICE).eval()
-model = model.to(DTYPE)  # a server runs its weights in the low precision too
 reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
 print(f"{sum(w.numel() for w in model.parameters()) / 1e6:.2f} M parameters, untrained")
 
@@ -155,55 +140,45 @@ print(f"{sum(w.numel() for w in model.parameters()) / 1e6:.2f} M parameters, unt
 # One step: prompt chunks and decode tokens together
 # --------------------------------------------------
 # A step runs the GPT once on a packed batch of new tokens: a decoding
-# request brings the token it generated last, a newcomer a chunk of its
-# prompt. ``computed`` of a request's history (``prompt + generated``)
-# already has keys in the cache, so its next ``n`` tokens start there.
-# ``build_step`` packs them: tokens, positions (restarting per request), the
-# cache row (*slot*) of each new key, each request's keys in use and block
-# table, and what the attention path needs, built once for every layer.
+# request brings its last generated token, a newcomer a chunk of its
+# prompt, each after the ``computed`` tokens of its history (``prompt +
+# generated``) already cached. ``build_step`` packs tokens, positions
+# (restarting per request), each new key's cache row (*slot*), each
+# request's keys in use and block table, and what attention reads the cache
+# with, built once for every layer.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/engine.py
 #    :pyobject: build_step
 #
-# One step as the server builds it: ``slots - 1`` requests decoding, a
+# A step as the server builds it, ``slots - 1`` requests decoding and a
 # newcomer's prompt chunk:
 
-from ragged_toolkit.device import tolerances
 from ragged_toolkit.serving.engine import build_step, forward_step
 from ragged_toolkit.serving.requests import fresh_requests
 
-PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
 blocks_per_slot = -(-(S.prompt_max + S.out_max) // S.block)  # a full-length request's blocks
 bench_cache = PagedKVCache(cfg, S.slots * blocks_per_slot, S.block, DEVICE, DTYPE)
-bench = fresh_requests(stream[:S.slots])
-for req in bench:
-    bench_cache.reserve(req.rid, len(req.prompt) + 1)
-forward_step(model, bench_cache, [(req, req.pending()) for req in bench[:-1]])  # their prefill
-chunk = min(len(bench[-1].prompt), S.token_budget - (S.slots - 1))
-step_work = [(req, 1) for req in bench[:-1]] + [(bench[-1], chunk)]
+*decoding, newcomer = bench = fresh_requests(stream[:S.slots])
+assert all(bench_cache.reserve(req.rid, len(req.prompt) + 1) for req in bench)
+forward_step(model, bench_cache, [(req, req.pending()) for req in decoding])  # their prefill
+chunk = min(len(newcomer.prompt), S.token_budget - len(decoding))
+step_work = [(req, 1) for req in decoding] + [(newcomer, chunk)]
 tokens, positions, layout = build_step(bench_cache, step_work, DEVICE)
-assert layout.q_offsets.diff().tolist() == [1] * (S.slots - 1) + [chunk]  # packed in the work's order
-kv_used = layout.kv_lengths.tolist()
-print(f"one step, {len(tokens)} tokens: {S.slots - 1} decode tokens, then a prompt chunk of {chunk} at positions "
-      f"{int(positions[-chunk])} to {int(positions[-1])};\nkeys in use per request {min(kv_used)} to "
-      f"{max(kv_used)}, block table {tuple(layout.block_table.shape)}")
+assert layout.q_offsets.diff().tolist() == [1] * len(decoding) + [chunk]  # packed in the work's order
+print(f"one step, {len(tokens)} tokens: {len(decoding)} decode tokens, then a prompt chunk of {chunk} at positions "
+      f"{int(positions[-chunk])} to {int(positions[-1])};\nkeys in use per request {int(layout.kv_lengths.min())} "
+      f"to {int(layout.kv_lengths.max())}, block table {tuple(layout.block_table.shape)}")
 
 # %%
 # Attention through the block table
 # ---------------------------------
-# The model's attention is told the step's *layout*: ``PagedLayout`` writes
-# each new key into its slot and hands attention the step's block table.
-#
-# .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
-#    :pyobject: PagedLayout
-#
-# A new query sees its own request's keys up to its position (the causal
-# mask aligned bottom-right). Three ways to read them: **gathered**, the
-# rows ``paged_rows`` names gathered into a packed batch for
-# ``ragged_attention`` with the step's plan; **flex**, FlexAttention over
-# the whole cache in place, with a block mask in which a query sees the rows
-# its request owns; **varlen**, ``varlen_attn`` reading the cache in place
-# through ``block_table`` (the paged kernel of FlashAttention, CUDA only).
+# ``PagedLayout``, the step's layout, writes each new key into its slot; a
+# query sees its request's keys up to its position (causal, bottom-right),
+# read one of three ways. **gathered**: the rows ``paged_rows`` names, in a
+# packed batch for ``ragged_attention``. **flex**: FlexAttention over the
+# whole cache in place, its block mask letting a query see its request's
+# rows. **varlen**: ``varlen_attn`` reading the cache in place through
+# ``block_table`` (the paged kernel of FlashAttention, CUDA only).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: gathered_attention
@@ -214,38 +189,27 @@ print(f"one step, {len(tokens)} tokens: {S.slots - 1} decode tokens, then a prom
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: varlen_paged_attention
 #
-# Each path runs the whole model on the step above, timed (the first call,
-# which compiles, apart), and must give every request the logits of running
-# it alone without a cache; ``choose`` takes the fastest only outside the
-# noise, else the default, the gathered path.
+# Each path runs the model on the step above (``step_logits``), timed, the
+# first call (compiling) apart, and must give each request the logits of
+# decoding it alone (``logits_after``); ``choose`` takes the fastest only
+# outside the noise, else the gathered path.
 
 import functools
 
-from ragged_toolkit.layouts import PaddedLayout
+from ragged_toolkit.device import tolerances
 from ragged_toolkit.measuring.compiling import compile_counter
 from ragged_toolkit.measuring.noise import choose
 from ragged_toolkit.measuring.tables import print_timings
 from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.serving.engine import step_logits
 from ragged_toolkit.serving.paged_attention import paged_varlen_support
+from ragged_toolkit.serving.proof import logits_after
 
-
-@torch.no_grad()
-def logits_after(history):
-    """Decoding ``history`` alone, without a cache: one causal pass, padded layout."""
-    ids = torch.tensor(history, device=DEVICE)[None]  # (1, S)
-    return reference(ids, torch.arange(len(history), device=DEVICE)[None], PaddedLayout())[0, -1]
-
-
-@torch.no_grad()
-def step_logits(path):
-    tokens, positions, layout = build_step(bench_cache, step_work, DEVICE, path)
-    return model(tokens, positions, layout)[layout.q_offsets[1:] - 1].float()  # (B, vocab)
-
-
-expected = torch.stack([logits_after((req.prompt + req.generated)[:req.computed + n])
+PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
+expected = torch.stack([logits_after(reference, (req.prompt + req.generated)[:req.computed + n])
                         for req, n in step_work])  # each request's history once this step has run
 PATHS = {"gathered": None, "flex": None, "varlen": paged_varlen_support(DEVICE, DTYPE, S.block)}
-runnable = {path: functools.partial(step_logits, path) for path, why in PATHS.items() if why is None}
+runnable = {p: functools.partial(step_logits, model, bench_cache, step_work, p) for p, why in PATHS.items() if not why}
 with compile_counter() as compiled:
     timings = measure(runnable, min_run_time=S.run_time, profile=not setup.quick)
 print_timings({p: timings.get(p, why) for p, why in PATHS.items()})
@@ -253,52 +217,38 @@ print("first calls: " + ", ".join(f"{p} {timings[p].first_call_s:.2f} s" for p i
       + f"; torch.compile: {compiled}")
 for path, logits_of in runnable.items():
     note = " (a known bug of paged split-KV: pytorch/pytorch#194167)" * (path == "varlen")
-    for want, what in ((expected, "decoding alone"), (step_logits("gathered"), "gathered")):
-        torch.testing.assert_close(logits_of(), want, **PROOF_TOLERANCE,
+    for want, what in ((expected, "decoding alone"), (runnable["gathered"]().float(), "gathered")):
+        torch.testing.assert_close(logits_of().float(), want, **PROOF_TOLERANCE,
                                    msg=lambda m: f"{path}{note}: step logits differ from {what}: {m}")
 PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 
 # %%
 # The scheduler
 # -------------
-# One engine serves every scheduler: ``forward_step`` runs a step and gives
-# each request whose history is then all in the cache its next token, the
-# greedy choice: prefill, chunked prefill, decoding and recomputing a
-# preempted request are one operation.
+# One engine serves every scheduler: ``forward_step`` gives each request
+# whose history is then all in the cache its greedy next token, so prefill,
+# chunked prefill, decoding and recomputation are one operation.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/engine.py
 #    :pyobject: forward_step
 #
-# Continuous batching plans every step anew: running requests first, in
-# admission order, then newcomers while blocks, slots and the token budget
-# allow, a long prompt cut into chunks. When a running request needs a
-# block and none is free, the most recently admitted is *preempted*: its
-# blocks are freed, and it waits at the front of the queue to recompute its
-# keys (the default of vLLM; swapping to host memory is the alternative).
+# Continuous batching plans each step anew: running requests first, then
+# newcomers while blocks, slots and the token budget allow, a long prompt
+# cut into chunks. When a running request needs a block and none is free,
+# the most recently admitted is *preempted*: its blocks are freed, and it
+# waits at the front of the queue to recompute its keys (as vLLM does).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
 #    :pyobject: plan_continuous
 #
-# .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
-#    :pyobject: preempt
-#
-# The baseline is static batching as a batched ``generate`` does it, with a
-# packed prefill so that only the scheduling differs: ``slots`` requests
-# start together and decode until the longest is done, a finished
-# request's slot computing a padding token, as ``generate`` does.
-#
-# .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
-#    :pyobject: plan_static
-#
-# ``serve`` runs a scheduler on a simulated clock that advances by each
-# step's measured time (``stopwatch``), so the page never sleeps: with
-# nothing to run, the clock jumps to the next arrival. It is a generator,
-# one step per turn, so that runs take turns step by step (``take_turns``);
-# a run that ends starts again until each has ended ``runs`` times, so that
-# whatever else the machine does weighs on all alike.
-#
-# .. literalinclude:: ../ragged_toolkit/serving/server.py
-#    :pyobject: serve
+# The baseline, ``plan_static``, batches as a batched ``generate`` does
+# (with a packed prefill, so that only the scheduling differs): ``slots``
+# requests start together and decode until the longest is done, a finished
+# one's slot computing a padding token. ``serve`` runs a scheduler on a
+# clock advanced by each step's measured time (jumping to the next arrival
+# when idle), one step a turn, so that runs take turns (``take_turns``)
+# until each has ended ``runs`` times, and whatever else the machine does
+# weighs on all alike.
 
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
 from ragged_toolkit.serving.server import serve, take_turns
@@ -311,8 +261,7 @@ SCHEDULERS = {"continuous": functools.partial(plan_continuous, max_running=S.slo
 
 
 def starter(plan, requests, n_blocks=serving_blocks, **kw):
-    """What starts a run of ``serve``: fresh requests on a cache of their
-    own; a static plan retires whole batches."""
+    """Starts a run of ``serve``: fresh requests, a cache of their own; a static plan retires whole batches."""
     if plan.func is plan_static:
         kw["retire_step"] = retire_batch
     return lambda: serve(model, fresh_requests(requests), PagedKVCache(cfg, n_blocks, S.block, DEVICE, DTYPE),
@@ -322,17 +271,15 @@ def starter(plan, requests, n_blocks=serving_blocks, **kw):
 # %%
 # Requests the server cannot serve
 # --------------------------------
-# An empty prompt, an output length below one, a token id outside the
-# vocabulary, more positions than the model has, more tokens than the whole
-# cache holds: ``check_request`` refuses each by name, with the limit it
-# breaks, before any step the request could join runs.
+# ``check_request`` refuses by name, with the limit it breaks, an empty
+# prompt, an output length below one, a token outside the vocabulary, more
+# positions than the model has or more tokens than the whole cache holds:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/requests.py
 #    :pyobject: check_request
 #
-# Given a batch up front, ``serve`` checks all of it before its first step.
-# With ``on_refused`` it checks each request on arrival, sets a bad one
-# aside, and the requests running go on (the proof below covers them too):
+# ``serve`` checks a batch given up front before its first step; with
+# ``on_refused``, each request on arrival, while the others run on:
 
 from ragged_toolkit.serving.requests import Request
 
@@ -351,15 +298,16 @@ print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refuse
 # %%
 # Throughput, all requests waiting at once
 # ----------------------------------------
-# All requests arrive at time 0 (offline throughput). Three schedulers take
-# turns (continuous, static, and static skipping finished slots), each
-# serving the stream at least ``runs`` times. The runs' milliseconds per
-# generated token (``ms_per_token``) give a median and an IQR, printed as
-# tokens per second; a speedup is claimed only where two interquartile
-# ranges do not overlap (``outside_noise``, the site's noise rule). The
-# *slot bound*, the static batches' slot-steps over their tokens, is what
-# idle slots cost; its :ref:`fraction <fraction-of-the-bound>` reads as a
-# work bound's.
+# All requests arrive at time 0 (offline). Three schedulers (continuous,
+# static, static skipping finished slots) take turns, each serving the
+# stream at least ``runs`` times; the runs' ms per token (``ms_per_token``)
+# give a median and an IQR, printed as tokens/s, and a speedup is claimed
+# only where the interquartile ranges do not overlap (``outside_noise``).
+# The *slot bound* (static slot-steps over tokens) is what idle slots cost,
+# its :ref:`fraction <fraction-of-the-bound>` read as a work bound's. It
+# leaves out the *tail* (fewer requests than slots, none waiting) and
+# prompt tokens mixed into decode steps: both in the continuous run of
+# median throughput, printed and drawn.
 
 from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
 from ragged_toolkit.serving.metrics import ms_per_token, slot_bound
@@ -372,9 +320,8 @@ tokens_per_s = {name: 1e3 / spread.median_ms for name, spread in per_token.items
 for scheduler, spread in per_token.items():
     print(f"{scheduler}: median {tokens_per_s[scheduler]:.0f} tokens/s, IQR {1e3 / spread.q3_ms:.0f}-"
           f"{1e3 / spread.q1_ms:.0f}, over {spread.runs} runs")
-slot_bounds = {round(slot_bound(run), 9) for run in offline["static"]}
-assert len(slot_bounds) == 1, "static runs of the same requests took different steps"
-W = slot_bounds.pop()
+W, *others = {round(slot_bound(run), 9) for run in offline["static"]}
+assert not others, "static runs of the same requests took different steps"
 R, P = tokens_per_s["continuous"], tokens_per_s["static"]
 apart = outside_noise(per_token["continuous"], per_token["static"])
 print(f"serving: continuous {R:.0f} tokens/s, static {P:.0f} tokens/s, speedup {R / P:.2f}x, "
@@ -385,59 +332,36 @@ print(f"static that skips finished slots: {tokens_per_s['static, skipping']:.0f}
 print("the speedup over static batches " + ("stands: the IQRs of their runs do not overlap" if apart else
                                            "is not claimed: the IQRs of their runs overlap"))
 
-# %%
-# The bound counts only slots, leaving out two costs: the *tail* (steps with
-# fewer requests than slots and none waiting) and the prompt tokens mixed
-# into decode steps. Each, in the continuous run of median throughput:
+import matplotlib.pyplot as plt
+from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_toolkit.serving.metrics import draw_steps, step_costs
 
 by_speed = sorted(offline["continuous"], key=lambda run: sum(st.seconds for st in run.steps))
 steps = by_speed[len(by_speed) // 2].steps
-seconds = np.array([st.seconds for st in steps])
-tail = np.array([st.running < S.slots and st.waiting == 0 for st in steps])
-mixed = np.array([st.prefill > 0 for st in steps])
-decode_only = np.median(seconds[~mixed & ~tail]) if (~mixed & ~tail).any() else np.median(seconds)
-print(f"continuous: {len(steps)} steps, {seconds.sum():.2f} s; the tail: {tail.sum()} steps, "
-      f"{seconds[tail].sum() / seconds.sum():.0%} of the time")
-print(f"{mixed.sum()} steps carried {sum(st.prefill for st in steps)} prompt tokens: "
-      f"{seconds[mixed].sum() - mixed.sum() * decode_only:.2f} s more than as many decode-only "
-      f"steps ({decode_only * 1e3:.2f} ms)")
-
-# %%
-# What that run's batch held, step by step: newcomers' prompt tokens over
-# one decode token per running request, and the requests running and waiting.
-
-import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
+cost = step_costs(steps, S.slots)
+print(f"continuous: {len(steps)} steps, {cost['seconds']:.2f} s; the tail: {cost['tail_steps']} steps, "
+      f"{cost['tail_seconds'] / cost['seconds']:.0%} of the time")
+print(f"{cost['mixed_steps']} steps carried {cost['prompt_tokens']} prompt tokens: {cost['prompt_seconds']:.2f} s "
+      f"more than as many decode-only steps ({cost['decode_step_s'] * 1e3:.2f} ms)")
 
 plt.rcParams.update(FIGURE_STYLE)
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
-number, decoded = np.arange(len(steps)), np.array([rec.decode for rec in steps])
-ax1.bar(number, decoded, width=1.0, color="C0", label="decode tokens")
-ax1.bar(number, [rec.prefill for rec in steps], bottom=decoded, width=1.0, color="C1", label="prompt tokens")
-ax1.axhline(S.token_budget, color="k", ls=":", label="token budget")
-ax1.set(ylabel="tokens in the step", ylim=(0, 1.45 * S.token_budget),
-        title=f"Continuous batching, {S.requests} requests at once")
-ax1.legend(loc="upper right", ncol=3)
-ax2.step(number, [rec.running for rec in steps], where="mid", color="C2", label="running")
-ax2.step(number, [rec.waiting for rec in steps], where="mid", color="C3", label="waiting")
-ax2.set(xlabel="step", ylabel="requests")
-ax2.legend(loc="upper right")
+draw_steps(steps, S.token_budget, f"Continuous batching, {S.requests} requests at once")
 plt.show()
 
 # %%
 # Latency, requests arriving over time
 # ------------------------------------
 # Online, the same requests arrive one by one, Poisson-distributed, at
-# ``LOAD`` times the rate continuous batching served offline. Two latencies
-# matter to a user: the *time to first token* (from arrival: queuing and
-# prefill) and the *time per output token* after it.
+# ``LOAD`` times the rate continuous batching served offline. A user sees
+# the *time to first token* (from arrival: queuing, prefill) and the *time
+# per output token* after it; a static batch starts only when the one before
+# has finished. Beside them, throughput: every run a point, the median a bar.
 
-from ragged_toolkit.serving.metrics import latency_ms
+from ragged_toolkit.serving.metrics import draw_throughput_and_latency, latency_ms
 from ragged_toolkit.serving.requests import poisson_arrivals
 
 rate = LOAD * R / out_lengths.mean()  # requests/s
-arrivals = poisson_arrivals(np.random.default_rng(setup.seed + 1), S.requests, rate)
-arriving = fresh_requests(stream, arrivals)
+arriving = fresh_requests(stream, poisson_arrivals(np.random.default_rng(setup.seed + 1), S.requests, rate))
 online = dict(zip(("continuous", "static"), take_turns(starter(SCHEDULERS["continuous"], arriving),
                                                       starter(SCHEDULERS["static"], arriving))))
 latency = {name: latency_ms([req for run in runs for req in run.requests]) for name, runs in online.items()}
@@ -446,24 +370,7 @@ for name, lat in latency.items():
     print(f"latency of {name} (arrivals at {rate:.1f} requests/s): time to first token p50 {ttft_p50:.0f} ms, "
           f"p99 {ttft_p99:.0f} ms; time per output token p50 {tpot_p50:.2f} ms, p99 {tpot_p99:.2f} ms")
 
-# %%
-# A static batch starts only when the one before has finished, so newcomers
-# queue behind its longest request. Throughput (every run a point, the
-# median a bar) and latency side by side:
-
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 4.5), layout="constrained", width_ratios=[1, 1.6])
-for col, (scheduler, spread) in enumerate(per_token.items()):
-    each = [sum(q.n_out for q in one.requests) / sum(st.seconds for st in one.steps) for one in offline[scheduler]]
-    ax1.plot([col] * len(each), each, "o", color=["C0", "C3", "C7"][col], alpha=0.6)
-    ax1.plot([col - 0.3, col + 0.3], [1e3 / spread.median_ms] * 2, color="k")
-ax1.set_xticks(range(3), ["continuous", "static", "static,\nskipping"])
-ax1.set(ylabel="generated tokens/s", ylim=(0, None), title="All at once, every run")
-for col, (scheduler, lat) in enumerate(latency.items()):
-    ax2.bar(np.arange(4) + 0.4 * col - 0.2, [*lat["ttft"], *lat["tpot"]], 0.4, color=["C0", "C3"][col],
-            label=scheduler)
-ax2.set_xticks(range(4), ["first\ntoken p50", "first\ntoken p99", "per token\np50", "per token\np99"])
-ax2.set(yscale="log", ylabel="ms", title=f"Arrivals at {rate:.1f} requests/s")
-ax2.legend()
+draw_throughput_and_latency(offline, latency, rate)
 plt.show()
 
 # %%
@@ -471,19 +378,20 @@ plt.show()
 # -------------
 # The same requests, all at once, in the memory a contiguous cache needs for
 # ``contiguous_slots`` requests (each reserving the longest prompt and
-# output), with no limit on slots: the cache alone decides how many run.
-# Requests join while blocks are free, the cache fills as they grow, and
-# the scheduler preempts; ``check`` verifies after every step that each
-# block is free or held by exactly one request.
+# output), with no limit on slots: requests join while blocks are free, and
+# the scheduler preempts as they grow; ``check`` verifies after every step
+# that each block is free or held by one request. Concurrent requests: the
+# median over the steps in which requests waited (the cache held them
+# back); a paged request holds rows beyond its tokens only in its last
+# block. The cache at the step with the most requests and a block free:
 
 memory_blocks = S.contiguous_slots * blocks_per_slot
 unlimited = functools.partial(plan_continuous, max_running=S.requests, token_budget=S.token_budget)
-snapshots = {}
+snapshots = []  # after each step: the block tables, the free list, each request's keys in use
 
 
 def snapshot(step, running, cache):
-    snapshots[step] = dict(tables={req.rid: list(cache.tables[req.rid]) for req in running},
-                           used={req.rid: req.computed for req in running}, free=list(cache.free))
+    snapshots.append(dict(tables=dict(cache.tables), free=list(cache.free), keys={r.rid: r.computed for r in running}))
 
 
 [paged_run], = take_turns(starter(unlimited, stream, memory_blocks, check=True, observe=snapshot))
@@ -492,63 +400,33 @@ assert preempted > 0, "no request was preempted: the cache was never full"
 concurrent = int(np.median([rec.running for rec in paged_run.steps if rec.waiting > 0]))
 contiguous = memory_blocks * S.block // (S.prompt_max + S.out_max)  # each reserves its longest length
 in_use = np.mean([rec.used_rows / (rec.held_blocks * S.block) for rec in paged_run.steps if rec.held_blocks])
-empty = PagedKVCache(cfg, memory_blocks, S.block, "meta", DTYPE)
-mib = (empty.k.nbytes + empty.v.nbytes) / 2**20  # from the shapes
+mib = 2 * PagedKVCache(cfg, memory_blocks, S.block, "meta", DTYPE).k.nbytes / 2**20  # keys and values, from the shapes
 print(f"paged KV cache: {concurrent} concurrent requests in {mib:.2f} MiB, "
       f"contiguous {contiguous}; {in_use:.0%} of allocated rows in use")
 print(f"{preempted} preemptions of {sum(req.preempted > 0 for req in paged_run.requests)} requests; "
       f"{sum(rec.prefill for rec in paged_run.steps) - prompt_lengths.sum()} tokens recomputed; "
       f"at most {max(rec.running for rec in paged_run.steps)} requests at once")
 
-# %%
-# The concurrent requests are the median of the steps in which requests
-# waited (the cache, not the queue, held them back); the MiB come from the
-# cache's shapes. A paged request holds rows beyond its tokens only in its
-# last block; a contiguous cache holds each request's longest length. The
-# cache at the step with the most requests running (and a block free), and
-# the block tables of four of them:
+from ragged_toolkit.kv_cache import draw_paged_cache
 
-with_free = [at for at in snapshots if snapshots[at]["free"]] or list(snapshots)  # a free block to show
-shot = snapshots[max(with_free, key=lambda at: len(snapshots[at]["tables"]))]
-shown = sorted(shot["tables"], key=lambda rid: -len(shot["tables"][rid]))[:4]
-per_row, owner = 20, {b: rid for rid, blocks in shot["tables"].items() for b in blocks}
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), layout="constrained",
-                               height_ratios=[-(-memory_blocks // per_row), len(shown)])
-for b in range(memory_blocks):
-    rid = owner.get(b)
-    color = "white" if rid is None else f"C{shown.index(rid)}" if rid in shown else "0.75"
-    ax1.add_patch(plt.Rectangle((b % per_row, b // per_row), 0.92, 0.86, color=color, ec="0.5"))
-    if rid in shown:
-        ax1.text(b % per_row + 0.46, b // per_row + 0.43, str(shot["tables"][rid].index(b)),
-                 ha="center", va="center", color="white")
-ax1.set(xlim=(0, per_row), ylim=(-(-memory_blocks // per_row), 0), xticks=[], yticks=[],
-        title=f"The cache: {memory_blocks} blocks of {S.block} rows\nfour requests (the logical block in "
-              f"each), {len(shot['tables']) - len(shown)} others (gray), {len(shot['free'])} free (white)")
-for row, rid in enumerate(shown):
-    for j, b in enumerate(shot["tables"][rid]):
-        ax2.add_patch(plt.Rectangle((j, row), 0.92, 0.86, color=f"C{row}"))
-        ax2.text(j + 0.46, row + 0.43, str(b), ha="center", va="center", color="white")
-ax2.set(xlim=(0, max(map(len, shot["tables"].values()))), ylim=(len(shown), 0), xticks=[],
-        yticks=np.arange(len(shown)) + 0.43, title="their block tables: the physical block of each logical block",
-        yticklabels=[f"request {rid}, {shot['used'][rid]} keys" for rid in shown])
-for ax in (ax1, ax2):
-    ax.spines[:].set_visible(False)
+shot = max([s for s in snapshots if s["free"]] or snapshots, key=lambda s: len(s["tables"]))  # a free block shows
+draw_paged_cache(shot["tables"], shot["free"], memory_blocks, S.block, shot["keys"])
 plt.show()
-
 # sphinx_gallery_thumbnail_number = 3
 
 # %%
 # Proof: every request equals decoding it alone
 # ---------------------------------------------
-# Every request of every run above is checked against decoding it alone
-# with the same weights in float32, no cache, the plain padded layout: one
-# pass over its prompt and the tokens the server generated gives the logits
-# greedy decoding alone computes before each of them (teacher forcing). The
-# server's logits must agree within the tolerance, and each of its tokens
-# must be the reference's greedy choice (or tie with it within the
-# tolerance); by induction on the tokens, the server generated what
-# decoding each request alone generates. In a 16-bit dtype the logits are
-# compared within ``atol=0.1, rtol=0.05``, and "equal" means equal within it.
+# Every request of every run above is checked against decoding it alone in
+# float32, without a cache: one padded pass over its prompt and generated
+# tokens gives the logits with which greedy decoding alone chooses each
+# token (teacher forcing). The server's logits must agree within the
+# tolerance (``atol=0.1, rtol=0.05`` in a 16-bit dtype), and each token
+# must be the reference's greedy choice or tie with it within ``atol``: by
+# induction on the tokens, each request generated what decoding it alone
+# generates. ``tests/test_serving.py`` plants three classic bugs that this
+# proof catches: a block table read one block off, a freed block still in
+# use, a preempted request resuming at the wrong position.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/proof.py
 #    :pyobject: check_against_alone
@@ -569,32 +447,23 @@ print(f"{len(checked)} runs (how many, and the online batches, follow the time):
 print(f"requests: {S.requests}/{S.requests} finished, each equal to decoding it alone; preempted {preempted}")
 
 # %%
-# The tests of the serving modules (``tests/test_serving.py``) plant three
-# classic bugs that this proof must catch (a block table read one block
-# off, a freed block still in use, a preempted request resuming at the
-# wrong position), and send each kind of bad request, up front and late.
-#
 # Conclusion
 # ----------
-# Continuous batching is the ragged batch at its most ragged, built from
-# the site's pieces (packed tokens, positions restarting per request,
-# attention within each) plus bookkeeping: a free list, block tables, a
-# token budget, preemption, a check at the door. The lines above say, for
-# this device and these sizes, whether it beat static batches outside the
-# noise of repeated runs, how much of the slot bound it reached, how many
-# more requests the paged cache held, and what each scheduler did to
-# latency; the proof says none of it changed a request.
+# Continuous batching is the ragged batch at its most ragged: packed tokens,
+# positions restarting per request and attention within each, plus
+# bookkeeping (a free list, block tables, a token budget, preemption, a
+# check at the door). The lines above say whether, on this device, it beat
+# static batches outside the noise, how much of the slot bound it reached,
+# how many more requests the paged cache held and what it did to latency;
+# the proof, that none of it changed a request.
 #
 # References
 # ----------
 # * Kwon et al., "Efficient Memory Management for Large Language Model
 #   Serving with PagedAttention" (vLLM), 2023: https://arxiv.org/abs/2309.06180
-# * Yu et al., "Orca: A Distributed Serving System for Transformer-Based
-#   Generative Models" (iteration-level scheduling), OSDI 2022:
+# * Yu et al., "Orca" (iteration-level scheduling), OSDI 2022:
 #   https://www.usenix.org/conference/osdi22/presentation/yu
-# * Agrawal et al., "Sarathi-Serve" (chunked prefill), 2024:
-#   https://arxiv.org/abs/2403.02310
-# * attention-gym's paged attention with FlexAttention:
-#   https://github.com/meta-pytorch/attention-gym
+# * Agrawal et al., "Sarathi-Serve" (chunked prefill), 2024: https://arxiv.org/abs/2403.02310
+# * attention-gym's paged attention with FlexAttention: https://github.com/meta-pytorch/attention-gym
 # * ``varlen_attn``: https://docs.pytorch.org/docs/stable/nn.attention.varlen.html
 # * ``nano-vllm``: https://github.com/GeeeekExplorer/nano-vllm

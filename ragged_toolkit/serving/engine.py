@@ -12,7 +12,7 @@ from ..batches import offsets_from_lengths
 from ..kv_cache import block_table_tensor
 from .paged_attention import PagedLayout, prepare_paged
 
-__all__ = ["build_step", "forward_step"]
+__all__ = ["build_step", "step_logits", "forward_step"]
 
 
 def build_step(cache, work, device, path="gathered", backend=None):
@@ -42,12 +42,20 @@ def build_step(cache, work, device, path="gathered", backend=None):
 
 
 @torch.no_grad()
-def forward_step(model, cache, work, path="gathered", backend=None):
+def step_logits(model, cache, work, path="gathered", backend=None):
     """One forward pass over the packed tokens of ``work``, a list of
-    ``(request, n)``; each request whose history is then all in the cache
-    gets its next token, the greedy choice, and keeps the logits that chose it."""
+    ``(request, n)``, their keys written into ``cache``: the logits (B,
+    vocab) after each request's last new token. Changes no request."""
     tokens, positions, layout = build_step(cache, work, cache.k.device, path, backend)
-    last = model(tokens, positions, layout)[layout.q_offsets[1:] - 1]  # (B, vocab)
+    return model(tokens, positions, layout)[layout.q_offsets[1:] - 1]
+
+
+@torch.no_grad()
+def forward_step(model, cache, work, path="gathered", backend=None):
+    """One step over ``work``, a list of ``(request, n)``: each request
+    whose history is then all in the cache gets its next token, the greedy
+    choice of :func:`step_logits`, and keeps the logits that chose it."""
+    last = step_logits(model, cache, work, path, backend)  # (B, vocab)
     choices = last.argmax(-1).tolist()
     for i, (req, n) in enumerate(work):
         req.computed += n

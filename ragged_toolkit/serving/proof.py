@@ -7,7 +7,17 @@ import torch
 
 from ..layouts import PaddedLayout
 
-__all__ = ["logits_alone", "check_against_alone"]
+__all__ = ["logits_after", "logits_alone", "check_against_alone"]
+
+
+@torch.no_grad()
+def logits_after(model, history):
+    """The logits (vocab,) with which greedy decoding alone, without a cache,
+    chooses the token after ``history`` (token ids): one causal pass over
+    it, padded layout."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(history, device=device)[None]  # (1, S)
+    return model(ids, torch.arange(ids.shape[1], device=device)[None], PaddedLayout())[0, -1]
 
 
 @torch.no_grad()

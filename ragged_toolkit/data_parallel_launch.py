@@ -24,7 +24,7 @@ from .data_parallel import data_parallel_step, wrap_model
 from .gpt import GPT, GPTConfig
 from .measuring.timing import stopwatch
 
-__all__ = ["GradientRun", "DataParallelJob", "data_parallel_worker", "data_parallel_command",
+__all__ = ["GradientRun", "DataParallelJob", "data_parallel_worker",
            "run_data_parallel", "step_times_ms"]
 
 
@@ -173,7 +173,7 @@ def _timed_steps(job, data, device, rank):
     return timing
 
 
-def data_parallel_command(nproc, script="worker.py", folder="FOLDER", log_dir=None):
+def _launch_command(nproc, script="worker.py", folder="FOLDER", log_dir=None):
     """The command that starts ``nproc`` ranks of the worker script on this
     machine (``torchrun --standalone --nproc-per-node=N`` is the same);
     with ``log_dir``, each rank's standard output and error go to files of
@@ -198,7 +198,7 @@ def _rank_errors(folder, nproc):
 
 def run_data_parallel(job, data, nproc, *, timeout=600):
     """Launch :func:`data_parallel_worker` on ``nproc`` ranks with
-    :func:`data_parallel_command`, in a temporary folder that holds the job
+    ``_launch_command``, in a temporary folder that holds the job
     (a :class:`DataParallelJob`) and the worker script; the ranks import this
     package from where this process does, and talk over the loopback
     interface. Ranks over ``gloo`` run on the CPU and see no GPU. On failure
@@ -215,7 +215,7 @@ def run_data_parallel(job, data, nproc, *, timeout=600):
                "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
         if job.backend == "gloo":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no accelerator to build a mesh on
-        command = data_parallel_command(nproc, folder=str(folder), log_dir=folder / "logs")
+        command = _launch_command(nproc, folder=str(folder), log_dir=folder / "logs")
         proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             errors = _rank_errors(folder, nproc)

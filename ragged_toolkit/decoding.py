@@ -15,10 +15,10 @@ from .device import default_dtype
 from .kv_cache import CachedStep, KVCache
 from .layouts import PackedLayout
 
-__all__ = ["call_model", "prefill_packed", "decode_greedy", "generate_packed", "teacher_forced_logits"]
+__all__ = ["prefill_packed", "decode_greedy", "generate_packed", "teacher_forced_logits"]
 
 
-def call_model(model, tokens, positions, layout):
+def _call_model(model, tokens, positions, layout):
     """``model(tokens, positions, layout)``: the decoding step to compile."""
     return model(tokens, positions, layout)
 
@@ -46,11 +46,12 @@ def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, b
     go, default its position; ``start`` the first slot in use, for left
     padding); else a ``PackedLayout`` step through
     ``ragged_attention`` with ``backend``, over each sequence's rows in use.
-    ``step(model, tokens, positions, layout)`` runs the model, for example
-    ``torch.compile(call_model, dynamic=False)`` (default: :func:`call_model`).
+    ``step(model, tokens, positions, layout)`` runs the model (default: a
+    plain call; a compiled one, ``torch.compile(step, dynamic=False)``, serves
+    every fixed-shape step with one graph).
     Returns the new tokens (B, n_new), and with ``return_logits`` the logits
     that chose them, (B, n_new, vocab)."""
-    step = call_model if step is None else step
+    step = _call_model if step is None else step
     slots = positions if slots is None else slots
     backend = default_backend(positions.device, cache.k.dtype) if backend is None else backend
     one_each = torch.arange(len(positions) + 1, device=positions.device)  # one query per sequence

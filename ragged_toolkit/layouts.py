@@ -3,7 +3,7 @@ queries, keys and values the same way for every batch and hands them to
 ``layout.attend(q, k, v, layer)``; the layout knows whether the tokens are
 packed (:class:`PackedLayout`, through ``ragged_attention`` and the batch's
 plan), padded (:class:`PaddedLayout`), packed into fixed-length rows
-(:class:`PackedRows`, :class:`FlexRows`), or read through a KV cache
+(:class:`PackedRows`), or read through a KV cache
 (``CachedStep`` in :mod:`ragged_toolkit.kv_cache`, ``PagedLayout`` in
 :mod:`ragged_toolkit.serving.paged_attention`)."""
 
@@ -19,7 +19,7 @@ from .attention import BatchPlan, default_backend, plan_batch, ragged_attention
 from .attention.dense import shares_heads
 from .batches import token_index
 
-__all__ = ["Layout", "PackedLayout", "PaddedLayout", "PackedRows", "FlexRows"]
+__all__ = ["Layout", "PackedLayout", "PaddedLayout", "PackedRows"]
 
 
 class Layout(Protocol):
@@ -98,35 +98,3 @@ class PackedRows:
         q, k, v = (t.view(rows, row_len, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # (N, H, L, D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=shares_heads(q, k))
         return out.transpose(1, 2).flatten(0, 1)  # (N * L, H, D)
-
-
-@dataclass
-class FlexRows:
-    """The same packed rows as :class:`PackedRows`, attended by FlexAttention
-    with a document-causal ``BlockMask`` over the whole batch (built once per
-    batch, outside a compiled model: :meth:`from_offsets`), which skips the
-    blocks across documents. Inside a compiled model ``flex_attention`` is
-    compiled with it, into one graph."""
-
-    block_mask: object  # torch.nn.attention.flex_attention.BlockMask
-
-    @classmethod
-    def from_offsets(cls, offsets, row_len):
-        """The layout of a batch of ``N * row_len`` tokens whose offsets mark
-        every document, and every row start."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        document = token_index(offsets)[0]  # (N * L,): each token's sequence
-
-        def document_causal(b, h, q_idx, kv_idx):
-            return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
-
-        n = len(document)
-        return cls(create_block_mask(document_causal, None, None, n, n, device=offsets.device))
-
-    def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D)
-        from torch.nn.attention.flex_attention import flex_attention
-
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
-        out = flex_attention(q, k, v, block_mask=self.block_mask, enable_gqa=shares_heads(q, k))
-        return out[0].transpose(0, 1)  # (T, H, D)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from .batches import token_index
 
 __all__ = [
-    "recurrent_step", "reference_recurrence", "documents_reference", "token_loop", "causal_conv", "conv_tail",
+    "recurrent_step", "reference_recurrence", "documents_reference", "token_loop", "causal_conv",
     "same_document", "chunk_decay", "delta_values", "carry_states", "chunked_recurrence", "packed_recurrence",
     "padded_recurrence", "RecurrentCache", "ScalarDecayLayer", "GatedDeltaLayer", "l2norm",
 ]
@@ -128,7 +128,7 @@ def causal_conv(x, weight, pos):
     return out.to(x.dtype)
 
 
-def conv_tail(x, offsets, width):
+def _conv_tail(x, offsets, width):
     """The convolution's cache: each document's last ``width - 1`` inputs,
     oldest first, zeros before a short document's start. x: (T, D);
     offsets: (B + 1,). Returns (B, width - 1, D)."""
@@ -358,7 +358,7 @@ class _RecurrentLayer(nn.Module):
         """A packed forward that also returns the cache to decode from: x
         (T, E), offsets (B + 1,) -> (T, E) and a :class:`RecurrentCache`."""
         out, states, qkv = self._run(x, offsets)
-        return out, RecurrentCache(states, conv_tail(qkv, offsets, self.conv_weight.shape[1]))
+        return out, RecurrentCache(states, _conv_tail(qkv, offsets, self.conv_weight.shape[1]))
 
     def step(self, x, cache):
         """One new token per request: x (B, E) and its cache -> (B, E) and the

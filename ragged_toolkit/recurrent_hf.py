@@ -7,7 +7,7 @@ A packed row is ``input_ids`` (1, T) with ``position_ids`` (1, T) that
 restart at 0 at every document (what ``DataCollatorWithFlattening`` gives);
 its boundaries reach the linear-attention layers only as the keyword
 arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (B + 1,) int32, which the
-collator adds with ``return_flash_attn_kwargs=True`` and :func:`packed_kwargs`
+collator adds with ``return_flash_attn_kwargs=True`` and ``_packed_kwargs``
 makes from offsets. Its decoder layers pass them on to the linear-attention
 layers from ``transformers`` 5.9.0 on (:data:`FORWARDS_CU_SEQ_LENS`); before,
 the swapped layers would see one document per row, so
@@ -23,8 +23,8 @@ import torch.nn as nn
 from .batches import offsets_from_lengths, token_index
 from .recurrent import GatedDeltaLayer
 
-__all__ = ["FORWARDS_CU_SEQ_LENS", "forwards_cu_seq_lens", "gated_delta_from_qwen3_next", "PackedGatedDeltaNet",
-           "swap_gated_delta_layers", "packed_kwargs", "document_differences"]
+__all__ = ["FORWARDS_CU_SEQ_LENS", "forwards_cu_seq_lens", "PackedGatedDeltaNet",
+           "swap_gated_delta_layers", "document_differences"]
 
 #: The first ``transformers`` release whose Qwen3-Next decoder layers pass the
 #: boundary keywords (``cu_seq_lens_q``) on to ``linear_attn`` (5.8.1 does not).
@@ -46,7 +46,7 @@ def forwards_cu_seq_lens():
 
 
 @torch.no_grad()
-def gated_delta_from_qwen3_next(hf, chunk=64):
+def _gated_delta_from_qwen3_next(hf, chunk=64):
     """A :class:`~ragged_toolkit.recurrent.GatedDeltaLayer` with the weights of ``hf``, a
     ``Qwen3NextGatedDeltaNet``. ``in_proj_qkvz`` holds, for each of the Hk
     q/k heads, its q (K), k (K), v (r V) and z (r V) rows, r = Hv / Hk;
@@ -82,7 +82,7 @@ class PackedGatedDeltaNet(nn.Module):
 
     def __init__(self, hf, chunk=64):
         super().__init__()
-        self.layer = gated_delta_from_qwen3_next(hf, chunk)
+        self.layer = _gated_delta_from_qwen3_next(hf, chunk)
         self.layer_idx = hf.layer_idx
 
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
@@ -117,7 +117,7 @@ def swap_gated_delta_layers(model, chunk=64):
     return model, swapped
 
 
-def packed_kwargs(offsets):
+def _packed_kwargs(offsets):
     """The boundary keyword arguments of a packed row, as
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them:
     offsets (B + 1,) -> ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k``."""
@@ -130,12 +130,12 @@ def document_differences(model, docs, *, boundaries=False):
     """The largest absolute logit difference of each document of a packed row from the same
     document run alone. docs: token ids (L_i,) each. The row gets
     ``position_ids`` that restart at every document, and with ``boundaries``
-    also :func:`packed_kwargs`. ``use_cache=False``: with a cache,
+    also ``_packed_kwargs``. ``use_cache=False``: with a cache,
     ``transformers`` does not read documents from ``position_ids``, and its
     full-attention layers mix them too. Returns a list of B floats."""
     offsets = offsets_from_lengths([len(d) for d in docs])
     ids, pos = torch.cat(docs)[None], token_index(offsets)[1][None]  # (1, T) each
-    extra = packed_kwargs(offsets) if boundaries else {}
+    extra = _packed_kwargs(offsets) if boundaries else {}
     row = model(input_ids=ids, position_ids=pos, use_cache=False, **extra).logits[0]  # (T, vocab)
     return [float((row[a:b] - model(input_ids=d[None], use_cache=False).logits[0]).abs().max())
             for d, a, b in zip(docs, offsets[:-1].tolist(), offsets[1:].tolist())]

@@ -119,6 +119,9 @@ print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: equal
 # query heads share each key/value head.
 #
 # .. literalinclude:: ../ragged_toolkit/gpt.py
+#    :pyobject: apply_rope
+#
+# .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Attention
 #
 # .. literalinclude:: ../ragged_toolkit/gpt.py

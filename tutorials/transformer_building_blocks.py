@@ -236,10 +236,14 @@ except ValueError as err:
 #
 # **Buckets** sort the sequences by length and cut them into a few groups,
 # each padded to its own longest: a few calls, a little padding. What the
-# plan holds for it is the index of every slot of every group:
+# plan holds for it is the index of every slot of every group; the call
+# gathers each group, attends, and scatters the real rows back:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/padded.py
 #    :pyobject: bucket_plan
+#
+# .. literalinclude:: ../ragged_toolkit/attention/padded.py
+#    :pyobject: attend_in_groups
 #
 # **FlexAttention** sees the whole batch as one long sequence and a *document
 # mask* built from the offsets: a query sees the keys of its own sequence.

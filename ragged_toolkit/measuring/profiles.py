@@ -15,7 +15,7 @@ import torch
 from ..device import synchronize
 from .timing import TIMING_THREADS, cpu_threads, measure, stopwatch
 
-__all__ = ["kernel_label", "profile_call", "profiler_overhead_us", "Profile", "where_time_goes"]
+__all__ = ["profile_call", "profiler_overhead_us", "Profile", "where_time_goes"]
 
 _KERNELS = {  # profiler operator -> the kernel it names
     "aten::_scaled_dot_product_flash_attention_for_cpu": "CPU flash",
@@ -29,7 +29,7 @@ _KERNELS = {  # profiler operator -> the kernel it names
 }
 
 
-def kernel_label(events):
+def _kernel_label(events):
     """The attention kernels among profiler events, with their call counts
     (empty if no attention ran): "CPU flash x12", "flash varlen"."""
     counts = {}
@@ -51,7 +51,7 @@ def kernel_label(events):
 def profile_call(fn, threads=TIMING_THREADS):
     """Run ``fn`` once under the profiler (with ``threads``, as it was timed):
     the memory it needed beyond what was allocated before, in MiB, and the
-    attention kernels that ran (:func:`kernel_label`)."""
+    attention kernels that ran (``_kernel_label``)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
     from torch.profiler import ProfilerActivity, profile
 
@@ -72,7 +72,7 @@ def profile_call(fn, threads=TIMING_THREADS):
                                       for e in prof.profiler.kineto_results.events()
                                       if e.name() == "[memory]")]
         peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
-    return peak / 2**20, kernel_label(prof.events())
+    return peak / 2**20, _kernel_label(prof.events())
 
 
 def profiler_overhead_us(n=2000):

@@ -40,9 +40,9 @@ guide built from those measurements.
 # %%
 # Six jobs, every path, one measurement
 # -------------------------------------
-# The answer to "which attention path?" is a measurement, not a rule: it
-# depends on the device, the dtype, the lengths and the job. This page runs
-# six jobs on one ragged batch:
+# Which attention path is fastest is a measurement, not a rule: it depends
+# on the device, the dtype, the lengths and the job. This page runs six jobs
+# on one ragged batch:
 #
 # * **inference**: causal self-attention, forward only; **training**: the
 #   same, forward and backward;
@@ -54,14 +54,13 @@ guide built from those measurements.
 # * **serving**: one step of continuous batching over a paged KV cache,
 #   prompt chunks and decode tokens in one packed batch.
 #
-# Each job goes through the six backends of ``ragged_attention``, whose code
-# the :doc:`building-blocks page <transformer_building_blocks>` shows, a
-# function each (its section "Six backends, six ways to compute it"); through
-# the baseline, the padded layout the job would otherwise run; and through
-# the paths written below. Every number printed passed its correctness check
-# first, and every conclusion is printed from the numbers, so it holds for
-# the device named below. The sizes, per device (:term:`quick mode` shrinks
-# them):
+# Each job goes through the six backends of ``ragged_attention`` (their code
+# is on the :doc:`building-blocks page <transformer_building_blocks>`, section
+# "Six backends, six ways to compute it"), through the padded layout the job
+# would otherwise run, and through the paths written below. Every number
+# printed passed its correctness check first, and every conclusion is
+# printed from the numbers. The sizes, per device (:term:`quick mode`
+# shrinks them):
 
 import os
 
@@ -89,8 +88,7 @@ print(f"{where}; batch {S.batch}, {S.heads} heads of {S.head_dim}, GQA with {KV_
 # generating, the lengths change at every step, so whatever a backend
 # prepares per batch (gather indices, a block mask) is prepared again at
 # every step. Each line ends with the :term:`kernel label` of what ran
-# (``[CPU flash x12]``: SDPA's fused CPU kernel, twelve calls; quick mode
-# profiles nothing, so it shows none).
+# (quick mode profiles nothing, so it shows none).
 
 import numpy as np
 from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
@@ -131,14 +129,14 @@ for job, (tensors, keywords) in JOBS.items():
 # %%
 # varlen_attn in this release
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``varlen_attn`` is the variable-length kernel of FlashAttention: CUDA only, in
-# ``float16`` or ``bfloat16`` (hence "not available" on a CPU). Its keyword
-# arguments changed in every release from 2.10 to 2.12 (causal as
-# ``is_causal``, then as ``window_size``; ``enable_gqa``, ``seqused_k`` and
-# ``block_table`` later), so the toolkit adapts every call in one place, to
-# the keywords of the installed release (``VARLEN_KEYWORDS``, read from its
-# signature); a feature the release lacks raises ``VarlenUnavailable``,
-# naming it, and is never dropped. What this release takes:
+# ``varlen_attn`` is the variable-length kernel of FlashAttention: CUDA only,
+# in ``float16`` or ``bfloat16``. Its keyword arguments changed in every
+# release from 2.10 to 2.12 (causal as ``is_causal``, then as
+# ``window_size``; ``enable_gqa``, ``seqused_k`` and ``block_table``
+# later), so the toolkit adapts every call in one place to the keywords of
+# the installed release (``VARLEN_KEYWORDS``, read from its signature); a
+# feature the release lacks raises ``VarlenUnavailable``, naming it, and is
+# never dropped. What this release takes:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/varlen.py
 #    :pyobject: varlen_kwargs
@@ -202,101 +200,48 @@ def flex_refreshed():  # a decoding step: the mask's lengths refreshed, nothing 
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The ``padded`` backend pads inside the call, a gather and a scatter that a
 # model written for padded batches never pays. So the baseline of every job
-# is attention on tensors padded from the start, ``(B, H, S, D)``: one SDPA
-# call with ``is_causal`` (with right padding, a causal query never reaches
-# a padding key). For decoding it is a fixed-shape step, as ``CachedStep``
-# of :doc:`ragged_decoding_kv_cache_gqa` runs: the cache as a rectangle, the
-# rows up to the longest in use scored, those not in use masked. *One row
-# with a mask* is the whole batch as one sequence ``(1, H, T, D)`` with a
-# ``(T, T)`` block-diagonal causal mask, what ``transformers`` builds from
-# the position ids of a packed row: every pair of the row scored.
+# is attention on tensors padded from the start (for decoding, the
+# fixed-shape step of ``CachedStep`` in :doc:`ragged_decoding_kv_cache_gqa`:
+# the cache as a rectangle, the rows up to the longest in use scored, those
+# not in use masked). *One row with a mask* is the batch as the packed row
+# ``transformers`` sees:
+#
+# .. literalinclude:: ../ragged_toolkit/decision.py
+#    :pyobject: padded_attention
+#
+# .. literalinclude:: ../ragged_toolkit/decision.py
+#    :pyobject: one_row_attention
+#
+# ``compare_calls`` checks each call against the float32 reference (the
+# training job's ``dq``, ``dk``, ``dv`` too), then times them together.
 
-import torch.nn.functional as F
 from ragged_toolkit.attention.reference import reference_attention
-from ragged_toolkit.batches import from_padded, to_padded, token_index
-from ragged_toolkit.device import tolerances
-from ragged_toolkit.measuring.timing import measure
+from ragged_toolkit.decision import one_row_paths, padded_decoding, padded_paths
+from ragged_toolkit.measuring.compare import compare_calls
 from ragged_toolkit.measuring.tables import print_timings
 
-qh, kh, vh = (to_padded(t, offsets)[0].transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, S, D)
-grad_packed = randn(T, S.heads, S.head_dim)  # the gradient of a loss, zero at padding:
-grad_h = to_padded(grad_packed, offsets)[0].transpose(1, 2)  # padding adds nothing to ``dk``, ``dv``
-qh_train, kh_train, vh_train = (t.detach().requires_grad_() for t in (qh, kh, vh))
-n_used = int(used.max())
-seq_id, position = token_index(offsets)[0], torch.arange(T, device=DEVICE)
-row_mask = (seq_id[:, None] == seq_id) & (position[:, None] >= position)  # (T, T)
-qr, kr, vr = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
-qr_train, kr_train, vr_train = (t.detach().requires_grad_() for t in (qr, kr, vr))
-
-
-@torch.no_grad()
-def padded_inference(k=kh, v=vh):  # (B, H, S, D)
-    return F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=k.shape[1] != qh.shape[1])
-
-
-def padded_training():
-    out = F.scaled_dot_product_attention(qh_train, kh_train, vh_train, is_causal=True)
-    return torch.autograd.grad(out, (qh_train, kh_train, vh_train), grad_h)
-
-
-@torch.no_grad()
-def padded_decoding():  # (B, H, 1, D)
-    mask = torch.arange(n_used, device=DEVICE) < used[:, None]  # (B, n_used): the rows in use
-    return F.scaled_dot_product_attention(q_one[:, :, None], k_rect[:, :, :n_used], v_rect[:, :, :n_used],
-                                          attn_mask=mask[:, None, None])
-
-
-@torch.no_grad()
-def row_inference(k=kr, v=vr):  # (1, H, T, D)
-    return F.scaled_dot_product_attention(qr, k, v, attn_mask=row_mask, enable_gqa=k.shape[1] != qr.shape[1])
-
-
-def row_training():
-    out = F.scaled_dot_product_attention(qr_train, kr_train, vr_train, attn_mask=row_mask)
-    return torch.autograd.grad(out, (qr_train, kr_train, vr_train), grad_packed.transpose(0, 1)[None])
-
-
-def unpad(out):  # (B, H, S, D) -> packed (T, H, D), float32 for the comparison
-    return from_padded(out.transpose(1, 2), offsets).float()
-
-
-def unrow(out):  # (1, H, T, D) -> (T, H, D)
-    return out[0].transpose(0, 1).float()
-
-
-def one_query(out):  # (B, H, 1, D) -> (B, H, D)
-    return out[:, :, 0].float()
-
-
-kh_gqa, vh_gqa = kh[:, :KV_HEADS].contiguous(), vh[:, :KV_HEADS].contiguous()  # as a GQA model holds them
-kr_gqa, vr_gqa = kr[:, :KV_HEADS], vr[:, :KV_HEADS]
-OTHER_PATHS = {  # (job, path) -> the call, and how its output becomes packed (T, H, D)
-    ("inference", "padded tensors"): (padded_inference, unpad),
-    ("training", "padded tensors"): (padded_training, unpad),
-    ("decoding", "padded tensors"): (padded_decoding, one_query),
-    ("GQA", "padded tensors"): (lambda: padded_inference(kh_gqa, vh_gqa), unpad),
-    ("inference", "one row + mask"): (row_inference, unrow),
-    ("training", "one row + mask"): (row_training, unrow),
-    ("GQA", "one row + mask"): (lambda: row_inference(kr_gqa, vr_gqa), unrow),
-    ("decoding", "flex (refreshed)"): (flex_refreshed, one_query),
-}
+grad_packed = randn(T, S.heads, S.head_dim)  # the gradient of a loss at the output
 q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
 causal = reference_attention(q32, k32, v32, offsets, is_causal=True)
 REFERENCE = {  # job -> what its paths must return, in float32
-    "inference": (causal.detach(),),
-    "training": torch.autograd.grad(causal, (q32, k32, v32), grad_packed.float()),  # ``dq``, ``dk``, ``dv``
-    "decoding": (reference_attention(q_one, k_cache, v_cache, one_each, cache_offsets, kv_used=used),),
-    "GQA": (reference_attention(q, k_gqa, v_gqa, offsets, is_causal=True),),
+    "inference": causal.detach(),
+    "training": torch.autograd.grad(causal, (q32, k32, v32), grad_packed.float()),  # dq, dk, dv
+    "decoding": reference_attention(q_one, k_cache, v_cache, one_each, cache_offsets, kv_used=used),
+    "GQA": reference_attention(q, k_gqa, v_gqa, offsets, is_causal=True),
 }
-for key, (call, packed) in OTHER_PATHS.items():  # key: (job, path)
-    got = call()
-    for g, want in zip(got if key[0] == "training" else (got,), REFERENCE[key[0]]):
-        torch.testing.assert_close(packed(g), want, **tolerances(DTYPE), msg=lambda m, key=key: f"{key}: {m}")
-calls = {key: call for key, (call, _) in OTHER_PATHS.items()}
-other_times = measure(calls, min_run_time=S.run_time, profile=not setup.quick)
-for key, timing in other_times.items():  # key: (job, path)
-    table[key[0]][key[1]] = timing
-print_timings({", ".join(key): timing for key, timing in other_times.items()})
+padded = padded_paths(q, k, v, offsets, grad_packed, KV_HEADS)
+padded["decoding"] = padded_decoding(q_one, k_rect, v_rect, used)
+one_row = one_row_paths(q, k, v, offsets, grad_packed, KV_HEADS)
+OTHER_PATHS = {  # (job, path) -> the call, and how its output becomes the reference's layout
+    **{(job, "padded tensors"): padded[job] for job in JOBS},
+    **{(job, "one row + mask"): call for job, call in one_row.items()},
+    ("decoding", "flex (refreshed)"): (flex_refreshed, lambda out: out[:, :, 0].float()),  # (B, H, D)
+}
+other_times = compare_calls({key: (*path, REFERENCE[key[0]]) for key, path in OTHER_PATHS.items()}, dtype=DTYPE,
+                            min_run_time=S.run_time, profile=not setup.quick)
+print_timings(other_times)
+for (job, path), timing in other_times.items():
+    table[job][path] = timing
 table["decoding"]["one row + mask"] = "a cache with spare rows needs kv_used, not one row"
 rebuilt, refreshed = table["decoding"].get("flex"), table["decoding"]["flex (refreshed)"]
 if hasattr(rebuilt, "median_ms"):
@@ -307,76 +252,28 @@ if hasattr(rebuilt, "median_ms"):
 # A custom score function
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # ``ragged_attention`` takes no score function: only FlexAttention accepts
-# arbitrary Python (``score_mod``), compiled into its kernel. A dense SDPA
-# call takes a precomputed additive bias instead: one per sequence for the
-# loop, one for the padded square. ``varlen_attn`` and SDPA on nested tensors
-# take neither. Each path is checked against a float32 reference.
+# arbitrary Python (``score_mod``), compiled into its kernel:
+#
+# .. literalinclude:: ../ragged_toolkit/decision.py
+#    :pyobject: alibi_score_mod
+#
+# A dense SDPA call takes a precomputed additive bias instead
+# (``alibi_bias``): one per sequence for the loop, one for the padded
+# square. ``varlen_attn`` and SDPA on nested tensors take neither.
 
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from ragged_toolkit.decision import alibi_paths, alibi_reference
 
-slopes = torch.exp2(-8.0 * torch.arange(1, S.heads + 1, device=DEVICE) / S.heads)  # (H,)
-
-
-def alibi_penalty(score, b, h, q_idx, kv_idx):  # q_idx, kv_idx: packed positions
-    return score - slopes[h] * (q_idx - kv_idx)
-
-
-def causal_within_sequence(b, h, q_idx, kv_idx):
-    return (seq_id[q_idx] == seq_id[kv_idx]) & (q_idx >= kv_idx)
-
-
-@torch.compile(dynamic=False)
-def flex_alibi(q, k, v, block_mask):
-    return flex_attention(q, k, v, score_mod=alibi_penalty, block_mask=block_mask)
-
-
-def alibi_bias(n):  # (H, n, n): the penalty, and -inf above the diagonal
-    distance = (torch.arange(n, device=DEVICE)[:, None] - torch.arange(n, device=DEVICE))
-    return (-slopes[:, None, None] * distance.float()).masked_fill(distance < 0, float("-inf"))
-
-
-score_mask = create_block_mask(causal_within_sequence, None, None, T, T, device=DEVICE)
-q_seqs, k_seqs, v_seqs = (t.split(lengths.tolist()) for t in (q, k, v))
-loop_biases = [alibi_bias(len(a)).to(DTYPE)[None] for a in q_seqs]  # built once per batch
-valid = to_padded(q, offsets)[1]  # (B, S)
-pad_bias = alibi_bias(qh.shape[2]).masked_fill(~valid[:, None, None, :], float("-inf")).to(DTYPE)
-
-
-@torch.no_grad()
-def alibi_flex():
-    return flex_alibi(qr, kr, vr, score_mask)[0].transpose(0, 1)  # (T, H, D)
-
-
-@torch.no_grad()
-def alibi_loop():  # one SDPA call per sequence, on (1, H, L, D) views
-    return torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (a, b, c)),
-                                                     attn_mask=bias)[0]
-                      for a, b, c, bias in zip(q_seqs, k_seqs, v_seqs, loop_biases)], 1).transpose(0, 1)
-
-
-@torch.no_grad()
-def alibi_padded():
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=pad_bias)
-
-
-with sdpa_kernel(SDPBackend.MATH):  # float32, and no kernel shared with the paths checked
-    alibi_reference = torch.cat([F.scaled_dot_product_attention(
-        *(t.float().transpose(0, 1) for t in (a, b, c)), attn_mask=alibi_bias(len(a))
-    ).transpose(0, 1) for a, b, c in zip(q_seqs, k_seqs, v_seqs)])
-ALIBI = {"flex": (alibi_flex, lambda out: out.float()), "loop": (alibi_loop, lambda out: out.float()),
-         "padded tensors": (alibi_padded, unpad)}
-for path, (call, packed) in ALIBI.items():
-    torch.testing.assert_close(packed(call()), alibi_reference, **tolerances(DTYPE), msg=lambda m, p=path: f"{p}: {m}")
-alibi_calls = {path: call for path, (call, _) in ALIBI.items()}
-table["score_mod"] = {
+slopes = torch.exp2(-8.0 * torch.arange(1, S.heads + 1, device=DEVICE) / S.heads)  # (H,): ALiBi's slopes
+alibi_want = alibi_reference(q, k, v, offsets, slopes)  # (T, H, D), float32
+alibi = {path: (*call, alibi_want) for path, call in alibi_paths(q, k, v, offsets, slopes).items()}
+NOT_FOR_SCORE_MOD = {  # path -> why it does not take this job here
     "one row + mask": "possible with a bias over the whole row; not written here",
     "varlen": "no score function or bias argument",
     "sdpa_njt": "SDPA on nested tensors takes no mask or bias",
     "bucketed": "possible with a bias per bucket; not written here",
-    "padded": "takes no bias (the padded tensors do)",
-    **measure(alibi_calls, min_run_time=S.run_time, profile=not setup.quick),
-}
+    "padded": "takes no bias (the padded tensors do)"}
+table["score_mod"] = NOT_FOR_SCORE_MOD | compare_calls(alibi, dtype=DTYPE, min_run_time=S.run_time,
+                                                      profile=not setup.quick)
 print("score_mod (ALiBi, causal, forward):")
 print_timings(table["score_mod"])
 
@@ -386,27 +283,17 @@ print_timings(table["score_mod"])
 # One step of continuous batching, built with the serving code of
 # :doc:`serving_continuous_batching`: four newcomers (the longest requests)
 # feed the last chunk of their prompts, every other one its last generated
-# token; the keys
-# live in blocks of a ``PagedKVCache``, handed out as the requests grew side
-# by side; ``build_step`` packs the step and builds, once for every layer,
-# what the path reads the cache with. The paths:
-#
-# .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
-#    :pyobject: gathered_attention
-#
-# .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
-#    :pyobject: flex_paged_attention
-#
-# .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
-#    :pyobject: varlen_paged_attention
-#
-# ``gathered`` runs ``ragged_attention`` with a backend (``loop``,
-# ``bucketed``, ``padded`` below); ``flex`` reads the cache through a paged
-# block mask (``paged_block_mask``, on the serving page). The baseline is the
-# padded layout a server without ragged attention runs: the decode tokens as
-# one-query rows against their keys padded to the longest, and the prompt
-# chunks padded apart, each query seeing the keys up to its own position.
+# token; the keys live in blocks of a ``PagedKVCache``, handed out as the
+# requests grew side by side; ``build_step`` packs the step and builds, once
+# for every layer, what the path reads the cache with. ``gathered`` runs
+# ``ragged_attention`` with a backend (``loop``, ``bucketed``, ``padded``
+# below); ``flex`` and ``varlen`` read the cache in place (both shown on
+# the serving page). The baseline is the padded layout a server without
+# ragged attention runs, ``PaddedServing``: the decode tokens as one-query
+# rows against their keys padded to the longest, and the prompt chunks
+# padded apart, each query seeing the keys up to its own position.
 
+from ragged_toolkit.decision import PaddedServing
 from ragged_toolkit.gpt import GPTConfig
 from ragged_toolkit.kv_cache import PagedKVCache, paged_rows
 from ragged_toolkit.serving.engine import build_step
@@ -428,71 +315,32 @@ work = [(r, r.pending()) for r in requests]  # (request, tokens it feeds)
 
 
 def paged_call(path, backend=None):
-    """The step's attention through ``path``: its layout built once, as
-    every layer of the step shares it; returns the call."""
+    """The step's attention through ``path``, its layout built once, as
+    every layer of the step shares it: the call, and its output as float32."""
     _, _, layout = build_step(cache, work, DEVICE, path, backend)  # tokens, positions, layout
     q_step = q[:int(layout.q_offsets[-1])]  # (T_step, H, D)
-    return lambda: PAGED_PATHS[path](q_step, layout, 0)
+    return lambda: PAGED_PATHS[path](q_step, layout, 0), lambda out: out.float()
 
 
 _, _, step = build_step(cache, work, DEVICE, "varlen")  # the step's offsets, lengths and block table
-q_len, kv_len = step.q_offsets.diff(), step.kv_lengths
-q_step, q_seq = q[:int(step.q_offsets[-1])], token_index(step.q_offsets)[0]
+q_len, kv_len, q_step = step.q_offsets.diff(), step.kv_lengths, q[:int(step.q_offsets[-1])]
 rows = paged_rows(step.block_table, kv_len, S.block)  # every key in use, request after request
-keys, values, kv_seq = cache.k[0][rows], cache.v[0][rows], token_index(offsets_from_lengths(kv_len, DEVICE))[0]
-serving_reference = reference_attention(q_step, keys, values, step.q_offsets, offsets_from_lengths(kv_len, DEVICE),
-                                        is_causal=True)
-
-
-def padded_apart(group):
-    """The requests where ``group`` (``(B,)``) is true, as padded tensors: queries
-    (B_g, H, S_q, D), keys and values (B_g, H, S_kv, D), the mask of the keys
-    each query sees (B_g, 1, S_q, S_kv), and the queries' offsets, by name."""
-    q_offsets = offsets_from_lengths(q_len[group], DEVICE)
-    qp = to_padded(q_step[group[q_seq]], q_offsets)[0].transpose(1, 2)
-    kp, vp = (to_padded(t[group[kv_seq]], offsets_from_lengths(kv_len[group], DEVICE))[0].transpose(1, 2)
-              for t in (keys, values))
-    i, j = torch.arange(qp.shape[2], device=DEVICE), torch.arange(kp.shape[2], device=DEVICE)
-    shift = (kv_len - q_len)[group][:, None, None]  # a query at i sees the keys up to i + shift
-    sees = (j <= i[:, None] + shift) & (j < kv_len[group][:, None, None])
-    return dict(q=qp, k=kp, v=vp, mask=sees[:, None], q_offsets=q_offsets)
-
-
-GROUPS = {"decode tokens": q_len == 1, "prompt chunks": q_len > 1}
-PADDED_APART = {name: padded_apart(group) for name, group in GROUPS.items()}
-
-
-@torch.no_grad()
-def serving_padded():  # two SDPA calls: the decode rows, the prompt chunks
-    return {name: F.scaled_dot_product_attention(g["q"], g["k"], g["v"], attn_mask=g["mask"])
-            for name, g in PADDED_APART.items()}
-
-
-for name, out in serving_padded().items():
-    torch.testing.assert_close(from_padded(out.transpose(1, 2), PADDED_APART[name]["q_offsets"]).float(),
-                               serving_reference[GROUPS[name][q_seq]], **tolerances(DTYPE))
-serving_runs = {"padded tensors": serving_padded, "flex": paged_call("flex"),
-                **{name: paged_call("gathered", name) for name in ("loop", "bucketed", "padded")}}
-why_varlen = paged_varlen_support(DEVICE, DTYPE, S.block)
-if why_varlen is None:
-    serving_runs["varlen"] = paged_call("varlen")
-with torch.no_grad():
-    for path, call in serving_runs.items():
-        if path != "padded tensors":
-            torch.testing.assert_close(call().float(), serving_reference, **tolerances(DTYPE),
-                                       msg=lambda m, p=path: f"serving, {p}: {m}")
-# the query-key pairs each side scores: the padded groups their rectangles,
-# the ragged step each query's keys up to its own position
-padded_pairs = sum(g["mask"].numel() for g in PADDED_APART.values())  # (B_g, 1, S_q, S_kv) each
-serving_pairs = float((q_len * kv_len - q_len * (q_len - 1) / 2).sum())
-table["serving"] = {
+serving_reference = reference_attention(q_step, cache.k[0][rows], cache.v[0][rows], step.q_offsets,
+                                        offsets_from_lengths(kv_len, DEVICE), is_causal=True)
+padded_serving = PaddedServing(step, q_step)  # two SDPA calls: the decode rows, the prompt chunks
+serving_paths = {"padded tensors": (padded_serving, padded_serving.packed), "flex": paged_call("flex"),
+                 **{name: paged_call("gathered", name) for name in ("loop", "bucketed", "padded")}}
+NOT_FOR_SERVING = {  # path -> why it does not take this job here
     "one row + mask": "not written for a paged cache",
-    "varlen": why_varlen,
-    "sdpa_njt": "SDPA on nested tensors aligns is_causal top-left: not for more keys than queries",
-    **measure(serving_runs, min_run_time=S.run_time, profile=not setup.quick),
-}
-print(f"serving ({S.batch} requests in blocks of {S.block} rows: {int(GROUPS['prompt chunks'].sum())} prompt chunks, "
-      f"{int(GROUPS['decode tokens'].sum())} decode tokens):")
+    "varlen": paged_varlen_support(DEVICE, DTYPE, S.block),  # None: it runs
+    "sdpa_njt": "SDPA on nested tensors aligns is_causal top-left: not for more keys than queries"}
+if NOT_FOR_SERVING["varlen"] is None:
+    serving_paths["varlen"] = paged_call("varlen")
+serving = {path: (*call, serving_reference) for path, call in serving_paths.items()}
+table["serving"] = NOT_FOR_SERVING | compare_calls(serving, dtype=DTYPE, min_run_time=S.run_time,
+                                                   profile=not setup.quick)
+chunks, decodes = (int(padded_serving.groups[name].sum()) for name in ("prompt chunks", "decode tokens"))
+print(f"serving ({S.batch} requests in blocks of {S.block} rows: {chunks} prompt chunks, {decodes} decode tokens):")
 print_timings(table["serving"])
 
 # %%
@@ -508,39 +356,24 @@ print_timings(table["serving"])
 # causal jobs (a causal kernel skips the rest); the whole square for the
 # score function (its padded baseline and loop bias all of it); for
 # decoding, the cached rows up to the longest in use; for serving, the
-# rectangles of the two padded groups.
+# rectangles of the two padded groups against each query's keys up to its
+# own position.
 
 from ragged_toolkit.attention import BACKENDS, default_backend
-from ragged_toolkit.measuring.bound import Work, speedup_line, work_bound
-from ragged_toolkit.measuring.noise import choose, outside_noise
-from ragged_toolkit.measuring.tables import Table
-from ragged_toolkit.measuring.timing import Timing
+from ragged_toolkit.decision import decision_guide
+from ragged_toolkit.measuring.bound import Work, work_bound
 
 PAIRS = Work(per_token=0.0, per_pair=1.0)  # attention's work: the query-key pairs scored
 causal_bound = work_bound(lengths, work=PAIRS, causal=True)
+serving_pairs = float((q_len * kv_len - q_len * (q_len - 1) / 2).sum())  # the ragged step's pairs
 BOUND = {"inference": causal_bound, "training": causal_bound, "GQA": causal_bound,
          "decoding": work_bound(torch.ones_like(lengths), lengths, work=PAIRS),  # one query, its keys in use
-         "score_mod": work_bound(lengths, work=PAIRS), "serving": padded_pairs / serving_pairs}
-ROWS = ("padded tensors", "one row + mask", *BACKENDS, "flex (refreshed)")  # every path, the baseline first
+         "score_mod": work_bound(lengths, work=PAIRS), "serving": padded_serving.pairs / serving_pairs}
 BEYOND = {  # what two other pages measure for these jobs
-    "serving": "\nwith shared prompts: a prefix cache, and shared-prefix attention where many requests "
+    "serving": "with shared prompts: a prefix cache, and shared-prefix attention where many requests "
                "share a long prefix (serving_shared_prompts)",
-    "training": "\nhybrid models: recurrent layers reset at every document (packed_recurrent_layers)"}
-guide = []
-for job, results in table.items():
-    ran = {name: r for name, r in results.items() if isinstance(r, Timing)}
-    best = choose(ran, (default_backend(DEVICE, DTYPE, S.head_dim), "loop"), f"{job} path")
-    then = sorted((name for name in ran if name != best), key=lambda name: ran[name].median_ms)
-    ragged = best if best != "padded tensors" else then[0]  # where padding wins, the best of the others
-    padded, bound = ran["padded tensors"], BOUND[job]
-    print(speedup_line(f"{job}, {ragged} against padded tensors", padded, ran[ragged], bound))
-    gain = padded.median_ms / ran[ragged].median_ms
-    chosen = f"{best}, {ran[best].median_ms:.2f} ms" + (f"\nkernels: {ran[best].kernels}" if ran[best].kernels else "")
-    versus = ((f"{ragged}: " if ragged != best else "") + f"speedup {gain:.2f}x\nwork bound {bound:.2f}x\n"
-              f"fraction {gain / bound:.2f}" + ("" if outside_noise(padded, ran[ragged]) else " (within noise)"))
-    guide.append([job, chosen, versus, ", ".join(then) + BEYOND.get(job, ""),
-                  ", ".join(name for name, r in results.items() if not isinstance(r, Timing))])
-Table(["job", "chosen here", "against padded tensors", "then", "not here"], guide, css_class="decision-guide")
+    "training": "hybrid models: recurrent layers reset at every document (packed_recurrent_layers)"}
+decision_guide(table, BOUND, (default_backend(DEVICE, DTYPE, S.head_dim), "loop"), BEYOND)
 
 # %%
 # The same speedups for every path
@@ -551,12 +384,12 @@ Table(["job", "chosen here", "against padded tensors", "then", "not here"], guid
 # :doc:`measuring_ragged_batches`).
 
 import matplotlib.pyplot as plt
+from ragged_toolkit.decision import speedup_grid
 from ragged_toolkit.figures import FIGURE_STYLE, draw_speedups
 
 plt.rcParams.update(FIGURE_STYLE)
-speedup = np.array([[table[job]["padded tensors"].median_ms / table[job][name].median_ms
-                     if isinstance(table[job].get(name), Timing) else np.nan for job in table] for name in ROWS])
-draw_speedups(speedup, ROWS, list(table), [BOUND[job] for job in table],
+ROWS = ("padded tensors", "one row + mask", *BACKENDS, "flex (refreshed)")  # every path, the baseline first
+draw_speedups(speedup_grid(table, ROWS), ROWS, list(table), [BOUND[job] for job in table],
               f"Measured speedup over padded tensors, {DEVICE}, {str(DTYPE).removeprefix('torch.')}\n"
               "(in brackets: fraction of the computed work bound)")
 plt.show()

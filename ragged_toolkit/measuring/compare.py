@@ -1,5 +1,7 @@
-"""One attention job on every backend that can take it here: each checked
-against the float32 reference, then all measured together."""
+"""One attention job on every backend that can take it here
+(:func:`compare_backends`), or any calls a page writes itself
+(:func:`compare_calls`): each checked against the float32 reference, then
+all measured together."""
 
 import torch
 
@@ -9,7 +11,7 @@ from ..device import tolerances
 from .tables import print_timings
 from .timing import measure
 
-__all__ = ["compare_backends"]
+__all__ = ["compare_backends", "compare_calls"]
 
 
 def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
@@ -62,3 +64,20 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     results = {name: results[name] for name in backends}
     print_timings(results)
     return results
+
+
+def compare_calls(calls, *, dtype, min_run_time=0.5, profile=True):
+    """Check each call against its reference, then time them all together
+    (``measure``). ``calls``: name -> ``(call, packed, want)``: a call of no
+    arguments; ``packed``, what turns its output into the layout of
+    ``want``; ``want``, the float32 reference, or a tuple of them where the
+    call returns a tuple (gradients); ``dtype``, what the calls compute in,
+    which sets the tolerances (``tolerances``). Returns name -> :class:`~ragged_toolkit.measuring.timing.Timing`;
+    a call that disagrees with its reference raises, naming it."""
+    for name, (call, packed, want) in calls.items():
+        got = call()
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(packed(g), w, **tolerances(dtype),
+                                       msg=lambda m, n=name, i=i: f"{n} (output {i}) disagrees with the reference: {m}")
+    return measure({name: call for name, (call, _, _) in calls.items()}, min_run_time=min_run_time, profile=profile)

@@ -15,9 +15,12 @@ __all__ = ["print_timings", "Table"]
 
 def print_timings(results):
     """One line per entry of ``results`` (name -> ``Timing``, or the reason it
-    did not run), names aligned."""
-    width = max(map(len, results), default=0)
-    for name, r in results.items():
+    did not run), names aligned; a name that is a tuple (job, path) is
+    printed joined by commas."""
+    names = {key: ", ".join(key) if isinstance(key, tuple) else key for key in results}
+    width = max(map(len, names.values()), default=0)
+    for key, r in results.items():
+        name = names[key]
         print(f"  {name:{width}s} {r}" if isinstance(r, Timing) else f"  {name:{width}s} not available: {r}")
 
 

@@ -200,14 +200,16 @@ def flex_refreshed():  # a decoding step: the mask's lengths refreshed, nothing 
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The ``padded`` backend pads inside the call, a gather and a scatter that a
 # model written for padded batches never pays. So the baseline of every job
-# is attention on tensors padded from the start (for decoding, the
-# fixed-shape step of ``CachedStep`` in :doc:`ragged_decoding_kv_cache_gqa`:
-# the cache as a rectangle, the rows up to the longest in use scored, those
-# not in use masked). *One row with a mask* is the batch as the packed row
-# ``transformers`` sees:
+# is attention on tensors padded from the start, and for decoding the
+# fixed-shape step of ``CachedStep`` (:doc:`ragged_decoding_kv_cache_gqa`).
+# *One row with a mask* is the batch as the packed row ``transformers``
+# sees:
 #
 # .. literalinclude:: ../ragged_toolkit/decision.py
 #    :pyobject: padded_attention
+#
+# .. literalinclude:: ../ragged_toolkit/decision.py
+#    :pyobject: padded_decoding
 #
 # .. literalinclude:: ../ragged_toolkit/decision.py
 #    :pyobject: one_row_attention
@@ -225,7 +227,7 @@ q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
 causal = reference_attention(q32, k32, v32, offsets, is_causal=True)
 REFERENCE = {  # job -> what its paths must return, in float32
     "inference": causal.detach(),
-    "training": torch.autograd.grad(causal, (q32, k32, v32), grad_packed.float()),  # dq, dk, dv
+    "training": torch.autograd.grad(causal, (q32, k32, v32), grad_packed.float()),  # ``dq``, ``dk``, ``dv``
     "decoding": reference_attention(q_one, k_cache, v_cache, one_each, cache_offsets, kv_used=used),
     "GQA": reference_attention(q, k_gqa, v_gqa, offsets, is_causal=True),
 }
@@ -257,13 +259,17 @@ if hasattr(rebuilt, "median_ms"):
 # .. literalinclude:: ../ragged_toolkit/decision.py
 #    :pyobject: alibi_score_mod
 #
-# A dense SDPA call takes a precomputed additive bias instead
-# (``alibi_bias``): one per sequence for the loop, one for the padded
-# square. ``varlen_attn`` and SDPA on nested tensors take neither.
+# A dense SDPA call takes a precomputed additive bias instead, one per
+# sequence for the loop, one for the padded square (``alibi_paths``):
+#
+# .. literalinclude:: ../ragged_toolkit/decision.py
+#    :pyobject: alibi_bias
+#
+# ``varlen_attn`` and SDPA on nested tensors take neither.
 
 from ragged_toolkit.decision import alibi_paths, alibi_reference
 
-slopes = torch.exp2(-8.0 * torch.arange(1, S.heads + 1, device=DEVICE) / S.heads)  # (H,): ALiBi's slopes
+slopes = torch.exp2(-8.0 * torch.arange(1, S.heads + 1, device=DEVICE) / S.heads)  # (H,): the slopes of ALiBi
 alibi_want = alibi_reference(q, k, v, offsets, slopes)  # (T, H, D), float32
 alibi = {path: (*call, alibi_want) for path, call in alibi_paths(q, k, v, offsets, slopes).items()}
 NOT_FOR_SCORE_MOD = {  # path -> why it does not take this job here
@@ -285,13 +291,22 @@ print_timings(table["score_mod"])
 # feed the last chunk of their prompts, every other one its last generated
 # token; the keys live in blocks of a ``PagedKVCache``, handed out as the
 # requests grew side by side; ``build_step`` packs the step and builds, once
-# for every layer, what the path reads the cache with. ``gathered`` runs
-# ``ragged_attention`` with a backend (``loop``, ``bucketed``, ``padded``
-# below); ``flex`` and ``varlen`` read the cache in place (both shown on
-# the serving page). The baseline is the padded layout a server without
-# ragged attention runs, ``PaddedServing``: the decode tokens as one-query
-# rows against their keys padded to the longest, and the prompt chunks
-# padded apart, each query seeing the keys up to its own position.
+# for every layer, what the path reads the cache with. ``gathered`` gathers
+# the keys in use and runs ``ragged_attention`` with a backend (``loop``,
+# ``bucketed``, ``padded`` below); ``varlen`` reads the cache in place
+# through its block table (both on the serving page); ``flex`` reads it
+# through a paged block mask:
+#
+# .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
+#    :pyobject: flex_paged_attention
+#
+# The baseline is the padded layout a server without ragged attention runs:
+# the decode tokens as one-query rows against their keys padded to the
+# longest, and the prompt chunks padded apart, each query seeing the keys up
+# to its own position (``PaddedServing``, padded once per step):
+#
+# .. literalinclude:: ../ragged_toolkit/decision.py
+#    :pyobject: PaddedServing.__call__
 
 from ragged_toolkit.decision import PaddedServing
 from ragged_toolkit.gpt import GPTConfig

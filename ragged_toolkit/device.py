@@ -107,7 +107,7 @@ def page_setup(sizes, *, threads=1, seed=0):
     torch.manual_seed(seed)
     quiet_known_notes()
     chosen = page_sizes(sizes, device, quick)
-    print(f"PyTorch {torch.__version__}, device: {device}, dtype: {str(dtype).removeprefix('torch.')}"
+    print(f"PyTorch {torch.__version__}, device: {device}, dtype: {dtype}"
           + (", quick mode" if quick else ""))
     return types.SimpleNamespace(device=device, dtype=dtype, quick=quick, seed=seed,
                                  sizes=types.SimpleNamespace(**chosen))

@@ -5,7 +5,7 @@ import numpy as np
 
 from .batches import offsets_from_lengths, token_index
 
-__all__ = ["FIGURE_STYLE", "block_grid", "draw_batch", "draw_block_mask", "draw_scores", "draw_kv_cache",
+__all__ = ["FIGURE_STYLE", "draw_batch", "draw_block_mask", "draw_scores", "draw_kv_cache",
            "draw_token_budget", "draw_speedups"]
 
 # 12-point text at 100 dpi is about 17 px, as large as the page's body text
@@ -61,7 +61,7 @@ def draw_batch(lengths):
     return fig
 
 
-def block_grid(block_mask):
+def _block_grid(block_mask):
     """The blocks of a FlexAttention ``BlockMask`` (batch 0, head 0) as a
     (query blocks, key blocks) int grid: 2 where the whole block is computed
     with no mask, 1 where the mask runs inside it, 0 where it is skipped."""
@@ -85,7 +85,7 @@ def draw_block_mask(block_mask, title=""):
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    grid = block_grid(block_mask).numpy()
+    grid = _block_grid(block_mask).numpy()
     colors = ["#f4f4f4", "#f2a541", "#3b6ea5"]  # skipped, partial, full
     fig, ax = plt.subplots(figsize=(6.5, 6.5 * grid.shape[0] / grid.shape[1] + 1.2))
     ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=2)

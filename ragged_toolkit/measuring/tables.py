@@ -47,7 +47,8 @@ class Table:
         body = "".join("<tr>" + "".join(cell("th" if i == 0 else "td", c, h)
                                         for i, (c, h) in enumerate(zip(row, self.header))) + "</tr>"
                        for row in self.rows)
-        return f'<table class="{" ".join(["figures-table", self.css_class]).strip()}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        classes = " ".join(["figures-table", self.css_class]).strip()
+        return f'<table class="{classes}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
     def __str__(self):
         cells = [[str(c).split("\n") for c in row] for row in [self.header, *self.rows]]

@@ -34,6 +34,23 @@ def test_nested_tensors_are_refused_for_float32_causal_training_on_cuda(monkeypa
     assert tk.backend_support("sdpa_njt", "cuda", torch.bfloat16, is_causal=True, needs_grad=True) is None
 
 
+def test_head_sizes_the_cuda_kernels_refuse_are_not_available_not_errors(monkeypatch):
+    """Issue 35: 16 heads at width 64 gave the decoding page a head size of 4
+    on CUDA, which flash's varlen kernel (a multiple of 8, at most 256) and
+    CUDA FlexAttention (at least 16) refuse: backend_support names the rule,
+    so the job prints "not available" instead of failing."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    support = tk.backend_support
+    assert "a multiple of 8, at most 256, not 4" in support("varlen", "cuda", torch.bfloat16, head_dim=4)
+    assert "at most 256, not 512" in support("varlen", "cuda", torch.bfloat16, head_dim=512)
+    assert "at least 16, not 8" in support("flex", "cuda", torch.bfloat16, head_dim=8)
+    assert support("varlen", "cuda", torch.bfloat16, head_dim=64) is None
+    assert support("flex", "cuda", torch.bfloat16, head_dim=16) is None
+    assert tk.default_backend("cuda", torch.bfloat16, head_dim=4) == "sdpa_njt"  # varlen cannot take it
+    # the float32 warm-up of issue 35's layers page: varlen refuses the dtype, by name
+    assert "float16 or bfloat16, not torch.float32" in support("varlen", "cuda", torch.float32)
+
+
 # --- CPU ranks on a GPU machine ---------------------------------------------------
 
 def test_gloo_ranks_are_launched_with_no_gpu_to_see(monkeypatch):

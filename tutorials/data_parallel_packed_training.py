@@ -282,7 +282,7 @@ assert graphs["fixed documents", "rows, dynamic shapes"] == 1, graphs
 held = {scheme: sorted({len(o) - 1 for _, o in mbs[:COMPILE_STEPS]}) for scheme, mbs in schemes.items()}
 loop = {scheme: graphs[scheme, "loop plan, default shapes"] for scheme in schemes}
 print(f"loop plan: fixed documents hold {held['fixed documents']} sequences, {loop['fixed documents']} "
-      f"graphs; the budget's micro-batches hold {held['token budget']} sequences, "
+      f"graphs;\nthe budget's micro-batches hold {held['token budget']} sequences, "
       f"{loop['token budget']} graphs: " + ("a fixed token count saved no graph there"
       if loop["token budget"] >= loop["fixed documents"] else "the budget compiled fewer"))
 

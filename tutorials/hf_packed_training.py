@@ -308,7 +308,7 @@ batches = {"packed": [packed_batch(docs) for docs in corpus], "padded": [padded_
 real = sum(len(doc) for doc in every)
 slots = {name: sum(int(b["input_ids"].numel()) for b in batches[name]) for name in ("padded", "grouped")}
 print(f"{real} real tokens in {S.steps} batches; padded, {slots['padded']} token slots "
-      f"({slots['padded'] / real:.2f}x the tokens); length-grouped in windows of {WINDOW} batches, "
+      f"({slots['padded'] / real:.2f}x the tokens);\nlength-grouped in windows of {WINDOW} batches, "
       f"{slots['grouped']} ({slots['grouped'] / real:.2f}x)")
 
 # %%
@@ -413,7 +413,7 @@ for (name, p_ours), p_padded in pairs:
     torch.testing.assert_close(p_ours.grad, p_padded.grad, **tolerance,
                                msg=lambda m, name=name: f"gradient of {name}: {m}")
 grad_gap = max((a.grad - b.grad).abs().max().item() for (_, a), b in pairs)
-print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f} padded; gradients of all "
+print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f} padded;\ngradients of all "
       f"{len(pairs)} parameter tensors agree (largest difference {grad_gap:.1e})")
 
 # %%
@@ -534,12 +534,12 @@ print(throughput_line("hf training against length-grouped padding", R, G, bound[
 
 share = (bound["grouped"] - 1) / (bound["padded"] - 1)  # the extra work grouping leaves
 print(f"length-grouped padding leaves {share:.0%} of the extra work of naive padding (bounds "
-      f"{bound['grouped']:.2f}x and {bound['padded']:.2f}x): grouping removes "
+      f"{bound['grouped']:.2f}x and {bound['padded']:.2f}x):\ngrouping removes "
       + ("most of it, packing the rest" if share < 0.5 else "less than half of it"))
 end = {name: np.mean(run["losses"][-5:]) for name, run in runs.items()}
 for name in ("packed sdpa", "packed sdpa, cache"):
     print(f"{name:18s} last five losses {end[name]:.3f} (ragged {end['ragged']:.3f}), "
-          f"{runs[name]['tokens/s'] / R:.2f}x the ragged trainer's tokens/s, {runs[name]['label']}")
+          f"{runs[name]['tokens/s'] / R:.2f}x its tokens/s: {runs[name]['label']}")
 
 fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(8, 4.2), layout="constrained", width_ratios=[3, 2])
 for (name, run), style in zip(runs.items(), ("-", "-.", "--", ":", "-.")):

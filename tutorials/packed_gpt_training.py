@@ -163,7 +163,7 @@ held_out = [docs[i] for i in order[:S.prompts]]  # prompts for generation, at th
 stream_tokens, stream_offsets = pack_documents([docs[i] for i in order[S.prompts:]])  # (T,), (B + 1,)
 STEPS = min(S.train_tokens, len(stream_tokens)) // (S.rows * ROW_LEN)  # never more than the corpus holds
 n_tokens = STEPS * S.rows * ROW_LEN
-print(f"corpus: {len(docs)} documents, {len(stream_tokens):,} tokens, from {source}; training reads "
+print(f"corpus: {len(docs)} documents, {len(stream_tokens):,} tokens, from {source};\ntraining reads "
       f"{n_tokens:,} of them in {STEPS} steps" + (f" (asked for {S.train_tokens:,}: the corpus holds fewer)"
                                                   if n_tokens < S.train_tokens else ""))
 rows = split_by_token_budget(stream_tokens[:n_tokens], stream_offsets, ROW_LEN)  # STEPS * rows rows
@@ -460,7 +460,7 @@ for kind, label in (("naive", "training"), ("grouped", "training against length-
 per_1k = {kind: timer.per_1k_tokens(WARMUP_STEPS) for kind, timer in timers.items()}
 noise = {kind: "outside" if outside_noise(per_1k["packed"], per_1k[kind]) else "within" for kind in bound}
 print(f"median step per 1k real tokens: packed {per_1k['packed'].median_ms:.0f} ms, naive "
-      f"{per_1k['naive'].median_ms:.0f} ms ({noise['naive']} the noise), length-grouped "
+      f"{per_1k['naive'].median_ms:.0f} ms ({noise['naive']} the noise),\nlength-grouped "
       f"{per_1k['grouped'].median_ms:.0f} ms ({noise['grouped']} the noise)")
 
 # %%

@@ -80,8 +80,7 @@ C, H, D = S.chunk, S.heads, S.head_dim
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: recurrent_step
 #
-# On each document alone from a zero state, in float64, this is the
-# reference every form below is checked against:
+# Each document alone from a zero state, in float64: the reference below.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: reference_recurrence
@@ -225,7 +224,7 @@ for rule in ("scalar", "delta"):
             PROOF[rule, dtype, i] = worst_error(got, want)
             assert PROOF[rule, dtype, i] <= tolerances(dtype)["atol"], (rule, dtype, i, PROOF[rule, dtype, i])
     print(f"{rule:6s} chunked and packed against each document alone: largest error "
-          f"{max(PROOF[rule, torch.float32, i] for i in range(3)):.1e} in float32 (3 batches, tolerance 1e-4), "
+          f"{max(PROOF[rule, torch.float32, i] for i in range(3)):.1e} in float32 (3 batches, tolerance 1e-4),\n  "
           f"{PROOF[rule, torch.bfloat16, 0]:.1e} in bfloat16 (tolerance 4e-2)")
 
 # %%
@@ -318,6 +317,7 @@ plt.show()
 # with ``cu_seq_lens_q/k``; ``use_cache=False``, or attention mixes them too.
 # Before 5.9 (by its source) the layers never see ``cu_seq_lens_q``: checked.
 
+import textwrap
 import transformers
 from ragged_toolkit.recurrent_hf import FORWARDS_CU_SEQ_LENS, document_differences, forwards_cu_seq_lens
 
@@ -347,7 +347,8 @@ else:
         accepted = document_differences(qwen, docs, boundaries=True)
         print("with cu_seq_lens, accepted: " + ", ".join(f"{d:.1e}" for d in accepted))
     except ValueError as refusal:  # 5.23, for one: only flash-linear-attention's kernels take them
-        print(f"with cu_seq_lens, transformers {transformers.__version__} refuses: {refusal}")
+        print(f"with cu_seq_lens, transformers {transformers.__version__} refuses:\n"
+              + textwrap.fill(str(refusal), 100, initial_indent="  ", subsequent_indent="  "))
 
 # %%
 # The first document has nothing before it; the others read their
@@ -565,8 +566,8 @@ with torch.no_grad():
         CACHES[kind] = cache
         torch.testing.assert_close(torch.stack(decoded, 1).flatten(0, 1), mixer(longer, longer_offsets)[new_rows],
                                    **tolerances(torch.float32))
-        print(f"{kind}: {NEW} tokens decoded after each of {len(LENGTHS)} documents from its state, "
-              f"equal to the packed layer over the longer documents")
+        print(f"{kind}: {NEW} tokens decoded after each of {len(LENGTHS)} documents from its state,\n"
+              f"  equal to the packed layer over the longer documents")
 
 # %%
 # Bytes per request and layer at the sizes of Qwen3-Next-80B-A3B
@@ -587,9 +588,8 @@ assert sum(t[0].numel() * t.element_size() for t in (held.state, held.conv)) == 
 # Conclusion
 # ----------
 # A packed recurrent layer needs two cuts at every document start, the state
-# and the convolution: in the chunked form, masks. With them it computes what
-# each document alone computes, only the real tokens' work; without them
-# documents read their neighbors, silently, as stock ``transformers`` does.
+# and the convolution: in the chunked form, masks. With them each document
+# is computed as if alone; without them documents read their neighbors.
 #
 # References
 # ----------

@@ -394,9 +394,10 @@ for kind in batches:
         for mode, trainer in probe.items():
             with timers[mode].step(len(tokens_i)):
                 trainer.step(tokens_i, offsets_i)
-    print(f"compiled trainer {kind}: {sum(timers['compiled'].graphs)} graphs for {PROBE} steps, "
-          f"{sum(timers['compiled'].breaks)} graph breaks")
-    assert sum(timers["compiled"].breaks) == 0, f"the compiled {kind} trainer broke its graph"
+    graphs, breaks = sum(timers["compiled"].graphs), sum(timers["compiled"].breaks)  # counted since the reset
+    new = f"{graphs} new graph{'s' * (graphs != 1)}" + ("" if graphs else " (an earlier trainer's, reused)")
+    print(f"compiled trainer {kind}: {new} for {PROBE} steps, {breaks} graph breaks")
+    assert breaks == 0, f"the compiled {kind} trainer broke its graph"
     COMPILE[kind] = choose({mode: timers[mode].per_1k_tokens(WARMUP_STEPS) for mode in probe}, "eager",
                            f"{kind} trainer (ms per 1k tokens)") == "compiled"
 

@@ -18,19 +18,11 @@ try:
 except ImportError:  # not in this build of PyTorch
     varlen_attn = None
 
-
-def _keywords_of(fn):
-    # (a documentation build without torch reads the package against a
-    # stand-in whose functions have no signature: nothing to read there)
-    try:
-        return frozenset(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
-
-
 #: The keyword arguments of this release's ``varlen_attn``, read from its
-#: signature once, at import (empty where this PyTorch has none).
-VARLEN_KEYWORDS = _keywords_of(varlen_attn) if varlen_attn is not None else frozenset()
+#: signature once, at import (empty where this PyTorch has none, and in a
+#: documentation build without torch, where autodoc's stand-in has no signature).
+VARLEN_KEYWORDS = (frozenset() if varlen_attn is None or getattr(varlen_attn, "__sphinx_mock__", False)
+                   else frozenset(inspect.signature(varlen_attn).parameters))
 
 
 class VarlenUnavailable(RuntimeError):

@@ -63,6 +63,9 @@ RECORD = REPO / ".github" / "checked-versions.json"
 # (5.25.0 needs kernels>=0.19.1, which the package index this was last run
 # against did not have: raise it where it installs.)
 NEWEST_TRANSFORMERS = "5.24.0"
+# The transformers release of the lent GPU machine (its Python has no other):
+# checked too, so that what the GPU check runs there is a release on record.
+GPU_MACHINE_TRANSFORMERS = "5.17.0"
 TRANSFORMERS_RECORD = REPO / ".github" / "checked-transformers.json"
 ABOUT = {
     RECORD.name: "Written by `make check-versions` (scripts/check_versions.py): the PyTorch "
@@ -109,7 +112,8 @@ def imports_transformers(page: Path) -> bool:
 
 def transformers_matrix(pages: list[Path] | None = None) -> list[str]:
     """Oldest supported (the highest minimum among the pages that import it),
-    pinned, newest: each an exact version. Empty where no page imports it."""
+    the GPU machine's, pinned, newest: each an exact version. Empty where no
+    page imports it."""
     pages = [p for p in (pages or tutorial_sources(REPO)) if imports_transformers(p)]
     if not pages:
         return []
@@ -122,7 +126,7 @@ def transformers_matrix(pages: list[Path] | None = None) -> list[str]:
         found.append(mins["transformers"])
     oldest = max(found, key=lambda v: [int(x) for x in re.findall(r"\d+", v)])
     out = []
-    for v in (oldest, pins()["transformers"], NEWEST_TRANSFORMERS):
+    for v in (oldest, GPU_MACHINE_TRANSFORMERS, pins()["transformers"], NEWEST_TRANSFORMERS):
         if v not in out:
             out.append(v)
     return out

@@ -70,6 +70,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -103,6 +105,16 @@ PAGE_LIMIT_S = 300.0  # each page, in either mode
 MIN_START_S = 10.0  # no page starts with less than this left of the overall limit
 GRACE_S = 5.0  # after SIGTERM, before SIGKILL
 STAGES = ("preflight", "full", "quick")
+# What the device machine sends back: only what the command leaves under
+# $OUT, at most 8 files, 16 MiB each, 64 MiB in all, at most 2 folders down
+# ($OUT/a/b/file comes back, $OUT/a/b/c/file does not).
+RETURN_LIMITS = {"files": 8, "file_bytes": 16 * 2**20, "total_bytes": 64 * 2**20, "depth": 2}
+BUNDLE_ARCHIVE = "gpu-check.tgz"  # under --bundle: the run without its compile cache; summary.json beside it
+# The first command on a lent GPU, from the repository's root (the README
+# quotes it; tests/test_gpu_check.py runs it): the run outside the repository
+# copy, and under $OUT only its summary and one archive, both rewritten after
+# every step. SHA: the commit the copy was made from (the copy has no .git).
+LEASE_COMMAND = 'python scripts/gpu_check.py --out "${TMPDIR:-/tmp}/gpu-check" --bundle "$OUT" --commit SHA'
 RESULTS = ROOT / "gpu-results"  # where `record` writes; sphinxext/gpu_results.py reads it (RESULTS_DIR)
 RECORD_FILE = "summary.json"
 
@@ -739,6 +751,9 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
 
+        if self.args.bundle:
+            write_bundle(self.out, self.args.bundle)
+
     def add(self, entry: dict) -> None:
         print(entry["summary"], flush=True)
         self.summary["pages"].append(entry)
@@ -775,6 +790,36 @@ class Run:
                                or ["(no output)"])[0]
         self.add(entry)
         return entry
+
+
+def _archive(out: Path, target: Path, *, figures_too: bool) -> None:
+    with tarfile.open(target, "w:gz") as tar:
+        for path in sorted(out.rglob("*")):
+            rel = path.relative_to(out)
+            if rel.parts[0] == "compile-cache" or not path.is_file():
+                continue
+            if figures_too or path.suffix != ".png":
+                tar.add(path, arcname=rel.as_posix())
+
+
+def write_bundle(out: Path, bundle: Path) -> None:
+    """Under ``bundle`` (``$OUT`` on the device machine): ``summary.json``
+    and :data:`BUNDLE_ARCHIVE`, the run in ``out`` without its compile
+    cache, each written beside and then moved into place, so that a run cut
+    off mid-write still leaves the previous pair. Where the archive would pass
+    the machine's limit for one file, it is written without the figures and
+    the summary in it says so."""
+    bundle.mkdir(parents=True, exist_ok=True)
+    partial = bundle / (BUNDLE_ARCHIVE + ".part")
+    _archive(out, partial, figures_too=True)
+    if partial.stat().st_size > RETURN_LIMITS["file_bytes"]:
+        summary = json.loads((out / RECORD_FILE).read_text())
+        summary["figures_left_out"] = f"the archive with them passed {RETURN_LIMITS['file_bytes'] >> 20} MiB"
+        (out / RECORD_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        _archive(out, partial, figures_too=False)
+    os.replace(partial, bundle / BUNDLE_ARCHIVE)
+    shutil.copy2(out / RECORD_FILE, bundle / (RECORD_FILE + ".part"))
+    os.replace(bundle / (RECORD_FILE + ".part"), bundle / RECORD_FILE)
 
 
 def totals(entries: list[dict]) -> dict:
@@ -876,7 +921,17 @@ def check(args) -> int:
 def record(out: Path, into: Path, commit: str | None = None, allow_cpu: bool = False) -> Path:
     """Copy a run's summary, each page's key lines and the figures of its
     best run (full size where it passed, else quick mode) from ``out`` into
-    ``into``, replacing the record there. Returns the record's path."""
+    ``into``, replacing the record there. ``out``: a run's ``--out`` folder,
+    its :data:`BUNDLE_ARCHIVE`, or the ``--bundle`` folder that holds one.
+    Returns the record's path."""
+    out = Path(out)
+    if out.is_dir() and (out / BUNDLE_ARCHIVE).is_file():
+        out = out / BUNDLE_ARCHIVE
+    if out.is_file():
+        with tempfile.TemporaryDirectory() as unpacked:
+            with tarfile.open(out, "r:gz") as tar:
+                tar.extractall(unpacked, filter="data")
+            return record(Path(unpacked), into, commit, allow_cpu)
     summary = json.loads((out / "summary.json").read_text())
     env = summary.get("environment") or {}
     if not env.get("cuda_available") and not allow_cpu:
@@ -941,12 +996,20 @@ def parse_args(argv):
                          "the pages that will not fit); run nothing")
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
     ap.add_argument("--commit", help="the commit the pages are at, where this copy has no git")
+    ap.add_argument("--bundle", type=Path,
+                    help=f"also keep summary.json and {BUNDLE_ARCHIVE} (the run without its compile cache) here, "
+                         "rewritten after every step: $OUT on a lent GPU machine")
     ap.add_argument("--source", type=Path, default=ROOT, help="the site folder whose tutorials/ run (tests)")
     args = ap.parse_args(argv)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = set(args.stages) - set(STAGES)
     if unknown:
         ap.error(f"unknown stage(s) {sorted(unknown)}: choose from {', '.join(STAGES)}")
+    if args.bundle and not args.dry_run:
+        out, bundle = args.out.resolve(), args.bundle.resolve()
+        if out == bundle or bundle in out.parents or out in bundle.parents:
+            ap.error(f"--out {args.out} and --bundle {args.bundle} overlap: the run (thousands of compiled "
+                     "files) goes outside the folder that comes back, e.g. --out /tmp/gpu-check")
     return args
 
 
@@ -955,7 +1018,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["record"]:
         ap = argparse.ArgumentParser(prog="gpu_check.py record",
                                      description="record a GPU run for the site's page 'GPU results'")
-        ap.add_argument("outdir", type=Path, help="the --out folder of a run")
+        ap.add_argument("outdir", type=Path,
+                        help=f"the --out folder of a run, its {BUNDLE_ARCHIVE}, or the --bundle folder holding it")
         ap.add_argument("--into", type=Path, default=RESULTS, help="the record's folder (default gpu-results/)")
         ap.add_argument("--commit", help="the commit the run was at, where its summary names none")
         ap.add_argument("--allow-cpu", action="store_true", help="record a CPU run (tests only)")

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import types
 from pathlib import Path
 
@@ -364,14 +365,56 @@ def test_key_lines_keep_the_line_an_indented_one_sits_under():
         "    kernels: CPU flash x48"]
 
 
-def test_gpu_check_runs_a_page_and_keeps_its_output(tmp_path):
-    """Every stage on the CPU, for one page: what a run writes. The page fits
-    at full size, so quick mode has nothing to run."""
+def repository_copy(target: Path) -> Path:
+    """What the device machine gets: the tracked files and the untracked
+    ones git does not ignore, without ``.git``."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, listed):
+        if (REPO / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, target / name)
+    return target
+
+
+def returned(out: Path) -> list[Path]:
+    """The files under ``out`` the device machine sends back, asserting it
+    would send every one (RETURN_LIMITS)."""
+    limits = gpu_check.RETURN_LIMITS
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert all(not p.is_symlink() for p in out.rglob("*")), "a link does not come back"
+    assert len(files) <= limits["files"], files
+    assert all(p.stat().st_size <= limits["file_bytes"] for p in files), [(p, p.stat().st_size) for p in files]
+    assert sum(p.stat().st_size for p in files) <= limits["total_bytes"]
+    assert all(len(p.relative_to(out).parts) - 1 <= limits["depth"] for p in files), files
+    return files
+
+
+def test_the_lease_command_runs_a_page_and_brings_it_back_within_the_limits(tmp_path):
+    """The README's first command on a lent GPU, as it is (with --allow-cpu
+    and one page), in a copy of the repository without .git, with OUT an
+    empty folder: every stage on the CPU, what lands in OUT fits what the
+    device machine sends back, and ``record`` takes it. The page fits at full
+    size, so quick mode has nothing to run."""
+    copy = repository_copy(tmp_path / "repo")
+    before = sorted(p.relative_to(copy) for p in copy.rglob("*"))
+    out, tmpdir, bin_dir = tmp_path / "OUT", tmp_path / "tmp", tmp_path / "bin"
+    for folder in (out, tmpdir, bin_dir):
+        folder.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # the machine's, as `python`
+    (bin_dir / "python").chmod(0o755)
+    sha = "5" * 40
+    assert gpu_check.LEASE_COMMAND.startswith("python scripts/gpu_check.py ") and "SHA" in gpu_check.LEASE_COMMAND
+    command = gpu_check.LEASE_COMMAND.replace("SHA", sha) + " --allow-cpu --pages intro --preflight-limit 240"
+    env = {**os.environ, "OUT": str(out), "TMPDIR": str(tmpdir), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
     # a cold compile on two busy CPU cores takes longer than the GPU machine's 45 s
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--pages", "intro", "--out", str(tmp_path),
-                           "--preflight-limit", "240"], capture_output=True, text=True, timeout=900)  # a hang guard
+    proc = subprocess.run(["bash", "-c", command], cwd=copy, env=env, capture_output=True, text=True,
+                          timeout=900)  # a hang guard
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.relative_to(copy) for p in copy.rglob("*") if "__pycache__" not in p.parts) == \
+        [p for p in before if "__pycache__" not in p.parts], "the run wrote into the repository's copy"
     lines = proc.stdout.splitlines()
     assert [ln.split(",")[0] for ln in lines if ln.startswith("== ")] == [
         "== preflight (limit 240 s)", "== full size", "== quick mode"]
@@ -381,18 +424,63 @@ def test_gpu_check_runs_a_page_and_keeps_its_output(tmp_path):
         assert any(ln.strip().startswith(probe) for ln in lines), probe
     assert any(ln.startswith("PASS ragged_batches_intro") and " full " in ln and "fractions of bound:" in ln
                for ln in lines), lines
-    folder = tmp_path / "ragged_batches_intro" / "full"
+    run = tmpdir / "gpu-check"  # the run itself, outside the copy
+    folder = run / "ragged_batches_intro" / "full"
     assert "nn.Linear" in (folder / "output.txt").read_text()
     assert (folder / "figure_1.png").is_file() and json.loads((folder / "peak.json").read_text())["rss_mib"] > 0
-    assert not (tmp_path / "ragged_batches_intro" / "quick").exists()
-    assert (tmp_path / "preflight.txt").read_text().rstrip().endswith("preflight: every probe ran")
-    assert any((tmp_path / "compile-cache" / "inductor").iterdir()), "the compile cache is not under --out"
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not (run / "ragged_batches_intro" / "quick").exists()
+    assert (run / "preflight.txt").read_text().rstrip().endswith("preflight: every probe ran")
+    assert any((run / "compile-cache" / "inductor").iterdir()), "the compile cache is not under --out"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["commit"] == sha
     assert [(p["page"], p["mode"], p["status"]) for p in summary["pages"]] == [("ragged_batches_intro", "full", "pass")]
     assert summary["preflight"]["status"] == "pass" and summary["environment"]["torch"] == torch.__version__
     assert summary["pages"][0]["speedup"][0].startswith("nn.Linear: speedup")
     assert summary["pages"][0]["figures"] == ["figure_1.png"]
     assert summary["pages"][0]["expected_s"] == round(2.0 * gpu_check.load_durations(REPO)["ragged_batches_intro"], 1)
+    # what comes back: the summary as a plain file, and the run without its compile cache
+    files = returned(out)
+    assert sorted(p.name for p in files) == sorted([gpu_check.BUNDLE_ARCHIVE, "summary.json"])
+    assert json.loads((out / "summary.json").read_text()) == summary
+    with tarfile.open(out / gpu_check.BUNDLE_ARCHIVE) as tar:
+        names = tar.getnames()
+    assert "ragged_batches_intro/full/figure_1.png" in names and "preflight.txt" in names
+    assert not [n for n in names if n.startswith("compile-cache")]
+    # recorded from what came back (the archive, or its folder), with the commit the command gave
+    for source in (out / gpu_check.BUNDLE_ARCHIVE, out):
+        into = tmp_path / "record" / source.name
+        assert gpu_check.main(["record", str(source), "--into", str(into), "--allow-cpu"]) == 0
+        rec = json.loads((into / "summary.json").read_text())
+        assert rec["commit"] == sha and rec["pages"]["ragged_batches_intro"]["figures"] == [
+            "figures/ragged_batches_intro/figure_1.png"]
+        assert (into / "figures" / "ragged_batches_intro" / "figure_1.png").read_bytes() == \
+            (folder / "figure_1.png").read_bytes()
+
+
+def test_the_run_may_not_land_in_the_folder_that_comes_back(tmp_path):
+    for out in (tmp_path / "OUT" / "gpu-check", tmp_path / "OUT"):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(["--out", str(out), "--bundle", str(tmp_path / "OUT")])
+    assert gpu_check.parse_args(["--out", str(tmp_path / "run"), "--bundle", str(tmp_path / "OUT")]).bundle
+
+
+def test_an_archive_past_the_limit_of_one_file_comes_back_without_its_figures(tmp_path, monkeypatch):
+    run, out = tmp_path / "run", tmp_path / "OUT"
+    (run / "page" / "full").mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    (run / "page" / "full" / "output.txt").write_text("printed\n")
+    (run / "page" / "full" / "figure_1.png").write_bytes(os.urandom(200_000))
+    (run / "compile-cache" / "inductor").mkdir(parents=True)
+    (run / "compile-cache" / "inductor" / "graph.py").write_bytes(os.urandom(300_000))
+    gpu_check.write_bundle(run, out)
+    with tarfile.open(out / gpu_check.BUNDLE_ARCHIVE) as tar:
+        assert sorted(tar.getnames()) == ["page/full/figure_1.png", "page/full/output.txt", "summary.json"]
+    monkeypatch.setitem(gpu_check.RETURN_LIMITS, "file_bytes", 100_000)
+    gpu_check.write_bundle(run, out)
+    returned(out)
+    with tarfile.open(out / gpu_check.BUNDLE_ARCHIVE) as tar:
+        assert sorted(tar.getnames()) == ["page/full/output.txt", "summary.json"]
+    assert "figures_left_out" in json.loads((out / "summary.json").read_text())
 
 
 def test_gpu_check_keeps_each_figure_a_page_shows(tmp_path):

@@ -80,9 +80,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
 from gallery_layout import reading_order_key, tutorial_sources  # noqa: E402  (standard library only)
 
-# Full size (stage 2): these pages first, in this order (the decision page,
-# then the building blocks), then every other page, shortest expected first.
-FULL_SIZE_FIRST = ["which_attention_path", "transformer_building_blocks"]
+# Full size (stage 2): these pages first, in this order (the decision page),
+# then every other page, shortest expected first: the most pages at full size.
+FULL_SIZE_FIRST = ["which_attention_path"]
 DURATIONS = Path(".github") / "tutorial-durations.json"  # in the site's folder, written by scripts/shards.py
 
 # What a page takes on the GPU machine, until a GPU run is recorded: its CPU
@@ -96,6 +96,19 @@ DURATIONS = Path(".github") / "tutorial-durations.json"  # in the site's folder,
 # s, and the decision page's profiler sessions). Where a page has no CPU
 # duration, the CPU budget of CONTRIBUTING.md (90 s) stands in for it.
 GPU_FACTOR = {"full": 2.0, "quick": 1.0}
+# Pages that compile more on CUDA than on the CPU, in either mode: their
+# expected time is at least this times the CPU build's. The decision page
+# adds FlexAttention's forward and backward compiles with dynamic shapes and
+# about 45 profiler sessions; the building blocks a FlexAttention backward;
+# the recurrent page's compile is the identity on the CPU and two cold
+# inductor compiles on CUDA.
+CUDA_COMPILES_FACTOR = {"which_attention_path": 4.0, "transformer_building_blocks": 4.0,
+                        "packed_recurrent_layers": 4.0}
+# Pages that need several GPUs to give a GPU figure: with fewer, the
+# data-parallel page runs gloo ranks on the CPU at the CUDA sizes, a CPU
+# figure, so the check skips it, named.
+NEEDS_GPUS = {"data_parallel_packed_training": 2}
+LENT_GPUS = 1  # what a lent machine has: the dry run's default where this one has no CUDA
 UNKNOWN_CPU_S = 90.0
 PREFLIGHT_EXPECTED_S = 30.0  # until a recorded run's preflight says how long it took
 
@@ -151,7 +164,7 @@ import importlib.metadata as md, json, platform, torch
 ok = torch.cuda.is_available()
 info = {"cuda_available": ok, "torch": torch.__version__, "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if ok else None, "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(0) if ok else None}
+        "device": torch.cuda.get_device_name(0) if ok else None, "gpus": torch.cuda.device_count() if ok else 0}
 for name in ("triton", "transformers", "numpy", "matplotlib"):
     try:
         info[name] = md.version(name)
@@ -208,6 +221,15 @@ def source_md5(path: Path) -> str:
 # requirements-tutorials.txt).
 OPTIONAL = {"transformers": "pip install --no-index --find-links wheels transformers "
                             "(wheels from pip download -d wheels transformers==<pin>)"}
+
+
+def needs_more_gpus(path: Path, gpus: int) -> str:
+    """Why the page is skipped on a machine with ``gpus`` GPUs, or ''."""
+    need = NEEDS_GPUS.get(path.stem, 0)
+    if gpus >= need:
+        return ""
+    return (f"needs {need} GPUs, the machine has {gpus}: with fewer its ranks run on the CPU (gloo), "
+            "which is no GPU figure")
 
 
 def missing_packages(path: Path) -> list[str]:
@@ -433,7 +455,8 @@ def gpu():
     if not cuda:
         return "no CUDA GPU (CPU run)"
     p = torch.cuda.get_device_properties(0)
-    return f"{p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB"
+    return (f"{p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB; "
+            f"{torch.cuda.device_count()} GPU(s) visible")
 probe("device", gpu)
 
 def varlen():
@@ -465,27 +488,6 @@ def sdpa_kernel():
     return f"bfloat16, causal, (2, 8, 1024, 64): {', '.join(ops) or 'no SDPA op seen'}"
 probe("SDPA kernel", sdpa_kernel)
 
-def tiny_compile():
-    f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)
-    x = torch.randn(256, device=device)
-    start = time.perf_counter()
-    torch.testing.assert_close(f(x), torch.nn.functional.gelu(x) * 2 + 1)
-    sync()
-    return f"a tiny function compiled and ran in {time.perf_counter() - start:.1f} s"
-probe("torch.compile", tiny_compile)
-
-def tiny_flex():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    mask = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, 256, 256, device=device)
-    q = torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
-    start = time.perf_counter()
-    out = torch.compile(flex_attention)(q, q, q, block_mask=mask)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-    sync()
-    return f"a causal block mask, compiled and checked against SDPA in {time.perf_counter() - start:.1f} s"
-probe("flex_attention", tiny_flex)
-
 def cudnn_first_calls():
     if not cuda:
         return "no CUDA GPU: not measured"
@@ -508,6 +510,28 @@ def cudnn_first_calls():
         costs.append(f"{tuple(shape)} first {times[0]:.2f} s, then {1e3 * times[1]:.2f} ms")
     return "; ".join(costs)
 probe("cuDNN first call", cudnn_first_calls)
+
+def tiny_compile():
+    f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)
+    x = torch.randn(256, device=device)
+    start = time.perf_counter()
+    torch.testing.assert_close(f(x), torch.nn.functional.gelu(x) * 2 + 1)
+    sync()
+    return f"a tiny function compiled and ran in {time.perf_counter() - start:.1f} s"
+probe("torch.compile", tiny_compile)
+
+def tiny_flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, 256, 256, device=device)
+    q = torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    start = time.perf_counter()
+    out = torch.compile(flex_attention)(q, q, q, block_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    sync()
+    return f"a causal block mask, compiled and checked against SDPA in {time.perf_counter() - start:.1f} s"
+probe("flex_attention", tiny_flex)
+
 
 print(f"preflight: {'FAILED: ' + ', '.join(failed) if failed else 'every probe ran'}", flush=True)
 sys.exit(1 if failed else 0)
@@ -575,7 +599,7 @@ class Expected:
     def page(self, stem: str, mode: str) -> Estimate:
         if (stem, mode) in self.gpu:
             return Estimate(self.gpu[stem, mode], "recorded GPU run", True)
-        factor = GPU_FACTOR[mode]
+        factor = max(GPU_FACTOR[mode], CUDA_COMPILES_FACTOR.get(stem, 0.0))
         if stem in self.cpu:
             return Estimate(self.cpu[stem] * factor, f"CPU {self.cpu[stem]:.1f} s x {factor:.1f}", False)
         return Estimate(UNKNOWN_CPU_S * factor, f"no CPU duration: {UNKNOWN_CPU_S:.0f} s x {factor:.1f}", False)
@@ -591,6 +615,9 @@ class Expected:
     def describe(self) -> str:
         """Where the expected times come from, and the factors assumed."""
         factors = ", ".join(f"{'full size' if m == 'full' else 'quick mode'} x{f:.1f}" for m, f in GPU_FACTOR.items())
+        factors += "; in either mode at least " + ", ".join(f"x{f:.1f} for {stem}"
+                                                            for stem, f in CUDA_COMPILES_FACTOR.items())
+        factors += " (they compile more on CUDA)"
         record = (f"a recorded GPU run's own duration where {RESULTS.name}/{RECORD_FILE} has one that passed "
                   f"({self.gpu_run}: {len(self.gpu)} page runs), else " if self.gpu_run else
                   f"no GPU run recorded ({RESULTS.name}/{RECORD_FILE}): ")
@@ -684,9 +711,11 @@ def print_plan(args, pages: list[Path], expected: Expected, status: str) -> list
     times and their sources, and every page that will not fit."""
     out = args.out
     skipped = {p.stem: missing_packages(p) for p in pages if missing_packages(p)}
-    steps = plan([p.stem for p in pages if p.stem not in skipped], expected, args.limit, args.stages,
-                 args.preflight_limit)
-    print(f"gpu-check plan (dry run: nothing runs); {status}")
+    too_few = {p.stem: needs_more_gpus(p, args.gpus) for p in pages if needs_more_gpus(p, args.gpus)}
+    steps = plan([p.stem for p in pages if p.stem not in skipped and p.stem not in too_few], expected, args.limit,
+                 args.stages, args.preflight_limit)
+    print(f"gpu-check plan (dry run: nothing runs); {status}; planned for {args.gpus} GPU"
+          f"{'' if args.gpus == 1 else 's'}")
     print(f"overall limit {args.limit:.0f} s, each page at most {args.page_limit:.0f} s of its own; every page "
           f"compiles into {out / 'compile-cache'} (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
     print(expected.describe())
@@ -723,8 +752,13 @@ def print_plan(args, pages: list[Path], expected: Expected, status: str) -> list
               + ", ".join(f"{s.stem} (expected {s.expected.seconds:.0f} s)" for s in missed_quick))
     for stem, missing in skipped.items():
         print(f"skipped, a package missing in this Python: {stem} needs {', '.join(missing)}")
+    for stem, why in too_few.items():
+        print(f"skipped: {stem} {why}")
     print(f"files: {out}/PAGE/MODE/{{output.txt, figure_N.png, peak.json}}; summary -> {out / 'summary.json'} "
           "(rewritten after every step)")
+    if args.bundle:
+        print(f"brought back: {args.bundle / 'summary.json'} and {args.bundle / BUNDLE_ARCHIVE} (the run without "
+              "its compile cache), rewritten after every step")
     return steps
 
 
@@ -839,7 +873,7 @@ def total_line(run: Run) -> str:
         text = f"{mode}: {counts['pass']} of {ran} pages passed"
         text += "".join(f", {counts[s]} {label}" for s, label in
                         (("fail", "failed"), ("cut", "cut at the overall limit"),
-                         ("skip", "skipped (a package missing)"), ("not run", "not run (no time left)"))
+                         ("skip", "skipped (a package or GPUs missing)"), ("not run", "not run (no time left)"))
                         if counts[s])
         parts.append(text)
     pre = run.summary["preflight"]
@@ -855,6 +889,8 @@ def check(args) -> int:
     ok, status = cuda_status(info, reason)
     expected = Expected(args.source)
     if args.dry_run:
+        if args.gpus is None:
+            args.gpus = info.get("gpus", 0) if ok else LENT_GPUS
         pages = pages_of(args.source, args.pages)
         print_plan(args, pages, expected, status)
         return 0 if pages else 1
@@ -876,17 +912,21 @@ def check(args) -> int:
             print(f"   {line}")
         run.summary["preflight"] = pre
         run.save()
-    runnable = {}
+    runnable, gpus = {}, (info or {}).get("gpus", 0)
     for path in pages:
-        missing = missing_packages(path)
+        missing, too_few = missing_packages(path), needs_more_gpus(path, gpus)
         if missing:
+            skipped = f"needs {', '.join(missing)}"
             line = (f"SKIP {path.stem:40s} needs {', '.join(missing)}, not installed here: "
                     + "; ".join(OPTIONAL[m] for m in missing))
-            run.add({"page": path.stem, "mode": "full" if "full" in args.stages else "quick", "status": "skip",
-                     "passed": None, "skipped": f"needs {', '.join(missing)}", "seconds": 0.0, "fractions": [],
-                     "md5": source_md5(path), "summary": line})
+        elif too_few:
+            skipped, line = too_few, f"SKIP {path.stem:40s} {too_few}"
         else:
             runnable[path.stem] = path
+            continue
+        run.add({"page": path.stem, "mode": "full" if "full" in args.stages else "quick", "status": "skip",
+                 "passed": None, "skipped": skipped, "seconds": 0.0, "fractions": [],
+                 "md5": source_md5(path), "summary": line})
     quick = list(runnable)  # the pages quick mode is for: those without a full-size run
     if "full" in args.stages:
         print(f"== full size, {len(runnable)} pages while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
@@ -995,6 +1035,8 @@ def parse_args(argv):
                     help="print the expected timeline (each step's start and end, the factors assumed, "
                          "the pages that will not fit); run nothing")
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
+    ap.add_argument("--gpus", type=int, help=f"the GPUs a dry run plans for (default: this machine's where it has "
+                                             f"CUDA, else {LENT_GPUS}, a lent machine's); a run counts its own")
     ap.add_argument("--commit", help="the commit the pages are at, where this copy has no git")
     ap.add_argument("--bundle", type=Path,
                     help=f"also keep summary.json and {BUNDLE_ARCHIVE} (the run without its compile cache) here, "

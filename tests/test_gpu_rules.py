@@ -6,6 +6,7 @@ generations checked against teacher-forced logits."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import warnings
@@ -197,3 +198,57 @@ def test_a_generation_matches_its_teacher_forced_logits_and_a_cache_bug_does_not
     with pytest.raises(AssertionError):
         torch.testing.assert_close(logits, tk.teacher_forced_logits(model, prompts, offsets, tokens),
                                    **tk.tolerances(torch.float32))
+
+
+# --- cuDNN attention's per-shape plans ------------------------------------------
+
+def test_the_backends_that_meet_many_shapes_put_cudnn_last_on_cuda_and_the_padded_baseline_does_not(monkeypatch):
+    """Issue 41: cuDNN attention, first on an H100 under PyTorch 2.11, builds
+    a plan for every new shape; ``loop`` meets a new shape for nearly every
+    length and ``bucketed`` for nearly every batch, so on CUDA they run under
+    an order with flash and memory-efficient attention first. ``padded``, the
+    baseline, keeps SDPA's own order. Pinned here by the order each call
+    runs under, with the backends' device check answered as CUDA."""
+    from torch.nn.attention import SDPBackend
+
+    dense, loop, padded = (MODULES[f"ragged_toolkit.attention.{m}"] for m in ("dense", "loop", "padded"))
+    names = {int(b): name for name, b in SDPBackend.__members__.items()}
+    order = lambda: [names[i] for i in torch._C._get_sdp_priority_order()]  # noqa: E731
+    own = torch._C._get_sdp_priority_order()
+    # the order PyTorch 2.11 picks on an H100 (cuDNN 9.19, sm90, CUDA 13): cuDNN first
+    torch._C._set_sdp_priority_order([int(SDPBackend.CUDNN_ATTENTION), *(i for i in own if i != 3)])
+    try:
+        _check_many_shapes_orders(monkeypatch, dense, loop, padded, names, order)
+    finally:
+        torch._C._set_sdp_priority_order(own)
+
+
+def _check_many_shapes_orders(monkeypatch, dense, loop, padded, names, order):
+    default = order()
+    assert default[0] == "CUDNN_ATTENTION", default
+    with dense.many_shapes_kernels("cuda"):
+        inside = order()
+    assert inside[:3] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"], inside
+    assert order() == default, "the order was not restored"
+    assert isinstance(dense.many_shapes_kernels("cpu"), type(contextlib.nullcontext()))
+
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        seen.append(order()[0])
+        return real_sdpa(*args, **kwargs)
+
+    def as_if_cuda(device):
+        return dense.many_shapes_kernels("cuda")
+
+    monkeypatch.setattr(dense.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(padded.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(loop, "many_shapes_kernels", as_if_cuda)
+    monkeypatch.setattr(padded, "many_shapes_kernels", as_if_cuda)
+    offsets = torch.tensor([0, 5, 12, 20])
+    q = torch.randn(20, 2, 8)
+    for backend, first in (("loop", "FLASH_ATTENTION"), ("bucketed", "FLASH_ATTENTION"), ("padded", "CUDNN_ATTENTION")):
+        seen.clear()
+        tk.ragged_attention(q, q, q, tk.plan_batch(offsets, backend=backend, is_causal=True))
+        assert seen and set(seen) == {first}, (backend, seen)

@@ -59,8 +59,20 @@ guide built from those measurements.
 # "Six backends, six ways to compute it"), through the padded layout the job
 # would otherwise run, and through the paths written below. Every number
 # printed passed its correctness check first, and every conclusion is
-# printed from the numbers. The sizes, per device (:term:`quick mode`
-# shrinks them):
+# printed from the numbers.
+#
+# One kernel choice is made for you on CUDA. There, SDPA may try cuDNN
+# attention first. cuDNN builds a plan for every new shape it sees. The
+# ``loop`` backend meets a new shape for nearly every length, and
+# ``bucketed`` for nearly every batch. So these two put flash and
+# memory-efficient attention ahead of cuDNN's
+# (``many_shapes_kernels``). The padded baselines keep SDPA's own order,
+# the kernel a practitioner gets.
+#
+# .. literalinclude:: ../ragged_toolkit/attention/dense.py
+#    :pyobject: many_shapes_kernels
+#
+# The sizes, per device (:term:`quick mode` shrinks them):
 
 import os
 

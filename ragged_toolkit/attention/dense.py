@@ -1,11 +1,30 @@
 """Dense attention on one padded block: the SDPA call the loop, bucketed and
-padded backends make, and the causal mask of a block with more keys than
-queries."""
+padded backends make, the causal mask of a block with more keys than
+queries, and the kernel order of the backends that meet many shapes."""
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["bottom_right_causal", "shares_heads", "dense_attention"]
+__all__ = ["bottom_right_causal", "shares_heads", "dense_attention", "many_shapes_kernels"]
+
+#: SDPA's kernel order for a backend that calls it on a new shape for
+#: nearly every sequence length (``loop``, ``bucketed``): cuDNN attention,
+#: first on recent GPUs, builds a plan for each new shape (tens of
+#: milliseconds each), so it goes after flash and memory-efficient attention.
+MANY_SHAPES_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                     SDPBackend.MATH]
+
+
+def many_shapes_kernels(device):
+    """On CUDA, SDPA's kernels in ``MANY_SHAPES_ORDER`` while the block
+    runs (every kernel stays allowed; only the order changes); elsewhere,
+    nothing changes."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(MANY_SHAPES_ORDER, set_priority=True)
 
 
 def bottom_right_causal(lq, lkv, device):

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .dense import dense_attention, shares_heads
+from .dense import dense_attention, many_shapes_kernels, shares_heads
 
 __all__ = ["BUCKETS", "bucket_plan", "attend_in_groups", "prepare_bucketed", "prepare_padded", "bucketed_backend",
            "padded_backend"]
@@ -65,8 +65,13 @@ def attend_in_groups(q, k, v, groups, inverse, is_causal, scale=None):
 
 
 def bucketed_backend(q, k, v, plan, scale=None):
-    """Sequences padded in groups of similar length; one dense SDPA call per group."""
-    return attend_in_groups(q, k, v, *plan.prepared, plan.is_causal, scale)
+    """Sequences padded in groups of similar length; one dense SDPA call per
+    group. The groups' shapes change from batch to batch, so on CUDA
+    cuDNN attention comes after flash and memory-efficient attention here
+    (``many_shapes_kernels``); the ``padded`` baseline keeps SDPA's own
+    order, the kernel a practitioner gets."""
+    with many_shapes_kernels(q.device):
+        return attend_in_groups(q, k, v, *plan.prepared, plan.is_causal, scale)
 
 
 def prepare_padded(plan):

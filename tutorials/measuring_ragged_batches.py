@@ -109,12 +109,14 @@ assert cdf_gap < critical, "the geometric lengths do not match the word-by-word 
 #    :pyobject: stopwatch
 #
 # The causal self-attention layer of the building-blocks page on one batch,
-# padded (one SDPA call, a causal kernel, no mask) and packed (the
-# per-sequence loop backend, its plan built once, before timing), forward
-# only; and, a third entry, the packed layer again under another name:
+# padded (one SDPA call, a causal kernel, no mask) and packed, forward
+# only; and, a third entry, the packed layer again under another name. The
+# packed side runs the backend ``default_backend`` picks on this device:
+# the per-sequence loop on a CPU, ``varlen`` on a CUDA GPU in
+# ``bfloat16``. Its plan is built once, before timing:
 
 import torch
-from ragged_toolkit.attention import plan_batch
+from ragged_toolkit.attention import default_backend, plan_batch
 from ragged_toolkit.batches import ragged_batch, to_padded
 from ragged_toolkit.layers import MultiHeadAttention
 from ragged_toolkit.measuring.tables import print_timings
@@ -122,7 +124,9 @@ from ragged_toolkit.measuring.timing import measure
 
 x, offsets = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)  # (T, E), (B + 1,)
 x_padded, valid = to_padded(x, offsets)  # (B, S, E), (B, S)
-plan = plan_batch(offsets, backend="loop", is_causal=True)  # built once, passed to every call
+PACKED_BACKEND = default_backend(DEVICE, DTYPE, head_dim=S.embed // S.heads)
+print(f"packed: the {PACKED_BACKEND} backend")
+plan = plan_batch(offsets, backend=PACKED_BACKEND, is_causal=True)  # built once, passed to every call
 layer = MultiHeadAttention(S.embed, S.heads, device=DEVICE, dtype=DTYPE)
 with torch.no_grad():
     times = measure({"padded": lambda: layer(x_padded, is_causal=True),
@@ -271,7 +275,7 @@ print(f"as the exponent falls, the median bound {trend}: it moves by {change:.2f
 measured = {}
 for a in alphas[1:] if setup.quick else alphas:
     x_b, offsets_b = ragged_batch(rng, S.batch, S.embed, alpha=a, device=DEVICE, dtype=DTYPE)
-    x_b_padded, plan_b = to_padded(x_b, offsets_b)[0], plan_batch(offsets_b, backend="loop", is_causal=True)
+    x_b_padded, plan_b = to_padded(x_b, offsets_b)[0], plan_batch(offsets_b, backend=PACKED_BACKEND, is_causal=True)
     with torch.no_grad():
         t = measure({"padded": lambda: layer(x_b_padded, is_causal=True), "packed": lambda: layer(x_b, plan_b)},
                     min_run_time=S.run_time / 2, profile=False)
@@ -323,8 +327,8 @@ else:
         print(where_time_goes(lambda: layer(x, plan), top=4, timing=times["packed"]))
 
 # %%
-# Matrix multiplies (``addmm``) scale with the tokens on both sides; the
-# packed side adds one attention call per sequence with the loop backend,
+# Matrix multiplies (``addmm``) scale with the tokens on both sides. With
+# the loop backend, the packed side adds one attention call per sequence,
 # which the padded side makes once.
 #
 # Compiles outside the timed window

@@ -498,25 +498,50 @@ print(f"attention in block {hybrid.attention_layers}; first step: loss {float(fi
 # The recurrence's own work, the same per token on both sides, is left out:
 # that can only raise the bound, so the fraction printed is if anything low.
 
+#
+# On a GPU, throwaway copies of both first meet every step's shape, through
+# the same training step: cuDNN builds a plan for each new shape, and that
+# must not land in a timed step on either side.
+
+import functools
+
 from ragged_toolkit.measuring.bound import model_work, work_per_token
-from ragged_toolkit.measuring.timing import StepTimer
+from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
 
 WARMUP = 2  # steps left out of the rates
 WAYS = {"packed": False, "padded": True}  # name -> hybrid_loss's padded
+WARM_SHAPES = DEVICE == "cuda"
+
+
+def train_step(model, optimizer, batch, *, padded):
+    """One AdamW step on a batch (tokens, offsets); returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = hybrid_loss(model, *batch, padded=padded, dtype=DTYPE)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def step_shape(batch):
+    """What a step's shapes depend on: tokens, documents, the longest one."""
+    tokens, offsets = batch
+    return len(tokens), len(offsets) - 1, int(offsets.diff().max())
 
 
 def train_in_turns():
     """A copy of the hybrid per way, trained in turns: name -> (``StepTimer``, losses)."""
     models = {way: copy.deepcopy(hybrid) for way in WAYS}
     optimizers = {way: torch.optim.AdamW(models[way].parameters(), lr=S.lr) for way in WAYS}
+    if WARM_SHAPES:
+        for way, padded in WAYS.items():
+            warm = copy.deepcopy(hybrid)
+            step = functools.partial(train_step, warm, torch.optim.AdamW(warm.parameters(), lr=S.lr), padded=padded)
+            warm_every_shape(step, steps, step_shape)
     out = {way: (StepTimer(), []) for way in WAYS}
     for tokens, offsets in steps:
         for way, (timer, losses) in out.items():
             with timer.step(len(tokens)):
-                optimizers[way].zero_grad(set_to_none=True)
-                loss = hybrid_loss(models[way], tokens, offsets, padded=WAYS[way], dtype=DTYPE)
-                loss.backward()
-                optimizers[way].step()
+                loss = train_step(models[way], optimizers[way], (tokens, offsets), padded=WAYS[way])
             losses.append(float(loss.detach()))
     return out
 

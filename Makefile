@@ -87,7 +87,7 @@ check-versions:
 
 # On a bare CUDA machine (PyTorch, numpy and matplotlib; no Sphinx, no
 # network), one command of at most 540 s: a short preflight, full size for
-# the decision page and the building blocks, then the others while they fit,
+# the decision page alone, then the others shortest first while they fit,
 # then quick mode for the pages left; outputs and summary.json in gpu-check/.
 # GPU_CHECK_ARGS=--dry-run prints the expected timeline (anywhere). Uses the
 # machine's own python, not the virtual environment. Stops at once, naming

@@ -6,29 +6,35 @@ For a bare GPU machine with only PyTorch, numpy and matplotlib (no Sphinx,
 no network, no ``make``)::
 
     python scripts/gpu_check.py --out gpu-check --dry-run   # its timeline only (runs anywhere)
-    python scripts/gpu_check.py --out gpu-check             # a run, at most 540 s (--limit)
-    python scripts/gpu_check.py record gpu-check --commit SHA   # into gpu-results/
+    python scripts/gpu_check.py --out "${TMPDIR:-/tmp}/gpu-check" --bundle "$OUT" --commit SHA
+    python scripts/gpu_check.py record FILES_AT/gpu-check.tgz   # back here: into gpu-results/
+
+The second line is :data:`LEASE_COMMAND`, the first command on a lent GPU:
+the run outside the repository's copy, and under ``$OUT`` only what the
+device machine sends back (:data:`RETURN_LIMITS`): ``summary.json`` and
+:data:`BUNDLE_ARCHIVE`, the run without its compile cache.
 
 A run has three stages; each prints a line as each of its steps finishes and
 rewrites ``summary.json``, so a run cut off from outside still leaves what
 it found:
 
 1. ``preflight`` (at most 45 s): the torch, CUDA, cuDNN and triton versions,
-   ``varlen_attn``'s signature, the SDPA kernel a ``bfloat16`` causal call
-   picks, whether a tiny ``torch.compile`` and a tiny compiled
-   ``flex_attention`` build, and the cost of cuDNN attention's first call
-   for each of a few shapes.
-2. ``full``: full size, first :data:`FULL_SIZE_FIRST` (the decision page and
-   the building blocks, in that order), then every other page, shortest
-   expected first; a page starts only when its expected time fits what is
-   left of ``--limit``.
+   the GPUs, ``varlen_attn``'s signature, the SDPA kernel a ``bfloat16``
+   causal call picks, the cost of cuDNN attention's first call for each of
+   a few shapes, then whether a tiny ``torch.compile`` and a tiny compiled
+   ``flex_attention`` build.
+2. ``full``: full size, first :data:`FULL_SIZE_FIRST` (the decision page),
+   then every other page, shortest expected first; a page starts only when
+   its expected time fits what is left of ``--limit``. A page that needs
+   more GPUs than the machine has (:data:`NEEDS_GPUS`) is skipped, named.
 3. ``quick``: ``TUTORIALS_QUICK=1`` for the pages that did not get a full-size
    run (only those), in the same order, each while its expected time fits.
 
 A page's expected time (:func:`expected_times`) is the duration a recorded
 GPU run measured for it in that mode (``gpu-results/summary.json``, a run
 that passed), else its CPU build's duration (``.github/tutorial-durations.json``)
-times :data:`GPU_FACTOR` for the mode: an assumption, stated by the dry run,
+times :data:`GPU_FACTOR` for the mode, and at least
+:data:`CUDA_COMPILES_FACTOR` for the pages that compile more on CUDA: an assumption, stated by the dry run,
 until a GPU run is recorded. ``--dry-run`` prints the timeline this gives:
 the start and end second of every step, where each expected time comes
 from, and every page that will not fit (and in which mode it runs instead).
@@ -50,7 +56,8 @@ nothing. Exit status: 1 if the preflight or a page failed, 2 if PyTorch sees
 no CUDA GPU (``--allow-cpu`` runs all the same, to test this script: the
 pages then pick their CPU sizes).
 
-``record OUTDIR`` copies a run's summary, the key lines of each page and its
+``record OUTDIR`` (a run's folder, a ``.tgz`` of one, or a ``--bundle``
+folder) copies a run's summary, the key lines of each page and its
 figures into ``gpu-results/`` (``--into``), the record the site's page "GPU
 results" shows (``sphinxext/gpu_results.py``), and whose durations the next
 plan expects.

@@ -439,6 +439,7 @@ def test_the_lease_command_runs_a_page_and_brings_it_back_within_the_limits(tmp_
     (bin_dir / "python").chmod(0o755)
     sha = "5" * 40
     assert gpu_check.LEASE_COMMAND.startswith("python scripts/gpu_check.py ") and "SHA" in gpu_check.LEASE_COMMAND
+    assert gpu_check.LEASE_COMMAND in (REPO / "README.md").read_text(), "the README quotes another first command"
     command = gpu_check.LEASE_COMMAND.replace("SHA", sha) + " --allow-cpu --pages intro --preflight-limit 240"
     env = {**os.environ, "OUT": str(out), "TMPDIR": str(tmpdir), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)

@@ -68,12 +68,12 @@ def test_the_notebook_of_this_page_installs_it_in_its_one_install_cell():
     assert downloads.notebook_for_download(out, _cell(STEM)) == out
 
 
-def test_the_transformers_matrix_is_oldest_pinned_newest():
+def test_the_transformers_matrix_is_oldest_the_gpu_machines_pinned_newest():
     assert check_versions.imports_transformers(PAGE)
     assert not check_versions.imports_transformers(REPO / "tutorials" / "ragged_batches_intro.py")
     assert check_versions.transformers_matrix() == [
-        page_constant("MINIMUM_TRANSFORMERS"), check_versions.pins()["transformers"],
-        check_versions.NEWEST_TRANSFORMERS]
+        page_constant("MINIMUM_TRANSFORMERS"), check_versions.GPU_MACHINE_TRANSFORMERS,
+        check_versions.pins()["transformers"], check_versions.NEWEST_TRANSFORMERS]
 
 
 def test_a_transformers_environment_is_its_own(tmp_path, monkeypatch):

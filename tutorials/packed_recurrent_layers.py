@@ -497,7 +497,6 @@ print(f"attention in block {hybrid.attention_layers}; first step: loss {float(fi
 # four times its width per query-key pair, the causal half on both sides.
 # The recurrence's own work, the same per token on both sides, is left out:
 # that can only raise the bound, so the fraction printed is if anything low.
-
 #
 # On a GPU, throwaway copies of both first meet every step's shape, through
 # the same training step: cuDNN builds a plan for each new shape, and that

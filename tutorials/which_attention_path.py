@@ -65,7 +65,7 @@ guide built from those measurements.
 # attention first. cuDNN builds a plan for every new shape it sees. The
 # ``loop`` backend meets a new shape for nearly every length, and
 # ``bucketed`` for nearly every batch. So these two put flash and
-# memory-efficient attention ahead of cuDNN's
+# memory-efficient attention ahead of cuDNN attention
 # (``many_shapes_kernels``). The padded baselines keep SDPA's own order,
 # the kernel a practitioner gets.
 #

@@ -56,16 +56,16 @@ def _step(lengths):
     return torch.zeros(int(offsets[-1]), dtype=torch.long), offsets
 
 
-def test_the_hybrid_training_meets_every_shape_on_both_sides_before_any_timed_step():
+def test_the_hybrid_training_meets_every_shape_on_both_sides_before_any_timed_step(monkeypatch):
     CALLS.clear()
     steps = [_step(n) for n in ([3, 5], [4, 4], [3, 5], [2, 6, 1], [4, 4])]  # 3 shapes, 5 steps
     hybrid = Recorder()
-    namespace = dict(DEVICE="cpu", DTYPE=torch.float32, S=types.SimpleNamespace(lr=1e-3), hybrid=hybrid,
+    namespace = dict(DEVICE="cuda", DTYPE=torch.float32, S=types.SimpleNamespace(lr=1e-3), hybrid=hybrid,
                      steps=steps)
-    run_page(RECURRENT, namespace, defs=("train_step", "step_shape", "train_in_turns"))
-    namespace.update(WARM_SHAPES=True, StepTimer=FlagTimer,
-                     WAYS={"packed": False, "padded": True})
-    namespace["train_in_turns"]()
+    run_page(RECURRENT, namespace, defs=("trainer", "step_shape"))
+    monkeypatch.setitem(namespace["train_in_turns"].__globals__, "StepTimer", FlagTimer)
+    run_page(RECURRENT, namespace, start="WARMUP", stop="TRAINED")
+    assert namespace["WARM_SHAPES"], "on CUDA the page warms every shape"
     warm = [c for c in CALLS if not c[2]]
     timed = [c for c in CALLS if c[2]]
     assert CALLS[:len(warm)] == warm, "a shape was met for the first time inside a timed step"
@@ -78,8 +78,9 @@ def test_the_hybrid_training_meets_every_shape_on_both_sides_before_any_timed_st
         timed_shapes = {s for _, s, _ in timed if len(s) == ndim}
         assert timed_shapes and timed_shapes <= warm_shapes, (ndim, warm_shapes, timed_shapes)
     assert len(warm) == 2 * 3, f"one warm-up step per shape and side: {warm}"
-    # on a CPU the page warms nothing: WARM_SHAPES is the device's
-    assert "WARM_SHAPES = DEVICE == \"cuda\"" in RECURRENT.read_text()
+    CALLS.clear()
+    run_page(RECURRENT, {**namespace, "DEVICE": "cpu"}, start="WARMUP", stop="TRAINED")
+    assert CALLS and all(c[2] for c in CALLS), "on a CPU the page warms nothing (no per-shape plans there)"
 
 
 def test_the_measuring_page_times_packing_with_the_default_backend_of_the_device(monkeypatch):

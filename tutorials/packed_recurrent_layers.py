@@ -502,23 +502,28 @@ print(f"attention in block {hybrid.attention_layers}; first step: loss {float(fi
 # the same training step: cuDNN builds a plan for each new shape, and that
 # must not land in a timed step on either side.
 
-import functools
-
 from ragged_toolkit.measuring.bound import model_work, work_per_token
-from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
+from ragged_toolkit.measuring.timing import train_in_turns
 
 WARMUP = 2  # steps left out of the rates
 WAYS = {"packed": False, "padded": True}  # name -> hybrid_loss's padded
 WARM_SHAPES = DEVICE == "cuda"
 
 
-def train_step(model, optimizer, batch, *, padded):
-    """One AdamW step on a batch (tokens, offsets); returns the loss."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = hybrid_loss(model, *batch, padded=padded, dtype=DTYPE)
-    loss.backward()
-    optimizer.step()
-    return loss
+def trainer(padded):
+    """A fresh copy of the hybrid and its AdamW: a function that takes one
+    step on a batch (tokens, offsets) and returns the loss."""
+    model = copy.deepcopy(hybrid)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=S.lr)
+
+    def train_step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = hybrid_loss(model, *batch, padded=padded, dtype=DTYPE)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return train_step
 
 
 def step_shape(batch):
@@ -527,25 +532,13 @@ def step_shape(batch):
     return len(tokens), len(offsets) - 1, int(offsets.diff().max())
 
 
-def train_in_turns():
-    """A copy of the hybrid per way, trained in turns: name -> (``StepTimer``, losses)."""
-    models = {way: copy.deepcopy(hybrid) for way in WAYS}
-    optimizers = {way: torch.optim.AdamW(models[way].parameters(), lr=S.lr) for way in WAYS}
-    if WARM_SHAPES:
-        for way, padded in WAYS.items():
-            warm = copy.deepcopy(hybrid)
-            step = functools.partial(train_step, warm, torch.optim.AdamW(warm.parameters(), lr=S.lr), padded=padded)
-            warm_every_shape(step, steps, step_shape)
-    out = {way: (StepTimer(), []) for way in WAYS}
-    for tokens, offsets in steps:
-        for way, (timer, losses) in out.items():
-            with timer.step(len(tokens)):
-                loss = train_step(models[way], optimizers[way], (tokens, offsets), padded=WAYS[way])
-            losses.append(float(loss.detach()))
-    return out
-
-
-TRAINED = train_in_turns()
+TRAINED = train_in_turns(
+    {way: trainer(padded) for way, padded in WAYS.items()},
+    steps,
+    tokens_of=lambda batch: len(batch[0]),
+    shape_of=step_shape,
+    warm_first={way: trainer(padded) for way, padded in WAYS.items()} if WARM_SHAPES else None,
+)
 for way, (_, losses) in TRAINED.items():
     assert np.mean(losses[-2:]) < 0.8 * losses[0], f"{way} did not learn: {losses}"
     print(f"{way}: loss {losses[0]:.3f} -> {np.mean(losses[-2:]):.3f}")

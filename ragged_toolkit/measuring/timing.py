@@ -15,7 +15,7 @@ from torch.utils import benchmark
 from ..device import synchronize
 
 __all__ = ["TIMING_THREADS", "cpu_threads", "Stopwatch", "stopwatch", "Timing", "measure", "StepTimer",
-           "warm_every_shape"]
+           "warm_every_shape", "train_in_turns"]
 
 #: The CPU threads per operator that ``measure`` times with and every profile
 #: runs with: one, ``torch.utils.benchmark``'s default, so that a profile
@@ -158,3 +158,22 @@ def warm_every_shape(step, batches, shape_of):
             seen.append(shape_of(batch))
             step(batch)
     return seen
+
+
+def train_in_turns(trainers, batches, *, tokens_of, shape_of, warm_first=None):
+    """Take turns, one step each: every batch goes to each of ``trainers``
+    (name -> a function that takes one training step on a batch and returns
+    its loss), each step timed with a :class:`StepTimer` counting
+    ``tokens_of(batch)`` tokens. ``warm_first`` (name -> a throwaway trainer
+    of the same kind) first meets every batch shape (``shape_of``), before
+    any timing, through :func:`warm_every_shape`. Returns name ->
+    (``StepTimer``, losses)."""
+    for warm in (warm_first or {}).values():
+        warm_every_shape(warm, batches, shape_of)
+    out = {name: (StepTimer(), []) for name in trainers}
+    for batch in batches:
+        for name, (timer, losses) in out.items():
+            with timer.step(tokens_of(batch)):
+                loss = trainers[name](batch)
+            losses.append(float(loss.detach()))
+    return out

@@ -118,6 +118,16 @@ class PagedKVCache:
         table, size = self.tables[rid], self.block_size
         return [table[p // size] * size + p % size for p in positions]
 
+    def check_writable(self, rid, start, stop):
+        """Raise ``RuntimeError`` unless request ``rid`` may write the keys of
+        positions ``start`` to ``stop - 1``: its table reaches that far. (Here
+        every block of a table is its own; a prefix cache also refuses the
+        blocks it shares.)"""
+        held = len(self.tables.get(rid, []))
+        if stop > held * self.block_size:
+            raise RuntimeError(f"request {rid} writes position {stop - 1}, but its {held} blocks hold "
+                               f"{held * self.block_size} tokens: reserve its rows first")
+
     def write(self, layer, k, v, rows):
         """New keys and values (T, H_kv, D) into their rows (T,)."""
         self.k[layer].index_copy_(0, rows, k.to(self.k.dtype))

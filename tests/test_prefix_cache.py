@@ -1,9 +1,11 @@
 """``ragged_toolkit.serving.prefix_cache`` and the modules of the shared-prompts
-page: block keys, reference counts, the idle list and eviction, admission
+page: block keys (a chained hash of fixed size, a hit checked against its
+tokens and parent), reference counts, the idle list and eviction, admission
 taking the cached prefix; every request served with the cache equal to
-decoding it alone, under eviction and preemption; three planted faults, each
-caught (a key without its parent, a block evicted while a request reads it,
-a request writing into a shared block); shared-prefix attention against a
+decoding it alone, under eviction and preemption and with colliding hashes;
+four planted faults, each caught (a hit not checked against its parent or
+its tokens, a block evicted while a request reads it, a request writing into
+a shared block); shared-prefix attention against a
 float64 reference; the workloads and the repeated runs, with and without
 the cache."""
 
@@ -19,11 +21,10 @@ import torch
 from ragged_toolkit.device import tolerances
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import PagedKVCache
-from ragged_toolkit.serving import prefix_cache
 from ragged_toolkit.serving.paged_attention import gathered_attention
-from ragged_toolkit.serving.prefix_cache import PrefixCache, block_key, retire_caching
+from ragged_toolkit.serving.prefix_cache import PrefixCache, PrefixStats, block_hash, retire_caching
 from ragged_toolkit.serving.prefix_tree import MostSharedTree, cached_tree, tree_rows
-from ragged_toolkit.serving.proof import check_against_alone
+from ragged_toolkit.serving.proof import TokenLogits, check_against_alone
 from ragged_toolkit.serving.requests import Request, fresh_requests
 from ragged_toolkit.serving.runs import (draw_trace, prompt_token_seconds, prove_every_run, skipping_bound,
                                          with_and_without)
@@ -52,13 +53,14 @@ def documents():
 
 
 def serve_one(model, requests, n_blocks, cache_type=PrefixCache, block_size=4, budget=16, running=6,
-              check=True, arrivals=None):
-    """One run of the continuous scheduler with a prefix cache; the run and its cache."""
-    cache = cache_type(CFG, n_blocks, block_size, "cpu", torch.float32)
-    plan = functools.partial(plan_continuous, max_running=running, token_budget=budget)
+              check=True, arrivals=None, **cache_options):
+    """One run of the continuous scheduler with a prefix cache; the run, its cache (whose
+    ``stats`` counted the run) and the logits that chose each token."""
+    cache = cache_type(CFG, n_blocks, block_size, "cpu", torch.float32, stats=PrefixStats(), **cache_options)
+    plan, logits = functools.partial(plan_continuous, max_running=running, token_budget=budget), TokenLogits()
     [[run]] = take_turns(lambda: serve(model, fresh_requests(requests, arrivals), cache, plan,
-                                       retire_caching, check=check))
-    return run, cache
+                                       retire_caching, check=check, on_token=logits))
+    return run, cache, logits
 
 
 def shared_stream(documents, n=16):
@@ -71,11 +73,31 @@ def shared_stream(documents, n=16):
 # --- the cache's bookkeeping -------------------------------------------------------
 
 
-def test_a_key_names_the_whole_prefix():
-    a = block_key(block_key(None, [1, 2]), [3, 4])
-    assert a == block_key(block_key(None, [1, 2]), [3, 4])
-    assert a != block_key(block_key(None, [9, 2]), [3, 4]), "the parent is part of the key"
-    assert a != block_key(None, [3, 4]), "the same tokens at position 0 have another key"
+def test_a_key_names_the_whole_prefix_in_one_number():
+    a = block_hash(block_hash(None, [1, 2]), [3, 4])
+    assert a == block_hash(block_hash(None, [1, 2]), [3, 4]) and isinstance(a, int)
+    assert a != block_hash(block_hash(None, [9, 2]), [3, 4]), "the parent is part of the key"
+    assert a != block_hash(None, [3, 4]), "the same tokens at position 0 have another key"
+
+
+def test_keying_a_prompt_reads_each_token_once():
+    """A block's key costs its own tokens, whatever its depth: the cost of a
+    prompt's keys grows with its length, not with the square of its blocks."""
+    read = []
+
+    def counting_hash(parent, tokens):
+        read.append((len(tokens), parent is None or isinstance(parent, int)))
+        return block_hash(parent, tokens)
+
+    cache = PrefixCache(CFG, 40, 4, "cpu", torch.float32, block_hash=counting_hash)
+    req = Request(0, list(range(100)), 1)
+    cache.take_prefix(0, req.prompt)  # a miss at its first block
+    cache.reserve(0, 100)
+    req.computed = 100
+    cache.note_computed(req)
+    assert cache.take_prefix(1, list(range(101))) == 100
+    assert read == [(4, True)] * (1 + 25 + 25), "a key read more than its block or a parent that is not a number"  # miss, key 25, find 25
+    cache.check()
 
 
 def test_admission_takes_full_blocks_and_leaves_a_token_to_compute():
@@ -93,7 +115,7 @@ def test_admission_takes_full_blocks_and_leaves_a_token_to_compute():
 
 
 def test_idle_blocks_stay_cached_and_leave_least_recently_used_first():
-    cache = PrefixCache(CFG, 6, 4, "cpu", torch.float32)
+    cache = PrefixCache(CFG, 6, 4, "cpu", torch.float32, stats=PrefixStats())
     for rid, first in ((0, 10), (1, 20)):
         req = Request(rid, list(range(first, first + 9)), 1)
         cache.take_prefix(rid, req.prompt)
@@ -105,7 +127,7 @@ def test_idle_blocks_stay_cached_and_leave_least_recently_used_first():
     assert list(cache.idle) == [1, 0] and cache.free == [2], "the partial block was kept or a full one freed"
     cache.release(1)
     assert list(cache.idle) == [1, 0, 4, 3], "a child must go idle before its parent, a request after another"
-    assert cache.reserve(2, 16) and cache.evictions == 2, "evicted more or fewer than the two blocks missing"
+    assert cache.reserve(2, 16) and cache.stats.evictions == 2, "evicted more or fewer than the two blocks missing"
     assert list(cache.idle) == [4, 3] and 1 not in cache.key_of and 0 not in cache.key_of
     cache.check()
     assert cache.take_prefix(3, list(range(20, 29))) == 8, "a cached prefix was lost"
@@ -120,9 +142,25 @@ def test_a_held_block_is_never_evicted_and_a_cached_block_never_written():
     req.computed = 8
     cache.note_computed(req)
     assert not cache.reserve(1, 8), "two blocks were granted from one free block: a held one was evicted"
-    cache.slots(0, [8])  # its own partial block
+    cache.check_writable(0, 8, 9)  # its own partial block
     with pytest.raises(RuntimeError, match="request 0 would write into block 1, which is cached"):
-        cache.slots(0, [7])
+        cache.check_writable(0, 7, 9)
+    with pytest.raises(RuntimeError, match="request 0 writes position 12, but its 3 blocks hold 12 tokens"):
+        cache.check_writable(0, 8, 13)
+
+
+def test_the_same_block_computed_twice_in_one_step_is_kept_once():
+    cache = PrefixCache(CFG, 8, 4, "cpu", torch.float32)
+    twins = [Request(rid, list(range(9)), 1) for rid in (0, 1)]  # admitted together: neither finds the other
+    for req in twins:
+        assert cache.take_prefix(req.rid, req.prompt) == 0 and cache.reserve(req.rid, 9)
+        req.computed = 9
+    assert cache.tables == {0: [0, 1, 2], 1: [3, 4, 5]}
+    for req in twins:
+        cache.note_computed(req)
+    assert cache.tables[1] == [0, 1, 5], "the second copy of a cached block was kept"
+    assert sorted(cache.free) == [3, 4, 6, 7] and cache.refs[:2] == [2, 2]
+    cache.check()
 
 
 def test_the_check_names_a_miscount():
@@ -147,22 +185,22 @@ def test_a_plain_paged_cache_takes_no_prefix():
 
 def test_shared_prefixes_are_computed_once_and_every_request_equals_decoding_alone(model, documents):
     stream = shared_stream(documents)
-    run, cache = serve_one(model, stream, n_blocks=128)
+    run, cache, logits = serve_one(model, stream, n_blocks=128)
     prompt = sum(len(r.prompt) for r in stream)
     computed = sum(s.prefill for s in run.steps)
-    assert cache.hit_tokens > 0 and computed == prompt - cache.hit_tokens, "the cached tokens were computed"
-    assert cache.asked_tokens == prompt and cache.evictions == 0
-    assert cache.hit_tokens <= reusable_tokens(run.requests, 4)
-    worst, ties = check_against_alone(model, run.requests, FLOAT32)
+    assert cache.stats.hit_tokens > 0 and computed == prompt - cache.stats.hit_tokens, "the cached tokens were computed"
+    assert cache.stats.asked_tokens == prompt and cache.stats.evictions == 0
+    assert cache.stats.hit_tokens <= reusable_tokens(run.requests, 4)
+    worst, ties = check_against_alone(model, run.requests, FLOAT32, logits)
     assert worst < 1e-4 and ties == 0
 
 
 def test_under_eviction_and_preemption_every_request_equals_decoding_alone(model, documents):
     stream = shared_stream(documents, 24)
-    run, cache = serve_one(model, stream, n_blocks=14)
-    assert cache.evictions > 0 and sum(r.preempted for r in run.requests) > 0, "no pressure"
-    assert cache.hit_tokens > 0
-    check_against_alone(model, run.requests, FLOAT32)
+    run, cache, logits = serve_one(model, stream, n_blocks=14)
+    assert cache.stats.evictions > 0 and sum(r.preempted for r in run.requests) > 0, "no pressure"
+    assert cache.stats.hit_tokens > 0
+    check_against_alone(model, run.requests, FLOAT32, logits)
 
 
 def test_conversations_find_the_last_turn_and_its_answer(model, documents):
@@ -172,13 +210,13 @@ def test_conversations_find_the_last_turn_and_its_answer(model, documents):
     for before, after in zip(turns[:-3], turns[3:]):
         assert after.prompt[:len(before.prompt)] == before.prompt
     arrivals = [0.0] * 3 + [10.0] * 3 + [20.0] * 3  # each turn after the last one finished
-    run, cache = serve_one(model, turns, n_blocks=96, arrivals=arrivals)
-    check_against_alone(model, run.requests, FLOAT32)
+    run, cache, logits = serve_one(model, turns, n_blocks=96, arrivals=arrivals)
+    check_against_alone(model, run.requests, FLOAT32, logits)
     served = {r.rid: r for r in run.requests}
     for before, after in zip(turns[:-3], turns[3:]):
         history = before.prompt + served[before.rid].generated
         assert after.prompt[:len(history)] == history, "the next turn does not resend the answer served"
-        assert cache.first_hit[after.rid] >= (len(history) - 1) // 4 * 4, "a finished turn was not found"
+        assert cache.stats.first_hit[after.rid] >= (len(history) - 1) // 4 * 4, "a finished turn was not found"
 
 
 def test_the_tree_links_each_block_to_the_one_before_it(model, documents):
@@ -201,29 +239,70 @@ def test_the_tree_links_each_block_to_the_one_before_it(model, documents):
 def test_the_same_tokens_after_another_prefix_are_not_reused(model):
     x, y = list(b"abcdefgh"), list(b"ijklmnop")
     requests = [Request(0, x + y + [1], 6), Request(1, y + x + [2], 6)]  # y at 8, then at 0
-    run, cache = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 10.0])
-    check_against_alone(model, run.requests, FLOAT32)
-    assert cache.first_hit[1] == 0, "a block was found for tokens whose prefix differs"
+    run, cache, logits = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 10.0])
+    check_against_alone(model, run.requests, FLOAT32, logits)
+    assert cache.stats.first_hit[1] == 0, "a block was found for tokens whose prefix differs"
 
 
 def test_a_prompt_cached_whole_computes_its_last_token_in_a_block_of_its_own(model):
     prompt = list(b"shared prompt ab")  # four full blocks
     requests = [Request(0, prompt, 12), Request(1, prompt, 4)]  # the second while the first decodes
-    run, cache = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 1e-9])
-    assert cache.first_hit[1] == 12, "the last block, which holds the token to compute, was taken"
-    check_against_alone(model, run.requests, FLOAT32)
+    run, cache, logits = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 1e-9])
+    assert cache.stats.first_hit[1] == 12, "the last block, which holds the token to compute, was taken"
+    check_against_alone(model, run.requests, FLOAT32, logits)
 
 
-# --- three planted faults, each caught --------------------------------------------------
+# --- colliding hashes, and four planted faults, each caught ---------------------------------
 
 
-def test_a_key_without_its_parent_is_caught(model, monkeypatch):
+def _blocks_after_other_prefixes():
     x, y = list(b"abcdefgh"), list(b"ijklmnop")
-    requests = [Request(0, x + y + [1], 6), Request(1, y + x + [2], 6)]  # y at 8, then at 0
-    monkeypatch.setattr(prefix_cache, "block_key", lambda parent, tokens: tuple(tokens))
-    run, _ = serve_one(model, requests, n_blocks=32, arrivals=[0.0, 10.0])
-    with pytest.raises(AssertionError, match="request 1: logits differ from decoding it alone"):
-        check_against_alone(model, run.requests, FLOAT32)
+    return [Request(0, x + y + [1], 6), Request(1, y + x + [2], 6)]  # y at 8, then at 0
+
+
+def _without_parent(parent, tokens):
+    return hash(tuple(tokens))  # y's blocks collide with y's blocks at another place
+
+
+def _one_key(parent, tokens):
+    return 0  # every block collides with every other
+
+
+@pytest.mark.parametrize("colliding", [_without_parent, _one_key])
+def test_colliding_hashes_share_no_wrong_block(model, documents, colliding):
+    run, cache, logits = serve_one(model, _blocks_after_other_prefixes(), n_blocks=32, arrivals=[0.0, 10.0],
+                                   block_hash=colliding)
+    check_against_alone(model, run.requests, FLOAT32, logits)
+    assert cache.stats.first_hit[1] == 0, "a block was found for tokens whose prefix differs"
+    stream = shared_stream(documents)
+    run, cache, logits = serve_one(model, stream, n_blocks=14, block_hash=colliding)  # under eviction
+    check_against_alone(model, run.requests, FLOAT32, logits)
+    run, cache, logits = serve_one(model, stream, n_blocks=128, block_hash=colliding)  # each admitted once
+    check_against_alone(model, run.requests, FLOAT32, logits)
+    assert cache.stats.hit_tokens <= reusable_tokens(run.requests, 4), "found more than an exact cache finds"
+
+
+class _IgnoresParent(PrefixCache):
+    """The fault: a hit is checked against its tokens, not its parent block."""
+
+    def find(self, key, tokens, parent):
+        b = self.block_of.get(key)
+        return b if b is not None and self.tokens_of[b] == tuple(tokens) else None
+
+
+class _IgnoresTokens(PrefixCache):
+    """The fault: a hit is taken on its key alone."""
+
+    def find(self, key, tokens, parent):
+        return self.block_of.get(key)
+
+
+@pytest.mark.parametrize("fault, colliding", [(_IgnoresParent, _without_parent), (_IgnoresTokens, _one_key)])
+def test_a_hit_not_checked_is_caught_when_hashes_collide(model, fault, colliding):
+    run, _, logits = serve_one(model, _blocks_after_other_prefixes(), n_blocks=32, arrivals=[0.0, 10.0],
+                               cache_type=fault, block_hash=colliding)
+    with pytest.raises(AssertionError, match=r"request \d: logits differ from decoding it alone"):
+        check_against_alone(model, run.requests, FLOAT32, logits)
 
 
 class _IdleTooSoon(PrefixCache):
@@ -237,7 +316,7 @@ class _IdleTooSoon(PrefixCache):
                 self.idle[b] = None
             elif self.refs[b] == 0:
                 self.free.append(b)
-        self.keys.pop(rid, None)
+        self.chains.pop(rid, None)
 
 
 def test_a_block_evicted_while_a_request_reads_it_is_caught(model, documents, monkeypatch):
@@ -246,10 +325,10 @@ def test_a_block_evicted_while_a_request_reads_it_is_caught(model, documents, mo
         serve_one(model, stream, n_blocks=14, cache_type=_IdleTooSoon, check=True)  # at that step
     with pytest.raises(RuntimeError, match=r"would write into block \d+"):
         serve_one(model, stream, n_blocks=14, cache_type=_IdleTooSoon, check=False)  # handed out again
-    monkeypatch.setattr(_IdleTooSoon, "slots", PagedKVCache.slots)  # without the write guard
-    run, _ = serve_one(model, stream, n_blocks=14, cache_type=_IdleTooSoon, check=False)
+    monkeypatch.setattr(_IdleTooSoon, "check_writable", PagedKVCache.check_writable)  # without the write guard
+    run, _, logits = serve_one(model, stream, n_blocks=14, cache_type=_IdleTooSoon, check=False)
     with pytest.raises(AssertionError, match="logits differ from decoding it alone"):
-        check_against_alone(model, run.requests, FLOAT32)  # a reader read another request's keys
+        check_against_alone(model, run.requests, FLOAT32, logits)  # a reader read another request's keys
 
 
 class _RecomputesLastToken(PrefixCache):
@@ -365,17 +444,18 @@ def test_system_prompts_stand_in_front_of_distinct_user_messages(documents):
 def test_with_and_without_the_cache_serve_the_same_requests_and_name_their_figures(model, documents):
     stream = shared_stream(documents, 8)
     plan = functools.partial(plan_continuous, max_running=4, token_budget=16)
-    tree = MostSharedTree()
-    served = with_and_without(model, stream, plan, n_blocks=64, block_size=4, runs=2, observe=tree)
+    tree, logits = MostSharedTree(), TokenLogits()
+    served = with_and_without(model, stream, plan, n_blocks=64, block_size=4, runs=2, observe=tree,
+                              on_token=logits)
     for figure in (served.runs, served.prefill, served.per_token, served.ttft):
         assert set(figure) == {"with", "without"}
     assert all(len(done) >= 2 for done in served.runs.values())
     assert served.prefill["without"] == sum(len(r.prompt) for r in stream)
-    assert served.prefill["with"] == served.prefill["without"] - served.cache.hit_tokens
+    assert served.prefill["with"] == served.prefill["without"] - served.stats.hit_tokens
     assert isinstance(served.cache, PrefixCache) and 0 < served.hit < 1 and served.bound > 1
     assert served.per_token["with"].runs == len(served.runs["with"])
     assert tree.sharing > 1 and tree.nodes and any(n.readers > 1 for n in tree.nodes), "no shared step kept"
-    prove_every_run(model, [run for done in served.runs.values() for run in done], FLOAT32)
+    prove_every_run(model, [run for done in served.runs.values() for run in done], FLOAT32, logits)
     arriving = fresh_requests(stream, np.arange(8) * 1e-3)
     fig = draw_trace(arriving, with_and_without(model, arriving, plan, n_blocks=64, block_size=4, runs=1),
                      "a trace")
@@ -386,13 +466,23 @@ def test_with_and_without_the_cache_serve_the_same_requests_and_name_their_figur
 def test_every_run_proved_and_the_cost_of_a_prompt_token(model, documents):
     stream = shared_stream(documents, 6)
     plan = functools.partial(plan_continuous, max_running=6, token_budget=16)
-    start = lambda: serve(model, fresh_requests(stream), PagedKVCache(CFG, 64, 4, "cpu", torch.float32), plan)  # noqa: E731
+    logits = TokenLogits()
+
+    def start():
+        cache = PagedKVCache(CFG, 64, 4, "cpu", torch.float32)
+        return serve(model, fresh_requests(stream), cache, plan, on_token=logits)
+
     runs, more = take_turns(start, start, runs=3)
     assert len(runs) >= 3 and len(more) >= 3
-    assert prove_every_run(model, runs + more, FLOAT32)[2] == 6 * (len(runs) + len(more))
-    runs[1].requests[0].logits[0] = runs[1].requests[0].logits[0] + 1
+    assert prove_every_run(model, runs + more, FLOAT32, logits)[2] == 6 * (len(runs) + len(more))
+    changed = runs[1].requests[0]
+
+    class OneChanged(TokenLogits):  # the fault: one repeated request's logits differ
+        def of(self, request):
+            return logits.of(request) + (request is changed)
+
     with pytest.raises(AssertionError, match="request 0: logits differ from a proved request's"):
-        prove_every_run(model, runs, FLOAT32)
+        prove_every_run(model, runs, FLOAT32, OneChanged())
     steps = [StepRecord(0.010, 0, 4, 4, 0, 0, 0)] * 3 + [StepRecord(0.012, 100, 4, 4, 0, 0, 0)] * 2
     assert prompt_token_seconds(steps) == pytest.approx(2e-5)
     assert skipping_bound(ServingRun([], steps), 100) == pytest.approx(0.054 / 0.052)

@@ -19,10 +19,10 @@ from ragged_toolkit.serving import paged_attention, schedulers
 from ragged_toolkit.device import tolerances
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
-from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals, Request, request_stream
+from ragged_toolkit.serving.requests import fresh_requests, next_tokens, poisson_arrivals, Request, request_stream
 from ragged_toolkit.kv_cache import draw_paged_cache
-from ragged_toolkit.serving.engine import forward_step, step_logits
-from ragged_toolkit.serving.proof import check_against_alone, logits_after, logits_alone
+from ragged_toolkit.serving.engine import build_step, forward_step, step_logits
+from ragged_toolkit.serving.proof import TokenLogits, check_against_alone, logits_after, logits_alone
 from ragged_toolkit.serving.metrics import (draw_steps, draw_throughput_and_latency, latency_ms, ms_per_token,
                                             slot_bound, step_costs)
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
@@ -46,9 +46,11 @@ def stream():
 
 
 def serve_all(model, requests, plan, n_blocks, block_size=4, check=True, **kw):
-    cache = PagedKVCache(CFG, n_blocks, block_size, "cpu", torch.float32)
-    [result], = take_turns(lambda: serve(model, fresh_requests(requests), cache, plan, check=check, **kw))
-    return result
+    """One run; the run and the logits that chose its tokens."""
+    cache, logits = PagedKVCache(CFG, n_blocks, block_size, "cpu", torch.float32), TokenLogits()
+    [result], = take_turns(lambda: serve(model, fresh_requests(requests), cache, plan, check=check,
+                                         on_token=logits, **kw))
+    return result, logits
 
 
 def continuous(max_running=8, token_budget=16):
@@ -108,40 +110,65 @@ def test_paged_rows_read_each_key_through_its_block_table():
     assert rows.tolist() == cache.slots(2, range(5)) + cache.slots(1, range(9))
 
 
+def test_a_step_packs_each_token_at_its_position_and_row():
+    """``build_step``'s tensor arithmetic against each request's rows one token at a time."""
+    cache = PagedKVCache(CFG, 12, 4, "cpu", torch.float32)
+    chunk = Request(0, list(range(7)), 3)  # its first 5 prompt tokens
+    decode = Request(1, list(range(10, 19)), 3, generated=[5, 6], computed=10)  # its last token, 6
+    idle = Request(2, list(range(3)), 2, computed=3)  # an idle slot: one padding token
+    for req, n in ((chunk, 5), (decode, 11), (idle, 4)):
+        cache.reserve(req.rid, n)
+    cache.reserve(3, 8)  # another request's blocks between them
+    cache.reserve(2, 8)
+    work = [(chunk, 5), (decode, 1), (idle, 0)]
+    tokens, positions, layout = build_step(cache, work, "cpu", "gathered", "loop")
+    assert tokens.tolist() == [0, 1, 2, 3, 4, 6, 0]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 10, 3]
+    assert layout.slots.tolist() == cache.slots(0, range(5)) + cache.slots(1, [10]) + cache.slots(2, [3])
+    assert layout.kv_lengths.tolist() == [5, 11, 4] and layout.q_offsets.tolist() == [0, 5, 6, 7]
+    assert (layout.max_q, layout.max_kv) == (5, 11)
+    assert next_tokens(decode, 8, 3) == [18, 5, 6] and next_tokens(decode, 0, 2) == [10, 11]
+    assert next_tokens(Request(9, [1, 2], 5, generated=[3, 4, 5, 6]), 0, 1) == [1], "the answer read before its prompt ended"
+    cache.release(0)
+    cache.reserve(0, 4)
+    with pytest.raises(RuntimeError, match="request 0 writes position 4, but its 1 blocks hold 4 tokens"):
+        build_step(cache, work, "cpu", "gathered", "loop")
+
+
 # --- the schedulers, proved against decoding each request alone ---------------------------
 
 
 def test_continuous_batching_preempts_and_equals_decoding_alone(model, stream):
-    run = serve_all(model, stream, continuous(), n_blocks=14)
+    run, logits = serve_all(model, stream, continuous(), n_blocks=14)
     preempted = sum(r.preempted for r in run.requests)
     assert preempted > 0, "the cache was never full: nothing tested preemption"
     assert all(r.done() for r in run.requests) and len(run.requests) == len(stream)
     assert max(s.prefill + s.decode for s in run.steps) <= 16, "a step went over the token budget"
     assert max(s.running for s in run.steps) <= 8
     assert any(0 < s.prefill and s.decode for s in run.steps), "no step mixed prompt and decode tokens"
-    worst, ties = check_against_alone(model, run.requests, FLOAT32)
+    worst, ties = check_against_alone(model, run.requests, FLOAT32, logits)
     assert worst < 1e-4 and ties == 0
 
 
 def test_long_prompts_are_chunked_under_the_budget(model, stream):
     steps = []
-    run = serve_all(model, stream[:4], continuous(token_budget=6), n_blocks=64,
+    run, logits = serve_all(model, stream[:4], continuous(token_budget=6), n_blocks=64,
                     observe=lambda i, running, cache: steps.append({r.rid: r.computed for r in running}))
     longest = max(stream[:4], key=lambda r: len(r.prompt))
     assert len(longest.prompt) > 6
     computed = [s[longest.rid] for s in steps if longest.rid in s]
     assert computed[0] < len(longest.prompt), "the long prompt went in one step"
-    check_against_alone(model, run.requests, FLOAT32)
+    check_against_alone(model, run.requests, FLOAT32, logits)
 
 
 def test_static_batches_idle_until_their_longest_request_is_done(model, stream):
     plan = functools.partial(plan_static, batch_size=8, reserve=40)
-    run = serve_all(model, stream, plan, n_blocks=8 * 16, retire_step=retire_batch)
+    run, logits = serve_all(model, stream, plan, n_blocks=8 * 16, retire_step=retire_batch)
     longest = [max(r.n_out for r in stream[i:i + 8]) for i in range(0, len(stream), 8)]
     assert len(run.steps) == sum(longest), "a static batch took other than its longest request's steps"
     assert slot_bound(run) == pytest.approx(8 * sum(longest) / sum(r.n_out for r in stream))
     assert {s.running for s in run.steps} == {8}, "a slot was given back before its batch ended"
-    check_against_alone(model, run.requests, FLOAT32)
+    check_against_alone(model, run.requests, FLOAT32, logits)
 
 
 def test_static_and_continuous_runs_take_turns(model, stream):
@@ -170,7 +197,7 @@ def test_take_turns_repeats_each_run_until_it_ended_as_often_as_asked(model, str
 
 def test_online_arrivals_wait_for_the_clock(model, stream):
     arrivals = np.arange(len(stream)) * 10.0  # far apart: each request runs alone
-    run = serve_all(model, fresh_requests(stream, arrivals), continuous(), n_blocks=64)
+    run, logits = serve_all(model, fresh_requests(stream, arrivals), continuous(), n_blocks=64)
     assert max(s.running for s in run.steps) == 1
     assert all(r.first_token_s > r.arrival for r in run.requests)
     lat = latency_ms(run.requests)
@@ -210,7 +237,7 @@ def test_costs_a_slot_bound_leaves_out_by_hand():
 def test_the_logits_of_a_step_and_of_decoding_alone(model, stream):
     """``logits_after`` is the row of ``logits_alone`` that chose each token;
     ``step_logits`` gives what ``forward_step`` chooses with and changes no request."""
-    run = serve_all(model, stream[:3], continuous(), n_blocks=64)
+    run, logits = serve_all(model, stream[:3], continuous(), n_blocks=64)
     req = run.requests[0]
     alone = logits_alone(model, req)
     for i in (0, len(req.generated) - 1):
@@ -221,11 +248,16 @@ def test_the_logits_of_a_step_and_of_decoding_alone(model, stream):
     assert all(cache.reserve(r.rid, len(r.prompt)) for r in requests)
     logits = step_logits(model, cache, work)
     assert logits.shape == (2, CFG.vocab_size) and all(r.computed == 0 and not r.generated for r in requests)
-    forward_step(model, cache, work)
+    seen = TokenLogits()
+    forward_step(model, cache, work, on_token=seen)
     assert [r.generated for r in requests] == [[t] for t in logits.argmax(-1).tolist()]
-    torch.testing.assert_close(torch.stack([r.logits[0] for r in requests]), logits, **FLOAT32)
+    torch.testing.assert_close(torch.cat([seen.of(r) for r in requests]), logits, **FLOAT32)
     for r in requests:
-        torch.testing.assert_close(logits_after(model, r.prompt), r.logits[0], **FLOAT32)
+        torch.testing.assert_close(logits_after(model, r.prompt), seen.of(r)[0], **FLOAT32)
+        assert not any(isinstance(v, torch.Tensor) or isinstance(v, list) and any(isinstance(x, torch.Tensor)
+                       for x in v) for v in vars(r).values()), "a request keeps tensors: only proofs need logits"
+    with pytest.raises(KeyError, match="request 0: no logits recorded"):
+        TokenLogits().of(requests[0])
 
 
 def test_the_pictures_draw_each_step_run_and_block(model, stream):
@@ -234,7 +266,7 @@ def test_the_pictures_draw_each_step_run_and_block(model, stream):
     matplotlib.use("agg")
     import matplotlib.pyplot as plt
 
-    runs = {name: [serve_all(model, stream[:6], continuous(max_running=m), n_blocks=64) for _ in range(2)]
+    runs = {name: [serve_all(model, stream[:6], continuous(max_running=m), n_blocks=64)[0] for _ in range(2)]
             for name, m in (("continuous", 8), ("one at a time", 1))}
     steps = runs["continuous"][0].steps
     fig = draw_steps(steps, 16, "title")
@@ -266,19 +298,21 @@ def test_bfloat16_logits_stay_within_the_stated_tolerance(model, stream):
     low.load_state_dict(model.state_dict())
     low = low.to(torch.bfloat16)
     cache = PagedKVCache(CFG, 14, 4, "cpu", torch.bfloat16)
-    [run], = take_turns(lambda: serve(low, fresh_requests(stream[:8]), cache, continuous()))
+    logits = TokenLogits()
+    [run], = take_turns(lambda: serve(low, fresh_requests(stream[:8]), cache, continuous(), on_token=logits))
     reference = GPT(CFG).eval()
     reference.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
-    worst, _ = check_against_alone(reference, run.requests, dict(atol=0.1, rtol=0.05))
+    worst, _ = check_against_alone(reference, run.requests, dict(atol=0.1, rtol=0.05), logits)
     assert worst > 0, "bfloat16 logits equal float32 ones: the low precision did not run"
 
 
 def test_flex_reads_the_paged_cache_as_the_gathered_path_does(model, stream):
     runs = [serve_all(model, stream[:6], continuous(), n_blocks=64, block_size=16, path=path)
             for path in ("gathered", "flex")]
-    for a, b in zip(*(r.requests for r in runs)):
-        torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), **FLOAT32)
-    check_against_alone(model, runs[1].requests, FLOAT32)
+    (gathered, gathered_logits), (flex, flex_logits) = runs
+    for a, b in zip(gathered.requests, flex.requests):
+        torch.testing.assert_close(flex_logits.of(b), gathered_logits.of(a), **FLOAT32)
+    check_against_alone(model, flex.requests, FLOAT32, flex_logits)
 
 
 def test_varlen_says_why_it_cannot_read_the_cache(monkeypatch):
@@ -341,15 +375,16 @@ def test_a_refused_arrival_leaves_the_running_requests_undisturbed(model, stream
         refused.append((request.rid, str(error), len(running_then)))  # steps run before the refusal
 
     cache = PagedKVCache(CFG, 20, 4, "cpu", torch.float32)
+    logits = TokenLogits()
     [run], = take_turns(lambda: serve(model, [*fresh_requests(stream[:4]), *late], cache, continuous(),
-                                      check=True, on_refused=note,
+                                      check=True, on_refused=note, on_token=logits,
                                       observe=lambda i, running, c: running_then.append(len(running))))
     assert len(refused) == 1 and refused[0][0] == 99, f"{what}: not refused"
     assert refused[0][1] == message
     assert [r for r, _ in run.refused] == late and 99 not in cache.tables
     assert refused[0][2] >= 1 and running_then[refused[0][2] - 1] > 0, "nothing was running when it came"
     assert sorted(r.rid for r in run.requests) == [r.rid for r in stream[:4]]
-    worst, _ = check_against_alone(model, run.requests, FLOAT32)  # each as if alone: undisturbed
+    worst, _ = check_against_alone(model, run.requests, FLOAT32, logits)  # each as if alone: undisturbed
     assert worst < 1e-4
 
 
@@ -362,9 +397,9 @@ def test_planted_off_by_one_block_index_fails(model, stream, monkeypatch):
         return block_table[seq, pos // block_size - 1].long() * block_size + pos % block_size  # planted: - 1
 
     monkeypatch.setattr(paged_attention, "paged_rows", rows_one_block_off)
-    run = serve_all(model, stream, continuous(), n_blocks=64)
+    run, logits = serve_all(model, stream, continuous(), n_blocks=64)
     with pytest.raises(AssertionError, match="differ from decoding it alone"):
-        check_against_alone(model, run.requests, FLOAT32)
+        check_against_alone(model, run.requests, FLOAT32, logits)
 
 
 def test_planted_freed_block_still_in_use_fails(model, stream, monkeypatch):
@@ -372,10 +407,10 @@ def test_planted_freed_block_still_in_use_fails(model, stream, monkeypatch):
         self.free.extend(reversed(self.tables.get(rid, [])))  # planted: the table still names them
 
     monkeypatch.setattr(PagedKVCache, "release", release_keeping_the_table)
-    run = serve_all(model, stream, continuous(), n_blocks=14, check=False)
+    run, logits = serve_all(model, stream, continuous(), n_blocks=14, check=False)
     assert sum(r.preempted for r in run.requests) > 0
     with pytest.raises(AssertionError, match="differ from decoding it alone"):
-        check_against_alone(model, run.requests, FLOAT32)
+        check_against_alone(model, run.requests, FLOAT32, logits)
     with pytest.raises(RuntimeError, match=r"block \d+ is in the free list and in the table of request"):
         serve_all(model, stream, continuous(), n_blocks=14, check=True)
 
@@ -387,7 +422,7 @@ def test_planted_resume_at_the_wrong_position_fails(model, stream, monkeypatch):
         req.preempted += 1
 
     monkeypatch.setattr(schedulers, "preempt", preempt_keeping_the_position)
-    run = serve_all(model, stream, continuous(), n_blocks=14)
+    run, logits = serve_all(model, stream, continuous(), n_blocks=14)
     assert sum(r.preempted for r in run.requests) > 0
     with pytest.raises(AssertionError, match="differ from decoding it alone"):
-        check_against_alone(model, run.requests, FLOAT32)
+        check_against_alone(model, run.requests, FLOAT32, logits)

@@ -260,12 +260,20 @@ SCHEDULERS = {"continuous": functools.partial(plan_continuous, max_running=S.slo
                                                     skip_finished=True)}
 
 
+# A request keeps its tokens, not the logits that chose them. The proof at the
+# end of the page needs those logits, so every run hands them to one record
+# through ``serve``'s ``on_token``.
+from ragged_toolkit.serving.proof import TokenLogits
+
+served_logits = TokenLogits()  # what the proof reads; a server in production leaves on_token out
+
+
 def starter(plan, requests, n_blocks=serving_blocks, **kw):
     """Starts a run of ``serve``: fresh requests, a cache of their own; a static plan retires whole batches."""
     if plan.func is plan_static:
         kw["retire_step"] = retire_batch
     return lambda: serve(model, fresh_requests(requests), PagedKVCache(cfg, n_blocks, S.block, DEVICE, DTYPE),
-                         plan, path=PATH, **kw)
+                         plan, path=PATH, on_token=served_logits, **kw)
 
 
 # %%
@@ -437,9 +445,9 @@ checked = [run for runs in (*offline.values(), *online.values()) for run in runs
 worst, ties = 0.0, 0
 for served in checked:
     assert len(served.requests) == S.requests and all(req.done() for req in served.requests)
-    difference, tied = check_against_alone(reference, served.requests, PROOF_TOLERANCE)
+    difference, tied = check_against_alone(reference, served.requests, PROOF_TOLERANCE, served_logits)
     worst, ties = max(worst, difference), ties + tied
-check_against_alone(reference, with_refusals.requests, PROOF_TOLERANCE)  # the refusals disturbed nothing
+check_against_alone(reference, with_refusals.requests, PROOF_TOLERANCE, served_logits)  # the refusals disturbed nothing
 print(f"every run, {str(DTYPE).removeprefix('torch.')}: every logit within "
       + ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items()) + " of decoding each request alone")
 print(f"{len(checked)} runs (how many, and the online batches, follow the time): "

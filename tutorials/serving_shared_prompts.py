@@ -125,14 +125,22 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 # %%
 # The prefix cache
 # ----------------
-# A full block is known by its *key*: its parent block's key and its own
-# tokens. The parent's key holds the grandparent's, and so on, so equal keys
-# mean equal tokens from position 0 to the block's end, hence equal keys and
-# values in every layer. Leave the parent out, and the same tokens elsewhere
-# would read keys computed for another context and position:
+# A full block is found by its *key*. The key is one number, hashed from
+# the parent block's key and the block's own tokens. The parent's key was
+# hashed from the grandparent's, and so on. So the key stands for every token
+# from position 0 to the block's end, yet hashing a block reads only its own
+# tokens. Leave the parent out, and the same tokens elsewhere would read keys
+# computed for another context and position:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
-#    :pyobject: block_key
+#    :pyobject: block_hash
+#
+# Two different prefixes can hash to one number. So a hit is checked: the
+# block found must hold the same tokens after the same parent block. A
+# collision then costs a miss, never a wrong block:
+#
+# .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
+#    :pyobject: PrefixCache.find
 #
 # ``PrefixCache`` is the paged cache of :doc:`serving_continuous_batching`
 # with three more things per block: its key once full and computed, ``refs``,
@@ -155,8 +163,9 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 #    :pyobject: PrefixCache.release
 #
 # After each step, the blocks that the step filled get their keys, so a
-# request admitted at the next step finds them (a block whose key another
-# block already has stays private):
+# request admitted at the next step finds them. If two requests computed the
+# same block in one step, the second reads the first one's block and frees
+# its own copy:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
 #    :pyobject: PrefixCache.note_computed
@@ -166,13 +175,16 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 # did for beam search). Keying only full, computed blocks makes every shared
 # block read-only by construction, at the cost of recomputing fewer than
 # ``block`` tokens per request; the cache refuses any write into a cached or
-# shared block (``slots``). Two requests, a cache of six blocks of four rows:
+# shared block (``check_writable``). How often admissions found their prefix
+# is counted outside the cache, by a ``PrefixStats`` it reports to. Two
+# requests, a cache of six blocks of four rows:
 
-from ragged_toolkit.serving.prefix_cache import PrefixCache
+from ragged_toolkit.serving.prefix_cache import PrefixCache, PrefixStats
 from ragged_toolkit.serving.requests import Request
 
 tiny = GPTConfig(vocab_size=64, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=32)
-demo = PrefixCache(tiny, n_blocks=6, block_size=4, device="cpu", dtype=torch.float32)
+demo_stats = PrefixStats()
+demo = PrefixCache(tiny, n_blocks=6, block_size=4, device="cpu", dtype=torch.float32, stats=demo_stats)
 first, second = Request(0, [5, 1, 2, 3, 4, 6, 7, 8, 9, 10], 1), Request(1, [5, 1, 2, 3, 4, 6, 7, 8, 42], 1)
 for req in (first, second):
     req.computed = demo.take_prefix(req.rid, req.prompt)  # the second finds two blocks
@@ -184,9 +196,9 @@ for req in (first, second):
 print(f"readers of blocks 0-3: {demo.refs[:4]}; keyed: {sorted(demo.key_of)}")
 demo.release(0), demo.release(1)
 print(f"both left: idle (cached) {list(demo.idle)}, free {sorted(demo.free)}")
-assert demo.reserve(2, 20) and demo.evictions == 1  # five blocks: one idle block evicted
+assert demo.reserve(2, 20) and demo_stats.evictions == 1  # five blocks: one idle block evicted
 demo.check()  # every block free, idle or held, its readers counted right
-print(f"a request of 20 tokens took {demo.tables[2]}, evicting {demo.evictions} idle block; "
+print(f"a request of 20 tokens took {demo.tables[2]}, evicting {demo_stats.evictions} idle block; "
       f"still cached: {list(demo.idle)}")
 
 
@@ -231,11 +243,13 @@ ample = S.slots * -(-longest // S.block) * 2  # room for every running request, 
 
 from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
 from ragged_toolkit.serving.prefix_tree import MostSharedTree
+from ragged_toolkit.serving.proof import TokenLogits
 from ragged_toolkit.serving.runs import prompt_token_seconds, with_and_without
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each server"
+served_logits = TokenLogits()  # every run's logits, for the proof at the end (a server keeps none)
 serve_both = functools.partial(with_and_without, model, plan=continuous, n_blocks=ample,
-                               block_size=S.block, runs=S.runs)
+                               block_size=S.block, runs=S.runs, on_token=served_logits)
 tree = MostSharedTree()  # the cached blocks at the step where most requests share them, drawn below
 offline = serve_both(systems, observe=tree)
 per_token, ttft = offline.per_token, offline.ttft
@@ -351,13 +365,15 @@ plt.show()
 from ragged_toolkit.serving.prefix_cache import retire_caching
 from ragged_toolkit.serving.server import serve, take_turns
 
-pressure = PrefixCache(cfg, int(S.pressure * ample), S.block, DEVICE, DTYPE)
+pressure_stats = PrefixStats()
+pressure = PrefixCache(cfg, int(S.pressure * ample), S.block, DEVICE, DTYPE, stats=pressure_stats)
 [[pressed]] = take_turns(lambda: serve(model, fresh_requests(systems), pressure, continuous,
-                                       retire_caching, check=True))
+                                       retire_caching, check=True, on_token=served_logits))
 preempted = sum(r.preempted for r in pressed.requests)
-assert preempted > 0 and pressure.evictions > 0, "the cache was never short: nothing tested eviction"
-print(f"{pressure.n_blocks} blocks: {pressure.evictions} evictions, {preempted} preemptions, hit rate "
-      f"{pressure.hit_tokens / pressure.asked_tokens:.0%}")
+evictions = pressure_stats.evictions
+assert preempted > 0 and evictions > 0, "the cache was never short: nothing tested eviction"
+print(f"{pressure.n_blocks} blocks: {evictions} evictions, {preempted} preemptions, hit rate "
+      f"{pressure_stats.hit_rate():.0%}")
 
 # %%
 # Proof: every request equals decoding it alone
@@ -376,7 +392,7 @@ from ragged_toolkit.serving.runs import prove_every_run
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
 every = [run for result in (offline, online, chat) for runs in result.runs.values()
          for run in runs] + [pressed]
-worst, ties, checked = prove_every_run(reference, every, PROOF_TOLERANCE)
+worst, ties, checked = prove_every_run(reference, every, PROOF_TOLERANCE, served_logits)
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
 print(f"every request of every run, {str(DTYPE).removeprefix('torch.')}: equal to decoding it "
       f"alone ({criterion})")
@@ -384,8 +400,10 @@ print(f"{len(every)} runs (as many as the time allowed), {checked} requests: lar
       f"{worst:.1e}, {ties} ties within atol")
 
 # %%
-# The tests (``tests/test_prefix_cache.py``) plant three faults and catch
-# each: a key without its parent, a block evicted while a request still
+# The tests (``tests/test_prefix_cache.py``) also serve with hashes that
+# collide on purpose: every request still equals decoding it alone. They
+# plant four faults and catch each: a hit not checked against its parent, a
+# hit not checked against its tokens, a block evicted while a request still
 # reads it, and a request that writes into a shared block.
 #
 # Shared-prefix attention

@@ -19,8 +19,8 @@ class CachedBlock:
     as a node of the tree of prefixes: its parent block (``None`` at a
     root), its depth (its place in the prefixes that hold it), its readers,
     and its kind: ``"cached"`` (it has a key), ``"copy"`` (full and
-    computed, but the cache had its key on another block already: two
-    requests computed it in one step) or ``"own"`` (a request's last blocks,
+    computed, but not cached: its key is another block's, with other tokens,
+    a hash collision, or it follows such a block) or ``"own"`` (a request's last blocks,
     not full or not computed yet)."""
 
     block: int
@@ -36,13 +36,13 @@ def cached_tree(cache):
     before it in the prefixes that hold it. Returns a list of
     :class:`CachedBlock`, shallowest first."""
     nodes = {}
-    for b, (parent_key, _) in cache.key_of.items():
-        depth, key = 0, parent_key
-        while key is not None:
-            depth, key = depth + 1, key[0]
-        nodes[b] = CachedBlock(b, cache.block_of.get(parent_key), depth, cache.refs[b], "cached")
+    for b, parent in cache.parent_of.items():
+        depth = 0
+        while parent is not None:
+            depth, parent = depth + 1, cache.parent_of[parent]
+        nodes[b] = CachedBlock(b, cache.parent_of[b], depth, cache.refs[b], "cached")
     for rid, table in cache.tables.items():
-        computed = len(cache.keys.get(rid, []))  # its full blocks whose keys it knows
+        computed = len(cache.chains.get(rid, []))  # its full blocks whose keys it knows
         for depth, b in enumerate(table):
             if b not in nodes:
                 nodes[b] = CachedBlock(b, table[depth - 1] if depth else None, depth, cache.refs[b],

@@ -1,5 +1,7 @@
 """The proof that a server changed nothing: each request's logits and
-tokens against greedy decoding of that request alone, without a cache."""
+tokens against greedy decoding of that request alone, without a cache. A
+server keeps each request's tokens only; the proof records the logits that
+chose them through the server's ``on_token`` (:class:`TokenLogits`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,24 @@ import torch
 
 from ..layouts import PaddedLayout
 
-__all__ = ["logits_after", "logits_alone", "check_against_alone"]
+__all__ = ["TokenLogits", "logits_after", "logits_alone", "check_against_alone"]
+
+
+class TokenLogits:
+    """A server's ``on_token(request, logits)``: keeps, per request served,
+    the logits (vocab,) that chose each of its tokens, in float32, for a
+    proof (a server does not keep them). ``of(request)``: (n_out, vocab)."""
+
+    def __init__(self):
+        self._seen = {}  # id(request) -> (request, [logits]); the request kept, so its id stays its own
+
+    def __call__(self, request, logits):
+        self._seen.setdefault(id(request), (request, []))[1].append(logits.float())
+
+    def of(self, request):
+        if id(request) not in self._seen:
+            raise KeyError(f"request {request.rid}: no logits recorded; serve it with on_token=this record")
+        return torch.stack(self._seen[id(request)][1])
 
 
 @torch.no_grad()
@@ -31,9 +50,10 @@ def logits_alone(model, request):
     return model(ids, positions, PaddedLayout())[0, len(request.prompt) - 1:]
 
 
-def check_against_alone(reference, requests, tolerance):
+def check_against_alone(reference, requests, tolerance, logits):
     """Prove each request's tokens are those of greedy decoding it alone with
-    ``reference`` (a float32 model): the server's logits agree with
+    ``reference`` (a float32 model): the server's logits (``logits``, the
+    :class:`TokenLogits` it was served with) agree with
     :func:`logits_alone` within ``tolerance`` (``assert_close`` keywords),
     and each token is the reference's greedy choice or ties with it within
     ``tolerance["atol"]``; by induction on the tokens, the request then
@@ -43,7 +63,7 @@ def check_against_alone(reference, requests, tolerance):
     for req in requests:
         assert req.done() and len(req.generated) == req.n_out, f"request {req.rid} did not finish"
         ref = logits_alone(reference, req).float()  # (n_out, vocab)
-        got = torch.stack(req.logits).to(ref.device)
+        got = logits.of(req).to(ref.device)
         torch.testing.assert_close(got, ref, **tolerance, msg=lambda m, r=req:
                                    f"request {r.rid}: logits differ from decoding it alone: {m}")
         chosen = ref.gather(1, torch.tensor(req.generated, device=ref.device)[:, None])[:, 0]

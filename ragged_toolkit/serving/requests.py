@@ -8,23 +8,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Request", "output_lengths", "request_stream", "poisson_arrivals", "fresh_requests", "check_request"]
+__all__ = ["Request", "next_tokens", "output_lengths", "request_stream", "poisson_arrivals", "fresh_requests",
+           "check_request"]
 
 
 @dataclass
 class Request:
     """A prompt (token ids), how many tokens to generate (fixed, as benchmarks
     fix it by ignoring the end-of-sequence token), the arrival (seconds of the
-    simulated clock); then the tokens generated, each with its logits (vocab,),
-    how many of ``prompt + generated`` have keys in the cache, the clock at the
-    first and last tokens, and the times it was preempted."""
+    simulated clock); then the tokens generated (token ids, not the logits
+    that chose them: a proof records those itself), how many of
+    ``prompt + generated`` have keys in the cache, the clock at the first and
+    last tokens, and the times it was preempted."""
 
     rid: int
     prompt: list
     n_out: int
     arrival: float = 0.0
     generated: list = field(default_factory=list)
-    logits: list = field(default_factory=list)
     computed: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -41,6 +42,13 @@ class Request:
     def done(self):
         """Whether it generated all its tokens."""
         return len(self.generated) >= self.n_out
+
+
+def next_tokens(req, start, n):
+    """The ``n`` tokens of ``req``'s history (``prompt + generated``) from
+    position ``start``: two slices, not a copy of the whole history."""
+    cut = len(req.prompt)
+    return req.prompt[start:start + n] + req.generated[max(start - cut, 0):max(start + n - cut, 0)]
 
 
 def output_lengths(rng, n, median, longest, sigma=1.0):

@@ -18,7 +18,7 @@ import torch
 from ..kv_cache import PagedKVCache
 from ..measuring.timing import Timing
 from .metrics import latency_ms, ms_per_token
-from .prefix_cache import PrefixCache, retire_caching
+from .prefix_cache import PrefixCache, PrefixStats, retire_caching
 from .proof import check_against_alone
 from .requests import fresh_requests
 from .schedulers import retire_finished
@@ -81,11 +81,12 @@ class CachingRuns:
     per_token: dict
     ttft: dict
     cache: PrefixCache
+    stats: PrefixStats
     hit: float
     bound: float
 
 
-def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, observe=None):
+def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, observe=None, on_token=None):
     """Serve ``requests`` (fresh copies each run) with a
     :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache`, whose steps
     end with :func:`~ragged_toolkit.serving.prefix_cache.retire_caching`,
@@ -93,14 +94,17 @@ def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, obser
     ``n_blocks`` blocks of ``block_size`` rows on the model's device and in
     its dtype, taking turns step by step until each ran ``runs`` times
     (:func:`~ragged_toolkit.serving.server.take_turns`). ``plan`` is the
-    scheduler; ``observe`` watches the runs with the cache. Returns
+    scheduler; ``observe`` watches the runs with the cache; ``on_token``
+    (a :class:`~ragged_toolkit.serving.proof.TokenLogits`) sees every run's
+    tokens. Returns
     :class:`CachingRuns`."""
-    weights, caches = next(model.parameters()), []
+    weights, caches, stats = next(model.parameters()), [], PrefixStats()
 
     def starter(cache_type, retire, **kw):
         def start():
-            caches.append(cache_type(model.cfg, n_blocks, block_size, weights.device, weights.dtype))
-            return serve(model, fresh_requests(requests), caches[-1], plan, retire, **kw)
+            extra = dict(stats=stats if not caches else None) if cache_type is PrefixCache else {}
+            caches.append(cache_type(model.cfg, n_blocks, block_size, weights.device, weights.dtype, **extra))
+            return serve(model, fresh_requests(requests), caches[-1], plan, retire, on_token=on_token, **kw)
         return start
 
     served = dict(zip(("with", "without"), take_turns(starter(PrefixCache, retire_caching, observe=observe),
@@ -112,7 +116,7 @@ def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, obser
         runs=served, prefill=prefill,
         per_token={name: ms_per_token(done) for name, done in served.items()},
         ttft={name: spread(done, lambda run: latency_ms(run.requests)["ttft"][0]) for name, done in served.items()},
-        cache=cache, hit=cache.hit_tokens / cache.asked_tokens,
+        cache=cache, stats=stats, hit=stats.hit_rate(),
         bound=float(np.median([skipping_bound(run, skipped) for run in served["without"]])))
 
 
@@ -127,7 +131,7 @@ def draw_trace(requests, served, title):
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
     arrival = [r.arrival for r in requests]
     prompt = np.array([len(r.prompt) for r in requests])
-    found = np.array([served.cache.first_hit.get(r.rid, 0) for r in requests])
+    found = np.array([served.stats.first_hit.get(r.rid, 0) for r in requests])
     ax1.scatter(arrival, found / prompt, s=12, color="C0", label="each request")
     ax1.plot(arrival, np.cumsum(found) / np.cumsum(prompt), color="C1", label="hit rate so far")
     ax1.set(ylabel="prompt found cached", ylim=(-0.05, 1.05), title=title)
@@ -141,8 +145,10 @@ def draw_trace(requests, served, title):
     return fig
 
 
-def prove_every_run(reference, runs, tolerance):
-    """Every request of every run proved equal to decoding it alone: each
+def prove_every_run(reference, runs, tolerance, logits):
+    """Every request of every run proved equal to decoding it alone (the
+    runs served with ``on_token=logits``, a
+    :class:`~ragged_toolkit.serving.proof.TokenLogits`): each
     distinct history (prompt and tokens generated) once, by
     :func:`~ragged_toolkit.serving.proof.check_against_alone`; a request
     that generated the same tokens for the same prompt as a proved one, by
@@ -155,11 +161,11 @@ def prove_every_run(reference, runs, tolerance):
             history = (tuple(req.prompt), tuple(req.generated))
             if history in proved:
                 assert req.done(), f"request {req.rid} did not finish"
-                torch.testing.assert_close(torch.stack(req.logits), torch.stack(proved[history].logits),
+                torch.testing.assert_close(logits.of(req), logits.of(proved[history]),
                                            **tolerance, msg=lambda m, r=req: f"request {r.rid}: logits "
                                            f"differ from a proved request's with the same tokens: {m}")
             else:
-                difference, tied = check_against_alone(reference, [req], tolerance)
+                difference, tied = check_against_alone(reference, [req], tolerance, logits)
                 proved[history], worst, ties = req, max(worst, difference), ties + tied
             checked += 1
     return worst, ties, checked

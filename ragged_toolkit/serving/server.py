@@ -60,13 +60,15 @@ def _stamp_clock(requests, now):
 
 
 def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="gathered",
-          backend=None, check=False, observe=None, on_refused=None):
+          backend=None, check=False, observe=None, on_refused=None, on_token=None):
     """Serve ``requests`` on a simulated clock that advances by each step's
     measured time and jumps to the next arrival when nothing runs. A generator
     yielding after each step (:func:`take_turns`), returning a
     :class:`ServingRun`. ``plan(running, waiting, cache, now)`` picks a step's
     work, ``retire_step(running, cache)`` ends it; ``check``: verify the
-    blocks after each step; ``observe(step, running, cache)``: called after each.
+    blocks after each step; ``observe(step, running, cache)``: called after each;
+    ``on_token(request, logits)``: called with each token's logits
+    (:func:`~.engine.forward_step`).
 
     A request the server cannot serve (:func:`~.requests.check_request`) is
     refused by name: without ``on_refused``, every request is checked before
@@ -98,7 +100,7 @@ def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="ga
             work = plan(running, waiting, cache, now)
             fed = [(req, n, bool(req.generated) and req.pending() == 1) for req, n in work]
             slots = len(running)
-            forward_step(model, cache, work, path, backend)
+            forward_step(model, cache, work, path, backend, on_token)
             retire_step(running, cache)
         now += watch.seconds
         _stamp_clock([req for req, _ in work], now)

@@ -9,7 +9,6 @@ import torch
 
 from ..batches import offsets_from_lengths
 from ..decoding import generate_packed
-from .prefix_cache import block_key
 from .requests import Request, output_lengths
 
 __all__ = ["system_prompt_stream", "greedy_answers", "conversation_stream", "reusable_tokens"]
@@ -75,15 +74,14 @@ def conversation_stream(documents, rng, *, conversations, turns, message_max, ou
 def reusable_tokens(requests, block_size):
     """Prompt tokens of ``requests`` (in order) in full blocks that an earlier
     request's prompt or answer holds: what a prefix cache that never evicts
-    finds (the last token of each prompt always computed)."""
+    finds (the last token of each prompt always computed). A block is known
+    here by all the tokens up to its end, not by the cache's hash: an
+    independent count."""
     seen, found = set(), 0
     for req in requests:
-        key, history = None, req.prompt + req.generated
+        history = req.prompt + req.generated
         for i in range((len(req.prompt) - 1) // block_size):
-            key = block_key(key, req.prompt[i * block_size:(i + 1) * block_size])
-            found += block_size * (key in seen)
-        key = None
+            found += block_size * (tuple(req.prompt[:(i + 1) * block_size]) in seen)
         for i in range(len(history) // block_size):  # what this request leaves cached
-            key = block_key(key, history[i * block_size:(i + 1) * block_size])
-            seen.add(key)
+            seen.add(tuple(history[:(i + 1) * block_size]))
     return found

@@ -94,3 +94,29 @@ def test_every_module_names_its_public_api(name):
                and getattr(v, "__module__", name) == name and callable(v)}
     unlisted = sorted(defined - set(module.__all__))
     assert not unlisted, f"{name} defines public functions or classes not in __all__: {unlisted} (list or rename _)"
+
+
+def test_a_plan_and_a_paged_step_are_built_once_and_only_read():
+    import dataclasses
+
+    import torch
+
+    from ragged_toolkit.attention import plan_batch
+    from ragged_toolkit.gpt import GPTConfig
+    from ragged_toolkit.kv_cache import PagedKVCache
+    from ragged_toolkit.serving.engine import build_step
+    from ragged_toolkit.serving.requests import Request
+
+    plan = plan_batch(torch.tensor([0, 3, 5]), backend="padded", is_causal=True)
+    assert (plan.max_q, plan.n_q, plan.n_kv) == (3, 5, 5) and plan.prepared is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.prepared = None
+    empty = plan_batch(torch.tensor([0, 3, 3]), backend="padded")  # a sequence without tokens
+    assert empty.nonempty[2].n_q == 3 and empty.prepared is None
+    cfg = GPTConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=32)
+    cache = PagedKVCache(cfg, 4, 4, "cpu", torch.float32)
+    cache.reserve(0, 5)
+    _, _, layout = build_step(cache, [(Request(0, [1, 2, 3, 4, 5], 1), 5)], "cpu", "gathered", "loop")
+    assert layout.prepared is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.slots = layout.slots + 1

@@ -7,7 +7,7 @@ compiled model that takes the plan compiles it into its graph."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ _PREPARE = {"varlen": prepare_varlen, "sdpa_njt": prepare_njt, "flex": prepare_f
             "loop": lambda plan: None, "bucketed": prepare_bucketed, "padded": prepare_padded}
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchPlan:
     """One batch as ``ragged_attention`` reads it: the backend that will run
     it, the offsets (B + 1,) on the device, the lengths as Python ints (read
@@ -35,7 +35,8 @@ class BatchPlan:
     batch (``prepared``: index tensors, a mask, a ``BlockMask``). Where some
     sequences have no queries or no keys in use, or the backend cannot read
     ``kv_used`` itself, ``nonempty`` holds the rows of the others and their
-    own plan."""
+    own plan. Frozen: a plan is built once, by :func:`plan_batch`, and
+    only read after."""
 
     backend: str
     is_causal: bool
@@ -48,14 +49,16 @@ class BatchPlan:
     prepared: object = None
     nonempty: tuple | None = None  # (query rows (T_q',), key rows (T_kv',), their BatchPlan)
 
-    max_q: int = 0  # the most queries of a sequence
-    max_kv: int = 0  # the most key rows of a sequence
-    n_q: int = 0  # query rows of the packed batch
-    n_kv: int = 0  # key rows of the packed batch
+    max_q: int = field(init=False)  # the most queries of a sequence
+    max_kv: int = field(init=False)  # the most key rows of a sequence
+    n_q: int = field(init=False)  # query rows of the packed batch
+    n_kv: int = field(init=False)  # key rows of the packed batch
 
-    def __post_init__(self):
-        self.max_q, self.max_kv = max(self.q_lengths, default=0), max(self.kv_rows, default=0)
-        self.n_q, self.n_kv = sum(self.q_lengths), sum(self.kv_rows)
+    def __post_init__(self):  # (a frozen dataclass sets its derived fields this way)
+        object.__setattr__(self, "max_q", max(self.q_lengths, default=0))
+        object.__setattr__(self, "max_kv", max(self.kv_rows, default=0))
+        object.__setattr__(self, "n_q", sum(self.q_lengths))
+        object.__setattr__(self, "n_kv", sum(self.kv_rows))
 
 
 def _reads_kv_used(backend):
@@ -87,10 +90,8 @@ def plan_batch(q_offsets, kv_offsets=None, *, backend, is_causal=False, kv_used=
     plan = BatchPlan(backend, is_causal, q_offsets, kv_offsets, q_lengths, kv_lengths, kv_rows, kv_used)
     empty = not (all(q_lengths) and all(kv_lengths))
     if empty or (kv_used is not None and not _reads_kv_used(backend)):
-        plan.nonempty = _without_empty_sequences(plan)
-    else:
-        plan.prepared = _PREPARE[backend](plan)
-    return plan
+        return replace(plan, nonempty=_without_empty_sequences(plan))
+    return replace(plan, prepared=_PREPARE[backend](plan))
 
 
 def _lengths(q_offsets, kv_offsets):

@@ -5,6 +5,8 @@ one operation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..attention import default_backend
@@ -41,7 +43,7 @@ def build_step(cache, work, device, path="gathered", backend=None):
     layout = PagedLayout(cache, q_offsets, slots, positions, kv_lengths, block_table,
                          max(q_lengths), max(r.computed + m for (r, _), m in zip(work, q_lengths)), path)
     backend = default_backend(device, cache.k.dtype) if backend is None else backend
-    layout.prepared = prepare_paged(layout, backend)
+    layout = replace(layout, prepared=prepare_paged(layout, backend))
     return torch.tensor(tokens, dtype=torch.long, device=device), positions, layout
 
 

@@ -22,7 +22,7 @@ __all__ = ["PagedLayout", "gathered_attention", "paged_block_mask", "flex_paged_
            "varlen_paged_attention", "PAGED_PATHS", "prepare_paged", "paged_varlen_support"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PagedLayout:
     """A step of a :class:`~ragged_toolkit.gpt.GPT` over a
     :class:`~ragged_toolkit.kv_cache.PagedKVCache`: the new tokens packed
@@ -30,7 +30,9 @@ class PagedLayout:
     (T,); each sequence's keys in use ``kv_lengths`` (B,) and
     ``block_table`` (B, max_blocks), and the longest of each. ``path`` says
     how attention reads the keys (:data:`PAGED_PATHS`); ``prepared`` is what
-    that path builds once per step, for every layer (:func:`prepare_paged`)."""
+    that path builds once per step, for every layer (:func:`prepare_paged`).
+    Frozen: built once per step, by
+    :func:`~ragged_toolkit.serving.engine.build_step`, and only read after."""
 
     cache: PagedKVCache
     q_offsets: torch.Tensor

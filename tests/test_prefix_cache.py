@@ -98,6 +98,13 @@ def test_keying_a_prompt_reads_each_token_once():
     assert cache.take_prefix(1, list(range(101))) == 100
     assert read == [(4, True)] * (1 + 25 + 25), "a key read more than its block or a parent that is not a number"  # miss, key 25, find 25
     cache.check()
+    deep = PrefixCache(CFG, 1600, 1, "cpu", torch.float32)  # 1,500 blocks deep: nested keys would recurse
+    req = Request(0, list(range(1500)), 1)
+    deep.take_prefix(0, req.prompt)
+    deep.reserve(0, 1500)
+    req.computed = 1500
+    deep.note_computed(req)
+    assert deep.take_prefix(1, req.prompt + [7]) == 1500
 
 
 def test_admission_takes_full_blocks_and_leaves_a_token_to_compute():

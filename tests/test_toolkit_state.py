@@ -120,3 +120,64 @@ def test_a_plan_and_a_paged_step_are_built_once_and_only_read():
     assert layout.prepared is not None
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.slots = layout.slots + 1
+
+
+def module_imports(name, path, known):
+    """The toolkit modules that module ``name`` (file ``path``) imports
+    itself, anywhere in it (a function-local import too), by dotted name;
+    ``from .pkg import mod`` counts ``pkg.mod`` where it is a module."""
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base[:len(base) - node.level + 1] + (node.module.split(".") if node.module else [])
+                target = ".".join(parts)
+            else:
+                target = node.module or ""
+            found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m in known and m != name}
+
+
+def import_cycles(files):
+    """Each set of modules that import one another, round a cycle (Tarjan's
+    strongly connected components of the import graph), as sorted lists."""
+    graph = {name: module_imports(name, path, files) for name, path in files.items()}
+    index, low, stack, cycles = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_modules_import_each_other():
+    assert import_cycles(FILES) == [], "these modules import one another (a function-local import hides it)"
+
+
+def test_the_cycle_check_finds_a_function_local_import(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .b import g\n\n\ndef f():\n    return g()\n")
+    (package / "b.py").write_text("def g():\n    from .a import f\n    return f\n")
+    (package / "c.py").write_text("from . import a\n")
+    files = {"pkg": package / "__init__.py", **{f"pkg.{m}": package / f"{m}.py" for m in "abc"}}
+    assert import_cycles(files) == [["pkg.a", "pkg.b"]]

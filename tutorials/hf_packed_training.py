@@ -561,7 +561,7 @@ plt.show()
 
 import importlib.util
 
-from ragged_toolkit.measuring.profiles import profile_call
+from ragged_toolkit.measuring.timing import profile_call
 
 
 _, kernels = profile_call(lambda: loss_of(runs["ragged"], ours, packed).backward())  # one training step

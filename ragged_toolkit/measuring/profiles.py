@@ -1,79 +1,19 @@
-"""Where a call's time and memory go: the attention kernels that ran and the
-peak memory of one call, and a profile of its steady state, per call, beside
-its timed median, with the profiler's own overhead estimated."""
+"""Where a call's time goes: a profile of its steady state, per call, beside
+its timed median, with the profiler's own overhead estimated. (The kernels
+that ran and the peak memory of one call, which ``measure`` reports, are
+:func:`~ragged_toolkit.measuring.timing.profile_call`.)"""
 
 from __future__ import annotations
 
-import gc
 import os
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..device import synchronize
 from .timing import TIMING_THREADS, cpu_threads, measure, stopwatch
 
-__all__ = ["profile_call", "profiler_overhead_us", "Profile", "where_time_goes"]
-
-_KERNELS = {  # profiler operator -> the kernel it names
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "CPU flash",
-    "aten::_scaled_dot_product_flash_attention": "flash",
-    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
-    "aten::_scaled_dot_product_cudnn_attention": "cuDNN",
-    "aten::_scaled_dot_product_attention_math": "math",
-    "aten::_flash_attention_forward": "flash varlen",
-    "aten::_efficient_attention_forward": "memory-efficient varlen",
-    "aten::_cudnn_attention_forward": "cuDNN varlen",
-}
-
-
-def _kernel_label(events):
-    """The attention kernels among profiler events, with their call counts
-    (empty if no attention ran): "CPU flash x12", "flash varlen"."""
-    counts = {}
-    for e in events:
-        base = e.name.removesuffix("_backward")
-        parent = e.cpu_parent
-        while parent is not None and parent.name.removesuffix("_backward") not in _KERNELS:
-            parent = parent.cpu_parent
-        if base in _KERNELS and parent is None:  # not called by another attention op
-            label = _KERNELS[base] + (" backward" if e.name.endswith("_backward") else "")
-            counts[label] = counts.get(label, 0) + 1
-    if not counts and any(e.name.startswith("triton_tem_fused") for e in events):
-        counts["FlexAttention Triton kernel"] = 1
-    if not counts and any(e.name.startswith("Torch-Compiled Region") for e in events):
-        counts["compiled graph (inductor kernel)"] = 1
-    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
-
-
-def profile_call(fn, threads=TIMING_THREADS):
-    """Run ``fn`` once under the profiler (with ``threads``, as it was timed):
-    the memory it needed beyond what was allocated before, in MiB, and the
-    attention kernels that ran (``_kernel_label``)."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
-    from torch.profiler import ProfilerActivity, profile
-
-    gc.collect()  # free what earlier calls left behind before counting
-    cuda = torch.cuda.is_available()
-    if cuda:
-        synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with cpu_threads(threads), profile(activities=activities, profile_memory=not cuda) as prof:
-        fn()
-        synchronize()
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() - before
-    else:  # the running sum of the allocation and free events, in time order
-        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
-                                      for e in prof.profiler.kineto_results.events()
-                                      if e.name() == "[memory]")]
-        peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
-    return peak / 2**20, _kernel_label(prof.events())
-
+__all__ = ["profiler_overhead_us", "Profile", "where_time_goes"]
 
 def profiler_overhead_us(n=2000):
     """What the profiler adds per operator it records, in microseconds: a

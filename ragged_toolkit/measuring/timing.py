@@ -4,6 +4,8 @@ steps of a loop timed with the device synchronized at both ends."""
 
 from __future__ import annotations
 
+import gc
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,8 +16,8 @@ from torch.utils import benchmark
 
 from ..device import synchronize
 
-__all__ = ["TIMING_THREADS", "cpu_threads", "Stopwatch", "stopwatch", "Timing", "measure", "StepTimer",
-           "warm_every_shape", "train_in_turns"]
+__all__ = ["TIMING_THREADS", "cpu_threads", "Stopwatch", "stopwatch", "Timing", "profile_call", "measure",
+           "StepTimer", "warm_every_shape", "train_in_turns"]
 
 #: The CPU threads per operator that ``measure`` times with and every profile
 #: runs with: one, ``torch.utils.benchmark``'s default, so that a profile
@@ -86,16 +88,72 @@ class Timing:
         return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}{kernels}"
 
 
+_KERNELS = {  # profiler operator -> the kernel it names
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "CPU flash",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cuDNN",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_flash_attention_forward": "flash varlen",
+    "aten::_efficient_attention_forward": "memory-efficient varlen",
+    "aten::_cudnn_attention_forward": "cuDNN varlen",
+}
+
+
+def _kernel_label(events):
+    """The attention kernels among profiler events, with their call counts
+    (empty if no attention ran): "CPU flash x12", "flash varlen"."""
+    counts = {}
+    for e in events:
+        base = e.name.removesuffix("_backward")
+        parent = e.cpu_parent
+        while parent is not None and parent.name.removesuffix("_backward") not in _KERNELS:
+            parent = parent.cpu_parent
+        if base in _KERNELS and parent is None:  # not called by another attention op
+            label = _KERNELS[base] + (" backward" if e.name.endswith("_backward") else "")
+            counts[label] = counts.get(label, 0) + 1
+    if not counts and any(e.name.startswith("triton_tem_fused") for e in events):
+        counts["FlexAttention Triton kernel"] = 1
+    if not counts and any(e.name.startswith("Torch-Compiled Region") for e in events):
+        counts["compiled graph (inductor kernel)"] = 1
+    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
+
+
+def profile_call(fn, threads=TIMING_THREADS):
+    """Run ``fn`` once under the profiler (with ``threads``, as it was timed):
+    the memory it needed beyond what was allocated before, in MiB, and the
+    attention kernels that ran (``_kernel_label``)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's log lines quiet
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # free what earlier calls left behind before counting
+    cuda = torch.cuda.is_available()
+    if cuda:
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with cpu_threads(threads), profile(activities=activities, profile_memory=not cuda) as prof:
+        fn()
+        synchronize()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - before
+    else:  # the running sum of the allocation and free events, in time order
+        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
+                                      for e in prof.profiler.kineto_results.events()
+                                      if e.name() == "[memory]")]
+        peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
+    return peak / 2**20, _kernel_label(prof.events())
+
+
 def measure(fns, *, min_run_time=1.0, rounds=3, profile=True, threads=TIMING_THREADS):
     """Time callables side by side. ``fns`` maps a name to a function of no
     arguments; each first call is timed alone (it may compile), then the
     functions take turns for ``rounds`` rounds, so that a busy machine slows
     all alike. With ``profile``, one more call of each under the profiler
     gives its peak memory and the attention kernels that ran
-    (:func:`~ragged_toolkit.measuring.profiles.profile_call`). Returns name
+    (:func:`profile_call`). Returns name
     -> :class:`Timing`."""
-    from .profiles import profile_call
-
     first, times = {}, {name: [] for name in fns}
     with cpu_threads(threads):
         for name, fn in fns.items():

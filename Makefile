@@ -40,6 +40,9 @@ $(STAMP): requirements.txt requirements-tutorials.txt requirements-site.txt pypr
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
+	@# the site's machinery, ragged_site/, beside the library: importable in this
+	@# environment only (pyproject.toml installs the library alone)
+	$(BIN)/python -c "import pathlib, site, sys; pathlib.Path(site.getsitepackages()[0], 'ragged_site.pth').write_text(sys.argv[1] + '\n')" "$(CURDIR)"
 	@touch $@
 
 check-aspell:

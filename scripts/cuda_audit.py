@@ -9,7 +9,7 @@ A page states its sizes in one literal dict at its top (CONTRIBUTING.md,
 
 The audit reads it from the page's source with ``ast.literal_eval`` (nothing
 of the page runs), merges it as the page will on a GPU
-(``ragged_toolkit.device.page_sizes(SIZES, "cuda", quick)``), and checks,
+(``ragged_site.page.page_sizes(SIZES, "cuda", quick)``), and checks,
 for ``full`` and ``quick``:
 
 * attention: every head configuration the sizes describe, found anywhere in
@@ -63,7 +63,7 @@ import torch  # noqa: E402
 
 from ragged_toolkit.attention import backend_support  # noqa: E402
 from ragged_toolkit.data import docstring_corpus  # noqa: E402
-from ragged_toolkit.device import page_sizes  # noqa: E402
+from ragged_site.page import page_sizes  # noqa: E402
 
 MODES = ("full", "quick")
 BACKENDS = ("varlen", "flex")  # the CUDA paths the pages call through ragged_attention

@@ -23,7 +23,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MEASURING = ("ragged_toolkit.measuring", "ragged_toolkit.measure", "ragged_toolkit.bound",
+MEASURING = ("ragged_site.measuring", "ragged_toolkit.measure", "ragged_toolkit.bound",
              "ragged_toolkit.profiles", "ragged_toolkit.attention.compare")
 FIGURE_WORDS = re.compile(r"\bms\b|tokens/s|speedup|bound|IQR|fraction|median|MiB|per second", re.I)
 

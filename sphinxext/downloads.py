@@ -29,7 +29,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from gallery_layout import GALLERY_OUT, GALLERY_SRC, TOOLKIT, page_modules, toolkit_modules, tutorial_sources
+from gallery_layout import GALLERY_OUT, GALLERY_SRC, PACKAGES, TOOLKIT, page_modules, toolkit_modules, tutorial_sources
 
 # --- the rST the pages write -> Markdown ------------------------------------------
 # Sphinx-Gallery converts headings, links, notes, math and code blocks at the
@@ -321,10 +321,10 @@ def toolkit_block(files: dict[str, str]) -> str:
     entries = "".join(f"    {name!r}: {source_literal(text)},\n" for name, text in files.items())
     return f'''\
 {BEGIN}
-# The pages import the package {TOOLKIT} ("Download the toolkit" on each page
-# gives it as a wheel to pip install). This block, written by the site's build,
-# holds the modules this page imports; run, it writes them into a temporary
-# folder, removed at exit, first on sys.path.
+# The pages import the library {TOOLKIT} and the site's machinery {PACKAGES[1]}
+# ("Download the toolkit" on each page gives both as a wheel to pip install).
+# This block, written by the site's build, holds the modules this page imports;
+# run, it writes them into a temporary folder, removed at exit, first on sys.path.
 def _unpack_toolkit(files):
     import atexit
     import shutil
@@ -332,7 +332,7 @@ def _unpack_toolkit(files):
     import tempfile
     from pathlib import Path
 
-    if {TOOLKIT!r} in sys.modules:  # unpacked at the first import already
+    if all(name.split("/")[0] in sys.modules for name in files):  # unpacked at the first import already
         return
     root = Path(tempfile.mkdtemp(prefix="{TOOLKIT}-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
@@ -355,7 +355,7 @@ def carry_toolkit(script: str, files: dict[str, str]) -> str:
     script = script.replace(LOADER, "")
     script = re.sub(rf"\n*^{re.escape(BEGIN)}$.*?^{re.escape(END)}$\n?", "\n", script, flags=re.M | re.S)
     imports = [node.lineno for node in ast.parse(script).body if isinstance(node, (ast.Import, ast.ImportFrom))
-               and any(n == TOOLKIT or n.startswith(TOOLKIT + ".")
+               and any(n.split(".")[0] in PACKAGES
                        for n in ([node.module or ""] if isinstance(node, ast.ImportFrom)
                                  else [a.name for a in node.names]))]
     lines = script.splitlines(keepends=True)

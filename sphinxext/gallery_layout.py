@@ -16,7 +16,9 @@ from pathlib import Path
 
 GALLERY_SRC = "tutorials"  # the sources
 GALLERY_OUT = "auto_tutorials"  # what Sphinx-Gallery generates from them
-TOOLKIT = "ragged_toolkit"  # the package every page imports, beside conf.py (pyproject.toml)
+TOOLKIT = "ragged_toolkit"  # the library every page imports, beside conf.py (pyproject.toml)
+HARNESS = "ragged_site"  # the site's machinery the pages import, beside it (not in pyproject.toml)
+PACKAGES = (TOOLKIT, HARNESS)  # the packages whose modules the pages run and their downloads carry
 TOOLKIT_MD5 = TOOLKIT + ".md5.json"  # in GALLERY_OUT: each module's MD5 when the pages last ran
 # A page not listed comes after the listed ones, by name; a listed name with no file is ignored.
 READING_ORDER = [
@@ -60,12 +62,15 @@ def tutorial_sources(src_dir: Path) -> list[Path]:
 # --- which toolkit modules a page uses ------------------------------------------
 
 def toolkit_modules(src_dir: Path) -> dict[str, Path]:
-    """Dotted name -> file of every module of the toolkit package in ``src_dir``
-    (a package's ``__init__.py`` is the package's own name)."""
-    root, found = Path(src_dir) / TOOLKIT, {}
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    """Dotted name -> file of every module of the library and the harness
+    (:data:`PACKAGES`) in ``src_dir`` (a package's ``__init__.py`` is the
+    package's own name)."""
+    found = {}
+    for package in PACKAGES:
+        root = Path(src_dir) / package
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # The real tutorials: the tests never depend on which ones there are.
 sys.path.insert(0, str(REPO / "sphinxext"))
-from gallery_layout import TOOLKIT, tutorial_sources  # noqa: E402
+from gallery_layout import HARNESS, TOOLKIT, tutorial_sources  # noqa: E402
 
 STEMS = [p.stem for p in tutorial_sources(REPO)]
 
@@ -31,7 +31,7 @@ SITE_FILES = [
     ".pyspelling.yml",
     "spelling_wordlist.txt",
 ]
-SITE_DIRS = ["sphinxext", "_static", "_templates", TOOLKIT, "gpu-results"]  # the package the pages import; a GPU run
+SITE_DIRS = ["sphinxext", "_static", "_templates", TOOLKIT, HARNESS, "gpu-results"]  # the package the pages import; a GPU run
 
 
 @dataclass

@@ -258,14 +258,18 @@ def test_the_packages_dependencies_are_the_minimums():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     mins = dict(downloads.minimums(REPO / "requirements-minimum.txt"))
-    for requirement in project["dependencies"] + project["optional-dependencies"]["figures"]:
+    assert "optional-dependencies" not in project, "the library draws nothing: it needs no extra"
+    for requirement in project["dependencies"]:
         name, version = requirement.split(">=")
         assert mins.get(name) == version, f"pyproject.toml asks {requirement}, requirements-minimum.txt {mins}"
 
 
 def test_the_wheel_installs_and_changes_with_the_toolkit(tmp_path):
+    """The pages' download: the library and the site's machinery in one wheel
+    (``pip install .`` installs the library alone: tests/test_library.py)."""
     site = tmp_path / "site"
-    shutil.copytree(REPO / "ragged_toolkit", site / "ragged_toolkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("ragged_toolkit", "ragged_site"):
+        shutil.copytree(REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(REPO / "pyproject.toml", site)
     name, data = downloads.wheel_bytes(site)
     assert downloads.wheel_bytes(site) == (name, data), "not the same bytes for the same sources"
@@ -278,9 +282,10 @@ def test_the_wheel_installs_and_changes_with_the_toolkit(tmp_path):
                            "--target", str(target), str(tmp_path / name)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     installed = {p.relative_to(target).as_posix() for p in target.rglob("*.py")}
-    assert installed == {p.relative_to(REPO).as_posix() for p in (REPO / "ragged_toolkit").rglob("*.py")}
+    assert installed == {p.relative_to(REPO).as_posix() for package in ("ragged_toolkit", "ragged_site")
+                         for p in (REPO / package).rglob("*.py")}
     metadata = next(target.glob("*.dist-info")).joinpath("METADATA").read_text()
-    assert "Requires-Dist: torch>=2.11.0" in metadata and 'extra == "figures"' in metadata, metadata
+    assert "Requires-Dist: torch>=2.11.0" in metadata, metadata
 
 
 def test_minimums_agree_with_the_pins():

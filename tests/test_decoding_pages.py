@@ -15,7 +15,7 @@ from toolkit_api import tk as toolkit
 
 
 def test_compare_backends_plans_inside_the_call_when_asked(monkeypatch):
-    compare = MODULES["ragged_toolkit.measuring.compare"]
+    compare = MODULES["ragged_site.measuring.compare"]
     calls = []
     real = compare.plan_batch
     monkeypatch.setattr(compare, "plan_batch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -63,7 +63,7 @@ def test_generation_work_counts_what_each_side_computes():
     assert toolkit.generation_work([2, 3], 3, work, cache=False) == again
 
 
-# --- the decision page's own paths and guide (ragged_toolkit.decision) -------
+# --- the decision page's own paths and guide (ragged_site.decision) -------
 
 def _batch(lengths=(3, 1, 5), heads=4, head_dim=16, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -73,7 +73,7 @@ def _batch(lengths=(3, 1, 5), heads=4, head_dim=16, seed=0):
 
 
 def test_compare_calls_checks_each_call_then_times_it_and_names_one_that_disagrees(capsys):
-    compare = MODULES["ragged_toolkit.measuring.compare"]
+    compare = MODULES["ragged_site.measuring.compare"]
     x = torch.randn(4, 2, 16)
     calls = {("job", "same"): (lambda: x, lambda out: out.float(), x),
              "pair": (lambda: (x, 2 * x), lambda out: out.float(), (x, 2 * x))}

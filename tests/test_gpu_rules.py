@@ -20,7 +20,7 @@ from toolkit_api import MODULES, tk
 
 ATTENTION = MODULES["ragged_toolkit.attention"]
 FLEX = MODULES["ragged_toolkit.attention.flex"]
-LAUNCH = MODULES["ragged_toolkit.data_parallel_launch"]
+LAUNCH = MODULES["ragged_site.data_parallel_launch"]
 
 
 # --- a backend with no kernel on CUDA --------------------------------------------

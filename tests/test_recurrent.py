@@ -28,7 +28,7 @@ import torch
 
 from ragged_toolkit import recurrent
 from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths, to_padded
-from ragged_toolkit.device import tolerances
+from ragged_site.page import tolerances
 
 CHUNK = 8
 # 0..1 | 1..8 | 8..16 | empty | 16..17 | 17..47 | 47..50 | 50..66 | 66..67 | 67..72: starts on chunk

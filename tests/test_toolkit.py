@@ -96,7 +96,7 @@ def test_one_vocabulary(path):
 
 def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
     page = tmp_path / "page.py"
-    page.write_text("from ragged_toolkit.measuring.timing import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
+    page.write_text("from ragged_site.measuring.timing import measure\n\nx = 1\n\n\ndef to_padded(values, offsets):\n"
                     "    return values\n\n\nif x:\n    ragged_attention = None\n")
     with pytest.raises(AssertionError, match=r"page.py:6: defines to_padded\s+page.py:11: defines ragged_attention"):
         test_one_vocabulary(page)
@@ -105,8 +105,8 @@ def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
         test_one_vocabulary(page)
     with pytest.raises(AssertionError, match="page.py does not import from ragged_toolkit"):
         test_every_page_imports_the_toolkit(page)
-    page.write_text("from ragged_toolkit.measuring.timing import measure, time_it\n")
-    with pytest.raises(AssertionError, match=r"imports names ragged_toolkit.measuring.timing does not define: \['time_it'\]"):
+    page.write_text("from ragged_site.measuring.timing import measure, time_it\n")
+    with pytest.raises(AssertionError, match=r"imports names ragged_site.measuring.timing does not define: \['time_it'\]"):
         test_every_page_imports_the_toolkit(page)
     page.write_text("from ragged_toolkit import measure\n")
     with pytest.raises(AssertionError, match="imports names ragged_toolkit does not define"):
@@ -116,11 +116,12 @@ def test_the_vocabulary_checks_name_a_copy_and_its_line(tmp_path):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
 def test_every_page_imports_the_toolkit(page):
     """Each name from the module that defines it (so the build knows which
-    modules a page uses); the package itself exports nothing."""
+    modules a page uses), the library's and the harness's; the packages
+    themselves export nothing. Every page uses the library."""
     missing, imported = [], False
     for node in _top_level(ast.parse(page.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ragged_toolkit":
-            imported = True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("ragged_toolkit", "ragged_site"):
+            imported |= node.module.split(".")[0] == "ragged_toolkit"
             module = MODULES.get(node.module)
             gone = [a.name for a in node.names if module is None or not hasattr(module, a.name)
                     or isinstance(getattr(module, a.name), types.ModuleType)]

@@ -43,7 +43,7 @@ batch. Real text, offline: Python's docstrings, one byte per token.
 # thousands of GPUs, a budget of 4096 to 16384 tokens per micro-batch and rank.)
 
 import torch
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(model=dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=688,
@@ -119,8 +119,7 @@ print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
 
 from ragged_toolkit.batches import offsets_from_position_ids, token_index
 from ragged_toolkit.data import document_targets
-from ragged_toolkit.data_parallel import (check_documents_apart, check_positions, check_targets,
-                                          failure_message)
+from ragged_site.data_parallel import check_documents_apart, check_positions, check_targets, failure_message
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.layouts import PackedLayout
 
@@ -202,7 +201,7 @@ assert token_imbalance(steps_budget) == 1.0, "a token budget gives every rank th
 # in the first steps, both ways:
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE, draw_token_budget
+from ragged_site.figures import FIGURE_STYLE, draw_token_budget
 
 plt.rcParams.update(FIGURE_STYLE)
 draw_token_budget(offsets.diff()[:40].tolist(), BUDGET, micro_batches=6)
@@ -243,10 +242,11 @@ plt.show()
 # sizes from the start (``dynamic=True``), and counts dynamo's graphs and
 # breaks; its ``eager`` backend generates no kernels:
 #
-# .. literalinclude:: ../ragged_toolkit/data_parallel.py
+# .. literalinclude:: ../ragged_site/data_parallel.py
 #    :pyobject: compiled_graphs
 
-from ragged_toolkit.data_parallel import compiled_graphs, token_loss_sum
+from ragged_site.data_parallel import compiled_graphs
+from ragged_toolkit.data_parallel import token_loss_sum
 from ragged_toolkit.layouts import PackedRows
 
 COMPILE_STEPS = 3
@@ -306,7 +306,7 @@ print(f"loop plan: fixed documents hold {held['fixed documents']} sequences, {lo
 # average DDP takes over the ranks): each micro-batch's loss over its own
 # targets, those means averaged. It is tried on the same data, in one process.
 
-from ragged_toolkit.data_parallel import one_process_gradients
+from ragged_site.data_parallel import one_process_gradients
 
 grad_steps = deal_to_ranks(split_by_documents(tokens, offsets, GRAD_DOCS), WORLD, 3)[:50]
 grad_batches = max(grad_steps, key=lambda step: token_imbalance([step]))  # the most uneven
@@ -352,10 +352,10 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # interpreter's shutdown, where objects that still held a gloo connection
 # were seen to abort a rank about once in 50 launches:
 #
-# .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
+# .. literalinclude:: ../ragged_site/data_parallel_launch.py
 #    :pyobject: data_parallel_worker
 #
-# .. literalinclude:: ../ragged_toolkit/data_parallel_launch.py
+# .. literalinclude:: ../ragged_site/data_parallel_launch.py
 #    :start-at: DATA_PARALLEL_SCRIPT =
 #    :end-at: os._exit(0)
 #
@@ -367,8 +367,8 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # * ``torchrun --standalone --nproc-per-node=gpu worker.py FOLDER``
 
 from ragged_toolkit.attention import backend_support
-from ragged_toolkit.data_parallel import check_same_gradients, nccl_ranks
-from ragged_toolkit.data_parallel_launch import DataParallelJob, GradientRun, run_data_parallel
+from ragged_site.data_parallel import check_same_gradients, nccl_ranks
+from ragged_site.data_parallel_launch import DataParallelJob, GradientRun, run_data_parallel
 
 RUNS = [GradientRun("DDP", wrap="ddp"), GradientRun("FSDP2", wrap="fsdp"),
         GradientRun("DDP, count not reduced", wrap="ddp", reduce_count=False)]
@@ -418,8 +418,8 @@ print(failure_message(check_same_gradients, grads["DDP, count not reduced"], ref
 # beside what differs between the two ways (a document cut by the budget is
 # two shorter sequences, with fewer attention pairs than the whole).
 
-from ragged_toolkit.data_parallel import step_load
-from ragged_toolkit.data_parallel_launch import step_times_ms
+from ragged_site.data_parallel import step_load
+from ragged_site.data_parallel_launch import step_times_ms
 
 
 def summary(reports, label):

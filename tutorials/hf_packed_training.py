@@ -52,7 +52,7 @@ import inspect
 import torch
 import transformers
 from packaging.version import Version
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(model=dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
@@ -322,7 +322,7 @@ print(f"{real} real tokens in {S.steps} batches; padded, {slots['padded']} token
 # then through ours, with the batch's plan; each is compared with the
 # reference on every real token.
 
-from ragged_toolkit.device import tolerances
+from ragged_site.page import tolerances
 
 
 def autocast():
@@ -357,7 +357,7 @@ print(f"{HF}: packed rows with 'sdpa' {across} (largest logit difference {D1:.2f
 # one wrong wherever attention crosses a boundary.
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_site.figures import FIGURE_STYLE
 
 first = len(corpus[0][0])
 for name, logits in logits_of.items():
@@ -435,7 +435,7 @@ print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f}
 # update) is timed with a synchronized clock; throughput counts *real*
 # tokens after the first ``WARMUP_STEPS``.
 
-from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
+from ragged_site.measuring.timing import StepTimer, warm_every_shape
 
 
 verdict = {cache: f"use_cache={cache}, " + ("correct" if correct[f"sdpa, use_cache={cache}"]
@@ -514,7 +514,7 @@ else:
 # number of a line is the :term:`fraction of the bound`
 # (:doc:`measuring_ragged_batches`).
 
-from ragged_toolkit.measuring.bound import model_work, throughput_line, work_per_token
+from ragged_site.measuring.bound import model_work, throughput_line, work_per_token
 
 work = model_work(base, n_layers=S.model["num_hidden_layers"], attention_width=S.model["hidden_size"])
 lengths = {"padded": [torch.tensor([len(doc) for doc in docs]) for docs in corpus[WARMUP_STEPS:]],
@@ -561,7 +561,7 @@ plt.show()
 
 import importlib.util
 
-from ragged_toolkit.measuring.timing import profile_call
+from ragged_site.measuring.timing import profile_call
 
 
 _, kernels = profile_call(lambda: loss_of(runs["ragged"], ours, packed).backward())  # one training step

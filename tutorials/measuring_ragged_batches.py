@@ -45,7 +45,7 @@ these in one call and links here.
 # (``TIMING_THREADS``), so that a profile describes the call that was timed
 # and a compiled function is compiled once, for those threads.
 
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(batch=512, embed=512, heads=8, run_time=0.5),  # the original tutorial's scale
@@ -98,14 +98,14 @@ assert cdf_gap < critical, "the geometric lengths do not match the word-by-word 
 # for its peak memory in MiB and the :term:`kernel label` of the attention
 # that ran.
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/timing.py
+# .. literalinclude:: ../ragged_site/measuring/timing.py
 #    :pyobject: measure
 #
 # Every other clock read, the steps of a loop or of a server, goes through
 # one helper, ``stopwatch``, which synchronizes the device before the clock
 # starts and before it stops:
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/timing.py
+# .. literalinclude:: ../ragged_toolkit/clock.py
 #    :pyobject: stopwatch
 #
 # The causal self-attention layer of the building-blocks page on one batch,
@@ -119,8 +119,8 @@ import torch
 from ragged_toolkit.attention import default_backend, plan_batch
 from ragged_toolkit.batches import ragged_batch, to_padded
 from ragged_toolkit.layers import MultiHeadAttention
-from ragged_toolkit.measuring.tables import print_timings
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.tables import print_timings
+from ragged_site.measuring.timing import measure
 
 x, offsets = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)  # (T, E), (B + 1,)
 x_padded, valid = to_padded(x, offsets)  # (B, S, E), (B, S)
@@ -146,10 +146,10 @@ print_timings(times)
 # page. The same function timed twice is the test of the rule: it must come
 # out within noise.
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/noise.py
+# .. literalinclude:: ../ragged_site/measuring/noise.py
 #    :pyobject: choose
 
-from ragged_toolkit.measuring.noise import choose, outside_noise
+from ragged_site.measuring.noise import choose, outside_noise
 
 choose({k: times[k] for k in ("packed", "packed again")}, "packed", "the same function twice")
 choose({k: times[k] for k in ("padded", "packed")}, "padded", "padded or packed")
@@ -169,10 +169,10 @@ if outside_noise(times["packed"], times["packed again"]):
 # values. ``attention_layer_work`` gives it for an attention layer,
 # ``model_work`` for a whole decoder (two FLOPs per weight per token):
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/bound.py
+# .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: attention_layer_work
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/bound.py
+# .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: model_work
 #
 # ``work_bound`` counts both sides from the lengths: the packed side each
@@ -183,13 +183,13 @@ if outside_noise(times["packed"], times["packed again"]):
 # interquartile ranges of the two timings overlap; ``throughput_line`` does
 # the same for two rates in tokens per second.
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/bound.py
+# .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: work_bound
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/bound.py
+# .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: speedup_line
 
-from ragged_toolkit.measuring.bound import attention_layer_work, speedup_line, work_bound
+from ragged_site.measuring.bound import attention_layer_work, speedup_line, work_bound
 
 work = attention_layer_work(S.embed)  # four projections; scores and their sum over values
 lengths = offsets.diff().cpu()
@@ -285,7 +285,7 @@ for a in alphas[1:] if setup.quick else alphas:
                        t["packed"], measured[a]["bound"]))
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_site.figures import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 4.5), layout="constrained", width_ratios=[1, 1.2])
@@ -315,7 +315,7 @@ plt.show()
 # the two can be compared. (Quick mode skips profiles: they cost more than
 # its timings.)
 
-from ragged_toolkit.measuring.profiles import where_time_goes
+from ragged_site.measuring.profiles import where_time_goes
 
 if setup.quick:
     print("quick mode: no profiles")
@@ -340,11 +340,11 @@ else:
 # loop with ``stopwatch``, with the graphs compiled during it, so that a
 # page can assert that none was compiled in the steps it reports.
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/timing.py
+# .. literalinclude:: ../ragged_site/measuring/timing.py
 #    :pyobject: StepTimer
 
-from ragged_toolkit.measuring.compiling import compile_counter
-from ragged_toolkit.measuring.timing import StepTimer
+from ragged_site.measuring.compiling import compile_counter
+from ragged_site.measuring.timing import StepTimer
 
 compiled_layer = torch.compile(layer, dynamic=False)
 timer = StepTimer()
@@ -373,7 +373,7 @@ assert timer.graphs[0] > 0 and sum(timer.graphs[1:]) == 0, "a graph was compiled
 # against the packed layer's steady forward and backward.
 
 import torch.nn as nn
-from ragged_toolkit.measuring.timing import stopwatch
+from ragged_toolkit.clock import stopwatch
 
 causal = torch.ones(x_padded.shape[1], x_padded.shape[1], dtype=torch.bool, device=DEVICE).triu(1)  # masked
 original = torch.compile(nn.MultiheadAttention(S.embed, S.heads, batch_first=True, device=DEVICE,

@@ -51,7 +51,7 @@ prompts of different lengths.
 # asks the corpus for. Real runs: width 2048 and up, rows of 2,048 to 8,192
 # tokens, many rows per step, billions of tokens.
 
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
@@ -270,8 +270,8 @@ def padded_loss(model, tokens, offsets):
 
 import copy
 
-from ragged_toolkit.attention.reference import math_check_sequences
-from ragged_toolkit.device import tolerances
+from ragged_site.reference import math_check_sequences
+from ragged_site.page import tolerances
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -376,8 +376,8 @@ print(f"compiled packed trainer: {'the flex plan' if why_not_flex is None else '
 # On a GPU, every trainer first meets every batch shape (cuDNN plans one per
 # shape), through the step it is timed with.
 
-from ragged_toolkit.measuring.noise import MIN_RUNS, choose
-from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
+from ragged_site.measuring.noise import MIN_RUNS, choose
+from ragged_site.measuring.timing import StepTimer, warm_every_shape
 
 if DEVICE == "cuda":
     for kind in batches:
@@ -443,8 +443,8 @@ for kind, timer in timers.items():
 # padded causal kernel skips the masked half too), each padded trainer from
 # its own batches; the :term:`fraction of the bound`: :doc:`measuring_ragged_batches`.
 
-from ragged_toolkit.measuring.bound import model_work, throughput_line, work_per_token
-from ragged_toolkit.measuring.noise import outside_noise
+from ragged_site.measuring.bound import model_work, throughput_line, work_per_token
+from ragged_site.measuring.noise import outside_noise
 
 work = model_work(model, n_layers=cfg.n_layers, attention_width=cfg.n_heads * cfg.head_dim)
 
@@ -483,7 +483,7 @@ print(f"median step per 1k real tokens: packed {per_1k['packed'].median_ms:.0f} 
 import math
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_site.figures import FIGURE_STYLE
 
 uniform = math.log(cfg.vocab_size)
 for name, trained in losses.items():
@@ -520,9 +520,9 @@ plt.show()
 from ragged_toolkit.data import as_tokens
 from ragged_toolkit.decoding import generate_packed, prefill_packed
 from ragged_toolkit.kv_cache import KVCache
-from ragged_toolkit.measuring.bound import speedup_line, work_bound
-from ragged_toolkit.measuring.tables import print_timings
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.bound import speedup_line, work_bound
+from ragged_site.measuring.tables import print_timings
+from ragged_site.measuring.timing import measure
 
 model = models["packed"].eval()  # the packed trainer's model (not a compiled wrapper)
 prompt_docs = [d[:8 + 3 * i] for i, d in enumerate(held_out)]  # openings of 8 to 8 + 3 (B - 1) bytes

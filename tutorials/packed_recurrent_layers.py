@@ -46,7 +46,7 @@ shown (in ``transformers`` too), and measured.
 # of ``chunk`` tokens; a hybrid trained on ``train_tokens`` bytes of the first
 # ``corpus_documents`` docstrings, ``step_tokens`` a step (real: 4096 to 65536).
 
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(embed=1024, heads=16, head_dim=64, chunk=64, speed_docs=96, max_len=1024, step_tokens=4096,
@@ -120,7 +120,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from ragged_toolkit.batches import offsets_from_lengths, token_index
-from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_site.figures import FIGURE_STYLE
 from ragged_toolkit.recurrent import chunk_decay, l2norm
 
 plt.rcParams.update(FIGURE_STYLE)
@@ -189,7 +189,7 @@ plt.show()
 # (``tolerances(dtype)``): ``1e-4`` in float32, ``4e-2`` in bfloat16.
 
 from ragged_toolkit.batches import sentence_lengths
-from ragged_toolkit.device import tolerances
+from ragged_site.page import tolerances
 from ragged_toolkit.recurrent import documents_reference, packed_recurrence
 
 
@@ -403,9 +403,9 @@ plt.show()
 #    :pyobject: token_loop
 
 from ragged_toolkit.batches import to_padded
-from ragged_toolkit.measuring.bound import Work, throughput_line, work_bound
-from ragged_toolkit.measuring.tables import print_timings
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.bound import Work, throughput_line, work_bound
+from ragged_site.measuring.tables import print_timings
+from ragged_site.measuring.timing import measure
 from ragged_toolkit.recurrent import token_loop
 
 try:
@@ -502,8 +502,8 @@ print(f"attention in block {hybrid.attention_layers}; first step: loss {float(fi
 # the same training step: cuDNN builds a plan for each new shape, and that
 # must not land in a timed step on either side.
 
-from ragged_toolkit.measuring.bound import model_work, work_per_token
-from ragged_toolkit.measuring.timing import train_in_turns
+from ragged_site.measuring.bound import model_work, work_per_token
+from ragged_site.measuring.timing import train_in_turns
 
 WARMUP = 2  # steps left out of the rates
 WAYS = {"packed": False, "padded": True}  # name -> hybrid_loss's padded

@@ -39,7 +39,7 @@ padding costs a linear layer, measured. The page ends with the site's
 # test suite; every assertion still runs.
 
 import torch
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(batch=512, embed=1024, run_time=1.0),  # the batch of the original tutorial
@@ -87,7 +87,7 @@ print("sentence 2:", values[offsets[2]:offsets[3]])
 # shows its position in its sentence, and each sentence has its color.
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE, draw_batch
+from ragged_site.figures import FIGURE_STYLE, draw_batch
 
 plt.rcParams.update(FIGURE_STYLE)
 draw_batch([len(s) for s in sentences])
@@ -187,8 +187,8 @@ assert slots > 2 * real_tokens, "padding is not most of the padded batch"
 # reports the median and the interquartile range (IQR) in milliseconds and,
 # outside quick mode, the peak memory in MiB.
 
-from ragged_toolkit.measuring.bound import Work, speedup_line, work_bound
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.bound import Work, speedup_line, work_bound
+from ragged_site.measuring.timing import measure
 
 linear = torch.nn.Linear(S.embed, 4 * S.embed, device=DEVICE, dtype=DTYPE)
 with torch.no_grad():

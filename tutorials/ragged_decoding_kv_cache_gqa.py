@@ -46,7 +46,7 @@ transformer building blocks tutorial by
 # 8 key/value heads for 64 query heads, width 8192 and 80 layers.
 
 import torch
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(model=dict(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
@@ -108,7 +108,7 @@ print(f"row offsets {row_offsets.tolist()}, kv_used {cached.tolist()}: "
 # grows by one).
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE, draw_kv_cache
+from ragged_site.figures import FIGURE_STYLE, draw_kv_cache
 
 plt.rcParams.update(FIGURE_STYLE)
 draw_kv_cache(cached, capacity, new=cached)
@@ -201,7 +201,7 @@ for name, cfg in CONFIGS.items():
 # reference on :doc:`which_attention_path`).
 
 from ragged_toolkit.decoding import generate_packed, teacher_forced_logits
-from ragged_toolkit.device import tolerances
+from ragged_site.page import tolerances
 
 for fixed_shape in (False, True):
     new, chose = generate_packed(models["GQA"], prompts, prompt_offsets, S.new_tokens, "loop",
@@ -262,11 +262,11 @@ print(f"backend of both generations: {DECODE_BACKEND} (default_backend on {DEVIC
 # says how much of it this device turned into speed. Both generations take
 # turns, for two output lengths.
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/bound.py
+# .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: generation_work
 
-from ragged_toolkit.measuring.bound import generation_work, model_work, speedup_line
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.bound import generation_work, model_work, speedup_line
+from ragged_site.measuring.timing import measure
 
 cfg = CONFIGS["GQA"]
 work = model_work(models["GQA"], n_layers=cfg.n_layers, attention_width=cfg.n_heads * cfg.head_dim)
@@ -335,8 +335,8 @@ print(f"MHA / GQA cache: {cache_ratio:.1f}x (n_heads / n_kv_heads); the exact ro
 # beside each time. The two take turns, round by round, so that their
 # spreads can be compared.
 
-from ragged_toolkit.measuring.noise import outside_noise
-from ragged_toolkit.measuring.tables import print_timings
+from ragged_site.measuring.noise import outside_noise
+from ragged_site.measuring.tables import print_timings
 
 gqa_times = measure({name: (lambda model=model: generate(model, S.new_tokens)) for name, model in models.items()},
                     min_run_time=S.run_time, rounds=6, profile=not setup.quick)

@@ -51,7 +51,7 @@ measured against static batches.
 # (vLLM). CUDA blocks have 256 rows, the fewest the paged kernel of
 # FlashAttention takes. ``runs``: how often each scheduler serves the stream.
 
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
@@ -196,14 +196,14 @@ print(f"one step, {len(tokens)} tokens: {len(decoding)} decode tokens, then a pr
 
 import functools
 
-from ragged_toolkit.device import tolerances
-from ragged_toolkit.measuring.compiling import compile_counter
-from ragged_toolkit.measuring.noise import choose
-from ragged_toolkit.measuring.tables import print_timings
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.page import tolerances
+from ragged_site.measuring.compiling import compile_counter
+from ragged_site.measuring.noise import choose
+from ragged_site.measuring.tables import print_timings
+from ragged_site.measuring.timing import measure
 from ragged_toolkit.serving.engine import step_logits
 from ragged_toolkit.serving.paged_attention import paged_varlen_support
-from ragged_toolkit.serving.proof import logits_after
+from ragged_site.serving.proof import logits_after
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
 expected = torch.stack([logits_after(reference, (req.prompt + req.generated)[:req.computed + n])
@@ -263,7 +263,7 @@ SCHEDULERS = {"continuous": functools.partial(plan_continuous, max_running=S.slo
 # A request keeps its tokens, not the logits that chose them. The proof at the
 # end of the page needs those logits, so every run hands them to one record
 # through ``serve``'s ``on_token``.
-from ragged_toolkit.serving.proof import TokenLogits
+from ragged_site.serving.proof import TokenLogits
 
 served_logits = TokenLogits()  # what the proof reads; a server in production leaves on_token out
 
@@ -317,8 +317,8 @@ print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refuse
 # prompt tokens mixed into decode steps: both in the continuous run of
 # median throughput, printed and drawn.
 
-from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
-from ragged_toolkit.serving.metrics import ms_per_token, slot_bound
+from ragged_site.measuring.noise import MIN_RUNS, outside_noise
+from ragged_site.serving.metrics import ms_per_token, slot_bound
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each scheduler"
 offline = dict(zip(SCHEDULERS, take_turns(*(starter(plan, stream) for plan in SCHEDULERS.values()),
@@ -341,8 +341,8 @@ print("the speedup over static batches " + ("stands: the IQRs of their runs do n
                                            "is not claimed: the IQRs of their runs overlap"))
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
-from ragged_toolkit.serving.metrics import draw_steps, step_costs
+from ragged_site.figures import FIGURE_STYLE
+from ragged_site.serving.metrics import draw_steps, step_costs
 
 by_speed = sorted(offline["continuous"], key=lambda run: sum(st.seconds for st in run.steps))
 steps = by_speed[len(by_speed) // 2].steps
@@ -365,7 +365,7 @@ plt.show()
 # per output token* after it; a static batch starts only when the one before
 # has finished. Beside them, throughput: every run a point, the median a bar.
 
-from ragged_toolkit.serving.metrics import draw_throughput_and_latency, latency_ms
+from ragged_site.serving.metrics import draw_throughput_and_latency, latency_ms
 from ragged_toolkit.serving.requests import poisson_arrivals
 
 rate = LOAD * R / out_lengths.mean()  # requests/s
@@ -415,7 +415,7 @@ print(f"{preempted} preemptions of {sum(req.preempted > 0 for req in paged_run.r
       f"{sum(rec.prefill for rec in paged_run.steps) - prompt_lengths.sum()} tokens recomputed; "
       f"at most {max(rec.running for rec in paged_run.steps)} requests at once")
 
-from ragged_toolkit.kv_cache import draw_paged_cache
+from ragged_site.figures import draw_paged_cache
 
 shot = max([s for s in snapshots if s["free"]] or snapshots, key=lambda s: len(s["tables"]))  # a free block shows
 draw_paged_cache(shot["tables"], shot["free"], memory_blocks, S.block, shot["keys"])
@@ -436,10 +436,10 @@ plt.show()
 # proof catches: a block table read one block off, a freed block still in
 # use, a preempted request resuming at the wrong position.
 #
-# .. literalinclude:: ../ragged_toolkit/serving/proof.py
+# .. literalinclude:: ../ragged_site/serving/proof.py
 #    :pyobject: check_against_alone
 
-from ragged_toolkit.serving.proof import check_against_alone
+from ragged_site.serving.proof import check_against_alone
 
 checked = [run for runs in (*offline.values(), *online.values()) for run in runs] + [paged_run]
 worst, ties = 0.0, 0

@@ -54,7 +54,7 @@ and let the requests of a decoding step that share a prefix read it once.
 # longer and the answers shorter than there, as with a long system prompt
 # and a short question (real system prompts run to thousands of tokens).
 
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
@@ -106,8 +106,7 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 
 import numpy as np
 from ragged_toolkit.data import docstring_corpus
-from ragged_toolkit.serving.shared_prompts import (conversation_stream, greedy_answers,
-                                                   reusable_tokens, system_prompt_stream)
+from ragged_site.serving.shared_prompts import conversation_stream, greedy_answers, reusable_tokens, system_prompt_stream
 
 docs, source = docstring_corpus(min_chars=2)
 rng = np.random.default_rng(setup.seed)
@@ -238,13 +237,13 @@ ample = S.slots * -(-longest // S.block) * 2  # room for every running request, 
 # busy time over that time less what its skipped prompt tokens cost, a prompt
 # token's cost read from that run's own steps (:term:`fraction of the bound`):
 #
-# .. literalinclude:: ../ragged_toolkit/serving/runs.py
+# .. literalinclude:: ../ragged_site/serving/runs.py
 #    :pyobject: prompt_token_seconds
 
-from ragged_toolkit.measuring.noise import MIN_RUNS, outside_noise
-from ragged_toolkit.serving.prefix_tree import MostSharedTree
-from ragged_toolkit.serving.proof import TokenLogits
-from ragged_toolkit.serving.runs import prompt_token_seconds, with_and_without
+from ragged_site.measuring.noise import MIN_RUNS, outside_noise
+from ragged_site.serving.prefix_tree import MostSharedTree
+from ragged_site.serving.proof import TokenLogits
+from ragged_site.serving.runs import prompt_token_seconds, with_and_without
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each server"
 served_logits = TokenLogits()  # every run's logits, for the proof at the end (a server keeps none)
@@ -294,9 +293,9 @@ print(f"the token count {'overstates' if ratio > W else 'understates'} the time 
 # cached, and its time to first token:
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_site.figures import FIGURE_STYLE
 from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals
-from ragged_toolkit.serving.runs import busy_seconds, draw_trace
+from ragged_site.serving.runs import busy_seconds, draw_trace
 
 rate = LOAD * S.requests / np.median([busy_seconds(run) for run in offline.runs["without"]])  # requests/s
 arriving = fresh_requests(systems, poisson_arrivals(np.random.default_rng(setup.seed + 1),
@@ -338,10 +337,10 @@ print(f"  throughput {R2:.0f} tokens/s (without: {P2:.0f}), speedup {R2 / P2:.2f
 # messages. Requests admitted in one step all compute their prompts: the
 # first to finish a block keys it, the others keep copies (hollow).
 #
-# .. literalinclude:: ../ragged_toolkit/serving/prefix_tree.py
+# .. literalinclude:: ../ragged_site/serving/prefix_tree.py
 #    :pyobject: cached_tree
 
-from ragged_toolkit.serving.prefix_tree import draw_cached_tree
+from ragged_site.serving.prefix_tree import draw_cached_tree
 
 copies = [n.kind for n in tree.nodes].count("copy")
 draw_cached_tree(tree.nodes, f"Blocks at step {tree.step}, {tree.running} requests running: "
@@ -383,11 +382,11 @@ print(f"{pressure.n_blocks} blocks: {evictions} evictions, {preempted} preemptio
 # without a cache; a request that generated the same tokens for the same
 # prompt as one already proved, against that one's logits.
 #
-# .. literalinclude:: ../ragged_toolkit/serving/runs.py
+# .. literalinclude:: ../ragged_site/serving/runs.py
 #    :pyobject: prove_every_run
 
-from ragged_toolkit.device import tolerances
-from ragged_toolkit.serving.runs import prove_every_run
+from ragged_site.page import tolerances
+from ragged_site.serving.runs import prove_every_run
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
 every = [run for result in (offline, online, chat) for runs in result.runs.values()
@@ -433,7 +432,7 @@ print(f"{len(every)} runs (as many as the time allowed), {checked} requests: lar
 # the rows of keys and values read: the gathered path reads the prefix ``Q``
 # times.
 
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.timing import measure
 from ragged_toolkit.serving.paged_attention import gathered_attention
 from ragged_toolkit.serving.shared_prefix_attention import (plan_shared_prefix, rows_read,
                                                             shared_prefix_attention, shared_prefix_step)

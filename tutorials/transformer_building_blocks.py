@@ -49,7 +49,7 @@ at hand.
 # starts and the last one ends. The picture draws both for one small batch.
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE, draw_batch
+from ragged_site.figures import FIGURE_STYLE, draw_batch
 
 plt.rcParams.update(FIGURE_STYLE)
 draw_batch([5, 2, 7, 3])
@@ -80,11 +80,11 @@ plt.show()
 # package ``ragged_toolkit``, and its code is shown where it is explained;
 # the timing helpers it calls (``measure``, ``choose``, the work bound) are
 # explained on :doc:`measuring_ragged_batches`, and the pictures are drawn
-# by ``ragged_toolkit.figures``. Sizes are set here, once, for the device at
+# by ``ragged_site.figures``. Sizes are set here, once, for the device at
 # hand; ``page_setup`` picks them, with the dtype, one CPU thread per
 # operator and the seed.
 
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(batch=512, embed=512, heads=8, run_time=1.0),  # the original tutorial's scale
@@ -153,7 +153,7 @@ print(f"lengths {offsets.diff().tolist()}: values {tuple(values.shape)}, "
 # causal attention scores on a packed batch, a triangle per sequence on the
 # diagonal, beside what a padded batch scores:
 
-from ragged_toolkit.figures import draw_scores
+from ragged_site.figures import draw_scores
 
 draw_scores([5, 2, 7, 3])
 plt.show()
@@ -265,7 +265,7 @@ except ValueError as err:
 # a batch of this page's size, block by block:
 
 from ragged_toolkit.batches import sentence_lengths
-from ragged_toolkit.figures import draw_block_mask
+from ragged_site.figures import draw_block_mask
 
 lengths = sentence_lengths(np.random.default_rng(setup.seed), S.batch, ZIPF_ALPHA)
 flex_plan = plan_batch(offsets_from_lengths(lengths), backend="flex", is_causal=True)  # on the CPU
@@ -307,12 +307,12 @@ print(f"{S.batch} sequences, {int(lengths.sum())} tokens: {skipped:.0%} of the b
 # .. literalinclude:: ../ragged_toolkit/attention/__init__.py
 #    :pyobject: backend_support
 #
-# .. literalinclude:: ../ragged_toolkit/attention/reference.py
+# .. literalinclude:: ../ragged_site/reference.py
 #    :pyobject: reference_attention
 
 from ragged_toolkit.attention import BACKENDS, backend_support
-from ragged_toolkit.attention.reference import reference_attention
-from ragged_toolkit.device import tolerances
+from ragged_site.reference import reference_attention
+from ragged_site.page import tolerances
 
 offsets_e = offsets_from_lengths([5, 0, 3, 7], DEVICE)
 q_e = torch.randn(15, 4, 16, generator=gen, device=DEVICE, dtype=DTYPE)  # (T, H, D)
@@ -423,7 +423,7 @@ print("ragged layer and padded path both match nn.MultiheadAttention on every re
 # the same on every page (:doc:`measuring_ragged_batches` explains the
 # rule).
 #
-# .. literalinclude:: ../ragged_toolkit/measuring/compare.py
+# .. literalinclude:: ../ragged_site/measuring/compare.py
 #    :pyobject: compare_backends
 #
 # The job: the attention of that layer, causal, with ``S.heads`` heads on
@@ -431,8 +431,8 @@ print("ragged layer and padded path both match nn.MultiheadAttention on every re
 # (training); each row ends with the :term:`kernel label` of what ran
 # (outside quick mode, which skips profiles).
 
-from ragged_toolkit.measuring.compare import compare_backends
-from ragged_toolkit.measuring.noise import choose
+from ragged_site.measuring.compare import compare_backends
+from ragged_site.measuring.noise import choose
 
 gen = torch.Generator(DEVICE).manual_seed(setup.seed + 1)
 q_a = x.unflatten(-1, (S.heads, -1))  # queries from the batch; keys and values drawn apart, (T, H, D)
@@ -463,9 +463,9 @@ TRAINING_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=Tru
 # layer's ``Work`` (``attention_layer_work``; :ref:`the measuring page
 # <work-bound>` shows how), and the :term:`fraction of the bound` reached.
 
-from ragged_toolkit.measuring.bound import attention_layer_work, speedup_line, work_bound
-from ragged_toolkit.measuring.tables import print_timings
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.bound import attention_layer_work, speedup_line, work_bound
+from ragged_site.measuring.tables import print_timings
+from ragged_site.measuring.timing import measure
 
 ref_mha_lp = ref_mha.to(DTYPE)
 grad_out = torch.randn_like(x)

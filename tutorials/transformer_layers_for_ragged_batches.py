@@ -35,7 +35,7 @@ proven equal to ``torch.nn``, measured against it, trained end to end.
 # ``bench`` for the measurements, ``train`` for training (on CUDA,
 # ``nn.Transformer``'s defaults with fewer layers), ``max_len`` the context.
 
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(bench=dict(batch=256, d_model=512, nhead=8, dim_ff=2048, layers=6),
@@ -183,7 +183,7 @@ def plan_transformer(src_offsets, tgt_offsets, encoder="loop", decoder="loop", c
 
 import numpy as np
 from ragged_toolkit.batches import from_padded, ragged_batch, to_padded
-from ragged_toolkit.device import tolerances
+from ragged_site.page import tolerances
 
 torch.backends.mha.set_fastpath_enabled(False)
 
@@ -313,9 +313,9 @@ print("dropout 0.3: in eval mode as nn.Transformer, in training mode at work")
 # tell (:doc:`measuring_ragged_batches`), else ``default_backend``.
 
 from ragged_toolkit.attention import default_backend
-from ragged_toolkit.measuring.compare import compare_backends
-from ragged_toolkit.measuring.noise import choose
-from ragged_toolkit.measuring.timing import measure
+from ragged_site.measuring.compare import compare_backends
+from ragged_site.measuring.noise import choose
+from ragged_site.measuring.timing import measure
 
 BENCH = S.bench  # batch, d_model, nhead, dim_ff, layers: read by name
 rng = np.random.default_rng(setup.seed)
@@ -399,8 +399,8 @@ step_fns = {  # side -> {"forward": ..., "forward+backward": ...}
 # the whole square under a padding mask, the causal half under a causal
 # kernel; the :term:`fraction of the bound`: :doc:`measuring_ragged_batches`.
 
-from ragged_toolkit.measuring.bound import attention_layer_work, model_work, pairs_scored, speedup_line, throughput_line
-from ragged_toolkit.measuring.tables import print_timings
+from ragged_site.measuring.bound import attention_layer_work, model_work, pairs_scored, speedup_line, throughput_line
+from ragged_site.measuring.tables import print_timings
 
 
 def transformer_work(model, src_len, tgt_len, *, n_layers, width, padded=False):
@@ -489,7 +489,7 @@ class Seq2Seq(nn.Module):
 
 from dataclasses import dataclass
 
-from ragged_toolkit.measuring.timing import StepTimer, warm_every_shape
+from ragged_site.measuring.timing import StepTimer, warm_every_shape
 
 
 @dataclass
@@ -569,7 +569,7 @@ assert apart < 0.15 * descent, "the two models end further apart than 15% of the
 
 # The loss curves against each model's training time (further left: faster).
 import matplotlib.pyplot as plt
-from ragged_toolkit.figures import FIGURE_STYLE
+from ragged_site.figures import FIGURE_STYLE
 
 plt.rcParams.update(FIGURE_STYLE)
 fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")

@@ -77,7 +77,7 @@ guide built from those measurements.
 import os
 
 import torch
-from ragged_toolkit.device import page_setup
+from ragged_site.page import page_setup
 
 SIZES = {
     # a serving batch; blocks of 256 rows, as the paged kernel of FlashAttention needs
@@ -104,7 +104,7 @@ print(f"{where}; batch {S.batch}, {S.heads} heads of {S.head_dim}, GQA with {KV_
 
 import numpy as np
 from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
-from ragged_toolkit.measuring.compare import compare_backends
+from ragged_site.measuring.compare import compare_backends
 
 lengths = sentence_lengths(np.random.default_rng(setup.seed), S.batch, S.zipf_alpha)
 offsets = offsets_from_lengths(lengths, DEVICE)
@@ -217,22 +217,22 @@ def flex_refreshed():  # a decoding step: the mask's lengths refreshed, nothing 
 # *One row with a mask* is the batch as the packed row ``transformers``
 # sees:
 #
-# .. literalinclude:: ../ragged_toolkit/decision.py
+# .. literalinclude:: ../ragged_site/decision.py
 #    :pyobject: padded_attention
 #
-# .. literalinclude:: ../ragged_toolkit/decision.py
+# .. literalinclude:: ../ragged_site/decision.py
 #    :pyobject: padded_decoding
 #
-# .. literalinclude:: ../ragged_toolkit/decision.py
+# .. literalinclude:: ../ragged_site/decision.py
 #    :pyobject: one_row_attention
 #
 # ``compare_calls`` checks each call against the float32 reference (the
 # training job's ``dq``, ``dk``, ``dv`` too), then times them together.
 
-from ragged_toolkit.attention.reference import reference_attention
-from ragged_toolkit.decision import one_row_paths, padded_decoding, padded_paths
-from ragged_toolkit.measuring.compare import compare_calls
-from ragged_toolkit.measuring.tables import print_timings
+from ragged_site.reference import reference_attention
+from ragged_site.decision import one_row_paths, padded_decoding, padded_paths
+from ragged_site.measuring.compare import compare_calls
+from ragged_site.measuring.tables import print_timings
 
 grad_packed = randn(T, S.heads, S.head_dim)  # the gradient of a loss at the output
 q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -268,18 +268,18 @@ if hasattr(rebuilt, "median_ms"):
 # ``ragged_attention`` takes no score function: only FlexAttention accepts
 # arbitrary Python (``score_mod``), compiled into its kernel:
 #
-# .. literalinclude:: ../ragged_toolkit/decision.py
+# .. literalinclude:: ../ragged_site/decision.py
 #    :pyobject: alibi_score_mod
 #
 # A dense SDPA call takes a precomputed additive bias instead, one per
 # sequence for the loop, one for the padded square (``alibi_paths``):
 #
-# .. literalinclude:: ../ragged_toolkit/decision.py
+# .. literalinclude:: ../ragged_site/decision.py
 #    :pyobject: alibi_bias
 #
 # ``varlen_attn`` and SDPA on nested tensors take neither.
 
-from ragged_toolkit.decision import alibi_paths, alibi_reference
+from ragged_site.decision import alibi_paths, alibi_reference
 
 slopes = torch.exp2(-8.0 * torch.arange(1, S.heads + 1, device=DEVICE) / S.heads)  # (H,): the slopes of ALiBi
 alibi_want = alibi_reference(q, k, v, offsets, slopes)  # (T, H, D), float32
@@ -317,10 +317,10 @@ print_timings(table["score_mod"])
 # longest, and the prompt chunks padded apart, each query seeing the keys up
 # to its own position (``PaddedServing``, padded once per step):
 #
-# .. literalinclude:: ../ragged_toolkit/decision.py
+# .. literalinclude:: ../ragged_site/decision.py
 #    :pyobject: PaddedServing.__call__
 
-from ragged_toolkit.decision import PaddedServing
+from ragged_site.decision import PaddedServing
 from ragged_toolkit.gpt import GPTConfig
 from ragged_toolkit.kv_cache import PagedKVCache, paged_rows
 from ragged_toolkit.serving.engine import build_step
@@ -387,8 +387,8 @@ print_timings(table["serving"])
 # own position.
 
 from ragged_toolkit.attention import BACKENDS, default_backend
-from ragged_toolkit.decision import decision_guide
-from ragged_toolkit.measuring.bound import Work, work_bound
+from ragged_site.decision import decision_guide
+from ragged_site.measuring.bound import Work, work_bound
 
 PAIRS = Work(per_token=0.0, per_pair=1.0)  # attention's work: the query-key pairs scored
 causal_bound = work_bound(lengths, work=PAIRS, causal=True)
@@ -411,8 +411,8 @@ decision_guide(table, BOUND, (default_backend(DEVICE, DTYPE, S.head_dim), "loop"
 # :doc:`measuring_ragged_batches`).
 
 import matplotlib.pyplot as plt
-from ragged_toolkit.decision import speedup_grid
-from ragged_toolkit.figures import FIGURE_STYLE, draw_speedups
+from ragged_site.decision import speedup_grid
+from ragged_site.figures import FIGURE_STYLE, draw_speedups
 
 plt.rcParams.update(FIGURE_STYLE)
 ROWS = ("padded tensors", "one row + mask", *BACKENDS, "flex (refreshed)")  # every path, the baseline first

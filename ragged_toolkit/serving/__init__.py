@@ -8,12 +8,7 @@
 * :mod:`.schedulers`: static batches, and continuous batching with chunked
   prefill and preemption;
 * :mod:`.server`: the simulated server and its clock, servers taking turns;
-* :mod:`.metrics`: throughput, the slot bound, latency;
-* :mod:`.proof`: every request against decoding it alone;
-* :mod:`.runs`: servers run again and again, the spread of their runs;
 * :mod:`.prefix_cache`: the paged cache keeping every full block of a prefix;
-* :mod:`.prefix_tree`: the tree of its blocks, and its picture;
-* :mod:`.shared_prompts`: requests that share their beginnings;
 * :mod:`.shared_prefix_attention`: decoding attention reading a shared
   prefix once.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..measuring.timing import stopwatch
+from ..clock import stopwatch
 from .engine import forward_step
 from .requests import check_request
 from .schedulers import retire_finished

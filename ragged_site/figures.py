@@ -3,10 +3,10 @@ of every figure on the site. Matplotlib is imported when a picture is drawn."""
 
 import numpy as np
 
-from .batches import offsets_from_lengths, token_index
+from ragged_toolkit.batches import offsets_from_lengths, token_index
 
 __all__ = ["FIGURE_STYLE", "draw_batch", "draw_block_mask", "draw_scores", "draw_kv_cache",
-           "draw_token_budget", "draw_speedups"]
+           "draw_token_budget", "draw_speedups", "draw_paged_cache"]
 
 # 12-point text at 100 dpi is about 17 px, as large as the page's body text
 # when a figure of at most 8 inches (800 px) is shown at its natural size in
@@ -218,4 +218,46 @@ def draw_speedups(speedup, rows, columns, bounds, title=""):
     bar.ax.minorticks_off()
     bar.set_ticks([2.0**e for e in range(-3, 4)], labels=["1/8", "1/4", "1/2", "1", "2", "4", "8"])
     fig.tight_layout()
+    return fig
+
+
+def draw_paged_cache(tables, free, n_blocks, block_size, keys, shown=4):
+    """A figure of a paged cache at one step, from its block ``tables``
+    (request id -> blocks) and ``free`` list. Above, its ``n_blocks`` blocks
+    of ``block_size`` rows, 20 a row: the ``shown`` requests with the most
+    blocks each in its color, each block showing its place in the request's
+    table (the logical block), the others gray, free blocks white. Below,
+    those requests' block tables (the physical block of each logical block),
+    labeled with their ``keys`` in use (request id -> keys). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    chosen = sorted(tables, key=lambda rid: -len(tables[rid]))[:shown]
+    owner, per_row = {b: rid for rid, blocks in tables.items() for b in blocks}, 20
+    lines = -(-n_blocks // per_row)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), layout="constrained", height_ratios=[lines, len(chosen)])
+
+    def cell(ax, x, y, color, text=""):
+        ax.add_patch(plt.Rectangle((x, y), 0.92, 0.86, fc=color, ec="0.5"))
+        ax.text(x + 0.46, y + 0.43, text, ha="center", va="center", color="white")
+
+    for b in range(n_blocks):
+        rid = owner.get(b)
+        if rid in chosen:
+            cell(ax1, b % per_row, b // per_row, f"C{chosen.index(rid)}", str(tables[rid].index(b)))
+        else:
+            cell(ax1, b % per_row, b // per_row, "white" if rid is None else "0.75")
+    ax1.set(xlim=(0, per_row), ylim=(lines, 0), title=f"The cache: {n_blocks} blocks of {block_size} rows\n"
+            f"{len(chosen)} requests (the logical block in each), {len(tables) - len(chosen)} others (gray), "
+            f"{len(free)} free (white)")
+    for row, rid in enumerate(chosen):
+        for j, b in enumerate(tables[rid]):
+            cell(ax2, j, row, f"C{row}", str(b))
+    ax2.set(xlim=(0, max(map(len, tables.values()))), ylim=(len(chosen), 0),
+            title="their block tables: the physical block of each logical block",
+            yticks=[row + 0.43 for row in range(len(chosen))],
+            yticklabels=[f"request {rid}, {keys[rid]} keys" for rid in chosen])
+    for ax in (ax1, ax2):
+        ax.set_xticks([])
+        ax.spines[:].set_visible(False)
+    ax1.set_yticks([])
     return fig

@@ -1,7 +1,7 @@
 """What repeated serving runs (``take_turns(..., runs=n)``) measured and
 proved: any figure of a run as the median and interquartile range over its
 runs (:func:`spread`; a speedup is claimed only outside that spread, by the
-site's noise rule, :func:`~ragged_toolkit.measuring.noise.outside_noise`);
+site's noise rule, :func:`~ragged_site.measuring.noise.outside_noise`);
 what skipping prompt tokens could buy at this device's costs, read from a
 run's own steps; one stream served with a prefix cache and without, taking
 turns (:func:`with_and_without`), and what it did over an online trace
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kv_cache import PagedKVCache
-from ..measuring.timing import Timing
-from .metrics import latency_ms, ms_per_token
-from .prefix_cache import PrefixCache, PrefixStats, retire_caching
-from .proof import check_against_alone
-from .requests import fresh_requests
-from .schedulers import retire_finished
-from .server import serve, take_turns
+from ragged_toolkit.kv_cache import PagedKVCache
+from ragged_site.measuring.timing import Timing
+from ragged_site.serving.metrics import latency_ms, ms_per_token
+from ragged_toolkit.serving.prefix_cache import PrefixCache, PrefixStats, retire_caching
+from ragged_site.serving.proof import check_against_alone
+from ragged_toolkit.serving.requests import fresh_requests
+from ragged_toolkit.serving.schedulers import retire_finished
+from ragged_toolkit.serving.server import serve, take_turns
 
 __all__ = ["busy_seconds", "spread", "prompt_token_seconds", "skipping_bound", "CachingRuns",
            "with_and_without", "draw_trace", "prove_every_run"]
@@ -35,7 +35,7 @@ def busy_seconds(run):
 
 def spread(runs, figure):
     """``figure(run)`` over ``runs`` as a
-    :class:`~ragged_toolkit.measuring.timing.Timing` (median,
+    :class:`~ragged_site.measuring.timing.Timing` (median,
     interquartile range and percentiles 25 and 75 of the runs), the figure
     in whatever unit it is (the ``_ms`` fields then hold that unit)."""
     return Timing.of([figure(run) for run in runs])
@@ -69,7 +69,7 @@ class CachingRuns:
     ``runs``, its :class:`~ragged_toolkit.serving.server.ServingRun` s;
     ``prefill``, the prompt tokens its first run computed; ``per_token``, the
     spread over its runs of the milliseconds per generated token
-    (:func:`~ragged_toolkit.serving.metrics.ms_per_token`); ``ttft``, the
+    (:func:`~ragged_site.serving.metrics.ms_per_token`); ``ttft``, the
     spread of its runs' median time to first token, in ms. And ``cache``,
     the :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache` of the
     first run with it; ``hit``, the share of prompt tokens that run's
@@ -95,7 +95,7 @@ def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, obser
     its dtype, taking turns step by step until each ran ``runs`` times
     (:func:`~ragged_toolkit.serving.server.take_turns`). ``plan`` is the
     scheduler; ``observe`` watches the runs with the cache; ``on_token``
-    (a :class:`~ragged_toolkit.serving.proof.TokenLogits`) sees every run's
+    (a :class:`~ragged_site.serving.proof.TokenLogits`) sees every run's
     tokens. Returns
     :class:`CachingRuns`."""
     weights, caches, stats = next(model.parameters()), [], PrefixStats()
@@ -148,9 +148,9 @@ def draw_trace(requests, served, title):
 def prove_every_run(reference, runs, tolerance, logits):
     """Every request of every run proved equal to decoding it alone (the
     runs served with ``on_token=logits``, a
-    :class:`~ragged_toolkit.serving.proof.TokenLogits`): each
+    :class:`~ragged_site.serving.proof.TokenLogits`): each
     distinct history (prompt and tokens generated) once, by
-    :func:`~ragged_toolkit.serving.proof.check_against_alone`; a request
+    :func:`~ragged_site.serving.proof.check_against_alone`; a request
     that generated the same tokens for the same prompt as a proved one, by
     its logits, within ``tolerance`` of that one's. Raises
     ``AssertionError`` naming the request; returns ``(largest logit

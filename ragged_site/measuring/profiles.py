@@ -1,7 +1,7 @@
 """Where a call's time goes: a profile of its steady state, per call, beside
 its timed median, with the profiler's own overhead estimated. (The kernels
 that ran and the peak memory of one call, which ``measure`` reports, are
-:func:`~ragged_toolkit.measuring.timing.profile_call`.)"""
+:func:`~ragged_site.measuring.timing.profile_call`.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device import synchronize
-from .timing import TIMING_THREADS, cpu_threads, measure, stopwatch
+from ragged_toolkit.clock import synchronize
+from ragged_site.measuring.timing import TIMING_THREADS, cpu_threads, measure
+from ragged_toolkit.clock import stopwatch
 
 __all__ = ["profiler_overhead_us", "Profile", "where_time_goes"]
 

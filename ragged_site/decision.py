@@ -6,7 +6,7 @@ and the decision guide assembled from the page's measurements.
 
 A path here is ``(call, packed)``: a call of no arguments, and what turns its
 output into the packed layout of the reference, ``(T, H, D)`` in float32
-(:func:`~ragged_toolkit.measuring.compare.compare_calls` checks and times
+(:func:`~ragged_site.measuring.compare.compare_calls` checks and times
 them). Nothing here times."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from .batches import from_padded, offsets_from_lengths, to_padded, token_index
-from .kv_cache import paged_rows
-from .measuring.bound import speedup_line
-from .measuring.noise import choose, outside_noise
-from .measuring.tables import Table
-from .measuring.timing import Timing
+from ragged_toolkit.batches import from_padded, offsets_from_lengths, to_padded, token_index
+from ragged_toolkit.kv_cache import paged_rows
+from ragged_site.measuring.bound import speedup_line
+from ragged_site.measuring.noise import choose, outside_noise
+from ragged_site.measuring.tables import Table
+from ragged_site.measuring.timing import Timing
 
 __all__ = ["padded_attention", "one_row_attention", "padded_paths", "one_row_paths", "padded_decoding",
            "alibi_score_mod", "alibi_bias", "alibi_paths", "alibi_reference", "PaddedServing",
@@ -233,14 +233,14 @@ class PaddedServing:
 
 def decision_guide(table, bounds, default, pointers=None):
     """The decision guide from a page's measurements. ``table``: job -> path
-    -> :class:`~ragged_toolkit.measuring.timing.Timing`, or why the path
+    -> :class:`~ragged_site.measuring.timing.Timing`, or why the path
     cannot take the job here, each job with the baseline ``"padded
     tensors"``; ``bounds``: job -> its work bound; ``default``: what
-    :func:`~ragged_toolkit.measuring.noise.choose` keeps within the noise;
+    :func:`~ragged_site.measuring.noise.choose` keeps within the noise;
     ``pointers``: job -> a line to add under its "then" cell. Per job it
     prints the choice and the ``speedup_line`` of the chosen path (where
     padding wins, of the fastest other path) against the baseline; returns
-    the :class:`~ragged_toolkit.measuring.tables.Table`, a row per job:
+    the :class:`~ragged_site.measuring.tables.Table`, a row per job:
     chosen here, against padded tensors, then (the others, fastest first),
     not here."""
     rows = []
@@ -265,6 +265,6 @@ def decision_guide(table, bounds, default, pointers=None):
 def speedup_grid(table, paths):
     """(paths, jobs): each path's speedup over ``"padded tensors"`` for each
     job of ``table`` (as :func:`decision_guide` takes it), NaN where the path
-    did not run; for :func:`~ragged_toolkit.figures.draw_speedups`."""
+    did not run; for :func:`~ragged_site.figures.draw_speedups`."""
     return np.array([[table[job][_BASELINE].median_ms / table[job][path].median_ms
                       if isinstance(table[job].get(path), Timing) else np.nan for job in table] for path in paths])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..measuring.timing import Timing
+from ragged_site.measuring.timing import Timing
 
 __all__ = ["tokens_per_second", "ms_per_token", "slot_bound", "step_costs", "latency_ms", "draw_steps",
            "draw_throughput_and_latency"]
@@ -22,7 +22,7 @@ def tokens_per_second(runs):
 
 def ms_per_token(runs):
     """The spread of throughput from run to run: a
-    :class:`~ragged_toolkit.measuring.timing.Timing` of each run's busy
+    :class:`~ragged_site.measuring.timing.Timing` of each run's busy
     milliseconds per generated token (median, IQR, percentiles 25 and 75,
     the number of runs), for the noise rule (``outside_noise``). A rate in
     tokens/s is ``1000 / ms``: the median's, and an IQR from ``1000 / q3_ms``

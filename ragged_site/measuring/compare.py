@@ -5,11 +5,11 @@ all measured together."""
 
 import torch
 
-from ..attention import BACKENDS, backend_support, plan_batch, ragged_attention
-from ..attention.reference import reference_attention
-from ..device import tolerances
-from .tables import print_timings
-from .timing import measure
+from ragged_toolkit.attention import BACKENDS, backend_support, plan_batch, ragged_attention
+from ragged_site.reference import reference_attention
+from ragged_site.page import tolerances
+from ragged_site.measuring.tables import print_timings
+from ragged_site.measuring.timing import measure
 
 __all__ = ["compare_backends", "compare_calls"]
 
@@ -23,7 +23,7 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     its peak memory and kernels (``measure``'s ``profile``);
     ``plan_per_call``: build the plan inside every timed call instead, as a
     decoding step does (its lengths change at every step). Returns name ->
-    :class:`~ragged_toolkit.measuring.timing.Timing`, or name -> the reason
+    :class:`~ragged_site.measuring.timing.Timing`, or name -> the reason
     :func:`~ragged_toolkit.attention.backend_support` gives for not running it; prints one line per
     backend. A backend that should run and raises, or disagrees with the
     reference, raises, naming it: no silent fallback."""
@@ -72,7 +72,7 @@ def compare_calls(calls, *, dtype, min_run_time=0.5, profile=True):
     arguments; ``packed``, what turns its output into the layout of
     ``want``; ``want``, the float32 reference, or a tuple of them where the
     call returns a tuple (gradients); ``dtype``, what the calls compute in,
-    which sets the tolerances (``tolerances``). Returns name -> :class:`~ragged_toolkit.measuring.timing.Timing`;
+    which sets the tolerances (``tolerances``). Returns name -> :class:`~ragged_site.measuring.timing.Timing`;
     a call that disagrees with its reference raises, naming it."""
     for name, (call, packed, want) in calls.items():
         got = call()

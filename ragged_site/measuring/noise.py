@@ -4,13 +4,13 @@ overlap); otherwise a documented default is kept."""
 
 from __future__ import annotations
 
-from .timing import Timing
+from ragged_site.measuring.timing import Timing
 
 __all__ = ["outside_noise", "MIN_RUNS", "choose"]
 
 
 def outside_noise(a, b):
-    """Whether two :class:`~ragged_toolkit.measuring.timing.Timing` s differ by
+    """Whether two :class:`~ragged_site.measuring.timing.Timing` s differ by
     more than their spread: their interquartile ranges, ``[q1, q3]``, do not
     overlap."""
     return a.q3_ms < b.q1_ms or b.q3_ms < a.q1_ms
@@ -24,7 +24,7 @@ def choose(results, default, what="choice"):
     """Choose among measured options only where the measurement can tell.
 
     The rule: the options are timed in interleaved rounds
-    (:func:`~ragged_toolkit.measuring.timing.measure`); the one with the
+    (:func:`~ragged_site.measuring.timing.measure`); the one with the
     lowest median wins only if its interquartile range does not overlap that
     of the second fastest. Otherwise the difference is within noise and the
     documented default is returned (so it is, too, when either has fewer

@@ -8,7 +8,7 @@ import html
 from dataclasses import dataclass
 from itertools import zip_longest
 
-from .timing import Timing
+from ragged_site.measuring.timing import Timing
 
 __all__ = ["print_timings", "Table"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts import PaddedLayout
+from ragged_toolkit.layouts import PaddedLayout
 
 __all__ = ["TokenLogits", "logits_after", "logits_alone", "check_against_alone"]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ..batches import offsets_from_lengths
-from ..decoding import generate_packed
-from .requests import Request, output_lengths
+from ragged_toolkit.batches import offsets_from_lengths
+from ragged_toolkit.decoding import generate_packed
+from ragged_toolkit.serving.requests import Request, output_lengths
 
 __all__ = ["system_prompt_stream", "greedy_answers", "conversation_stream", "reusable_tokens"]
 

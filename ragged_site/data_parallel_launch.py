@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .data_parallel import data_parallel_step, wrap_model
-from .gpt import GPT, GPTConfig
-from .measuring.timing import stopwatch
+from ragged_toolkit.data_parallel import data_parallel_step, wrap_model
+from ragged_toolkit.gpt import GPT, GPTConfig
+from ragged_toolkit.clock import stopwatch
 
 __all__ = ["GradientRun", "DataParallelJob", "data_parallel_worker",
            "run_data_parallel", "step_times_ms"]
@@ -68,7 +68,7 @@ import sys
 
 faulthandler.enable(all_threads=True)  # a rank that aborts prints where each thread was
 
-from ragged_toolkit.data_parallel_launch import data_parallel_worker
+from ragged_site.data_parallel_launch import data_parallel_worker
 
 data_parallel_worker(sys.argv[1])
 # Done, and everything written: leave without the interpreter's teardown,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .noise import outside_noise
+from ragged_site.measuring.noise import outside_noise
 
 __all__ = ["Work", "attention_layer_work", "model_work", "pairs_scored", "work_bound", "work_per_token",
            "generation_work", "speedup_line", "throughput_line"]

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .dense import bottom_right_causal
-from .plan import plan_batch
+from ragged_toolkit.attention.dense import bottom_right_causal
+from ragged_toolkit.attention.plan import plan_batch
 
 __all__ = ["reference_attention", "math_scores_bytes", "math_check_sequences"]
 

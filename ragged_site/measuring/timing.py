@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -14,9 +13,9 @@ import numpy as np
 import torch
 from torch.utils import benchmark
 
-from ..device import synchronize
+from ragged_toolkit.clock import stopwatch, synchronize
 
-__all__ = ["TIMING_THREADS", "cpu_threads", "Stopwatch", "stopwatch", "Timing", "profile_call", "measure",
+__all__ = ["TIMING_THREADS", "cpu_threads", "Timing", "profile_call", "measure",
            "StepTimer", "warm_every_shape", "train_in_turns"]
 
 #: The CPU threads per operator that ``measure`` times with and every profile
@@ -37,29 +36,6 @@ def cpu_threads(n):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@dataclass
-class Stopwatch:
-    """The seconds a ``with stopwatch()`` block took, once it has ended."""
-
-    seconds: float = float("nan")
-
-
-@contextmanager
-def stopwatch():
-    """Time one block, the device synchronized before the clock starts and
-    before it stops: ``with stopwatch() as watch: ...``, then
-    ``watch.seconds``. The one clock of the toolkit: every step a page or a
-    server times goes through it."""
-    watch = Stopwatch()
-    synchronize()
-    start = time.perf_counter()
-    try:
-        yield watch
-    finally:
-        synchronize()
-        watch.seconds = time.perf_counter() - start
 
 
 @dataclass
@@ -184,7 +160,7 @@ class StepTimer:
 
     @contextmanager
     def step(self, tokens):
-        from .compiling import compile_totals
+        from ragged_site.measuring.compiling import compile_totals
 
         graphs, breaks = compile_totals()
         with stopwatch() as watch:

@@ -1,0 +1,114 @@
+"""Lengths, offsets, positions and padding: the ragged batch itself.
+
+A batch of ``B`` sequences is packed values ``(T, ...)`` plus offsets
+``(B + 1,)``: sequence ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
+"""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["STOP_RANKS", "zipf_stop_probability", "sentence_lengths", "offsets_from_lengths",
+           "offsets_from_position_ids", "ragged_batch", "token_index", "to_padded", "from_padded", "check_offsets"]
+
+STOP_RANKS = (3, 386, 858)  # ".", "!" and "?" in the WikiText-2 vocabulary
+
+
+def zipf_stop_probability(alpha):
+    """Chance that a word drawn from Zipf(``alpha``) ends a sentence: that it is
+    ".", "!" or "?", which have ranks 3, 386 and 858 in WikiText-2."""
+    n = 10_000
+    ranks = np.arange(1, n + 1, dtype=np.float64)
+    # zeta(alpha): a partial sum plus the Euler-Maclaurin estimate of the tail
+    zeta = (ranks**-alpha).sum() + n ** (1 - alpha) / (alpha - 1) - 0.5 * n**-alpha
+    return float(sum(r**-alpha for r in STOP_RANKS) / zeta)
+
+
+def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
+    """Lengths of ``batch`` sentences of Zipf(``alpha``) words, each ending at its
+    first stop word: one geometric draw per sentence. Returns (B,) int64."""
+    lengths = rng.geometric(zipf_stop_probability(alpha), size=batch)
+    if max_len is not None:
+        lengths = np.minimum(lengths, max_len)
+    return torch.from_numpy(lengths).long()
+
+
+def offsets_from_lengths(lengths, device=None):
+    """(B,) lengths -> (B + 1,) offsets: where each sequence starts in the packed
+    tensor, then where the last one ends (``cu_seqlens`` in FlashAttention)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
+    return F.pad(lengths.cumsum(0), (1, 0))
+
+
+def offsets_from_position_ids(position_ids):
+    """Offsets of a packed row whose ``position_ids`` restart at 0 at every
+    sequence, as Hugging Face's ``DataCollatorWithFlattening`` writes them."""
+    position_ids = position_ids.flatten()
+    starts = (position_ids == 0).nonzero().flatten()
+    return torch.cat([starts, starts.new_tensor([len(position_ids)])])
+
+
+def ragged_batch(
+    rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32
+):
+    """A random ragged batch: packed values (T, dim) and offsets (B + 1,)."""
+    lengths = sentence_lengths(rng, batch, alpha, max_len)
+    gen = torch.Generator(device).manual_seed(int(rng.integers(2**62)))
+    values = torch.randn(
+        int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype
+    )
+    return values, offsets_from_lengths(lengths, device)
+
+
+def token_index(offsets, total=None):
+    """The sequence of every packed token and its position in that sequence,
+    both (T,): offsets [0, 2, 5] give [0, 0, 1, 1, 1] and [0, 1, 0, 1, 2].
+    ``total``: T where the caller knows it (the packed tensor's length), so
+    that the size of the result is not read from the device: then
+    ``torch.compile`` traces it without a graph break."""
+    lengths = offsets.diff()
+    seq = torch.repeat_interleave(
+        torch.arange(len(lengths), device=offsets.device), lengths, output_size=total
+    )
+    return seq, torch.arange(len(seq), device=offsets.device) - offsets[seq]
+
+
+def to_padded(values, offsets, pad_value=0.0):
+    """Packed (T, ...) -> padded (B, S, ...) and a (B, S) mask, True on real tokens."""
+    lengths = offsets.diff()
+    S = int(lengths.max()) if len(lengths) else 0
+    padded = values.new_full((len(lengths), S, *values.shape[1:]), pad_value)
+    padded = padded.index_put(token_index(offsets), values)
+    return padded, torch.arange(S, device=values.device) < lengths[:, None]
+
+
+def from_padded(padded, offsets):
+    """Padded (B, S, ...) -> packed (T, ...): the real tokens, in packed order."""
+    return padded[token_index(offsets)]
+
+
+def check_offsets(offsets, total, name="offsets"):
+    """Raise ``ValueError``, naming the problem, unless ``offsets`` describe a packed
+    tensor of ``total`` tokens."""
+    if (
+        offsets.dim() != 1
+        or len(offsets) < 1
+        or offsets.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
+            f"got shape {tuple(offsets.shape)} and {offsets.dtype}"
+        )
+    if int(offsets[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
+    steps = offsets.diff()
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0])
+        raise ValueError(
+            f"{name} must not decrease: {name}[{i}] = {int(offsets[i])} "
+            f"> {name}[{i + 1}] = {int(offsets[i + 1])}"
+        )
+    if int(offsets[-1]) != total:
+        raise ValueError(
+            f"{name} must end at the token count, {total}, got {int(offsets[-1])}"
+        )

@@ -84,10 +84,10 @@ def failure_message(check, *args, width=110):
 
 
 def step_load(steps):
-    """What the steps of :func:`deal_to_ranks` hold, as named values: the
+    """What the steps of :func:`~ragged_toolkit.data_parallel.deal_to_ranks` hold, as named values: the
     ``tokens`` of every rank and the query-key ``pairs`` that causal attention
     scores (each sequence on its own), both per step, averaged over the
-    steps, and the steps' ``imbalance`` (:func:`token_imbalance`)."""
+    steps, and the steps' ``imbalance`` (:func:`~ragged_toolkit.data_parallel.token_imbalance`)."""
     imbalance = token_imbalance(steps)  # refuses steps without tokens
     micro_batches = [mb for step in steps for rank in step for mb in rank]
     return {"tokens": sum(len(t) for t, _ in micro_batches) / len(steps),

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sphinxext"))
-from gallery_layout import GALLERY_SRC, TOOLKIT, toolkit_modules, tutorial_sources  # noqa: E402
+from gallery_layout import (GALLERY_SRC, PACKAGES, TOOLKIT, toolkit_modules, tutorial_sources)  # noqa: E402
 
 # Monospace characters a code or output block holds at a 1280 px window:
 # measured in Chromium, in DejaVu Sans Mono (as wide as the widest of the
@@ -72,7 +72,7 @@ def long_lines(path: Path, limit: int = MAX_CHARS) -> list[tuple[int, int]]:
     """``(line number, length)`` of each shown code line of ``path`` longer
     than ``limit``."""
     path = Path(path)
-    toolkit = path.resolve().is_relative_to(ROOT / TOOLKIT)
+    toolkit = any(path.resolve().is_relative_to(ROOT / package) for package in PACKAGES)
     lines = list(enumerate(path.read_text().splitlines(), 1)) if toolkit else page_code_lines(path)
     return [(n, len(text.rstrip())) for n, text in lines if len(text.rstrip()) > limit]
 

@@ -23,8 +23,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MEASURING = ("ragged_site.measuring", "ragged_toolkit.measure", "ragged_toolkit.bound",
-             "ragged_toolkit.profiles", "ragged_toolkit.attention.compare")
+MEASURING = ("ragged_site.measuring",)
 FIGURE_WORDS = re.compile(r"\bms\b|tokens/s|speedup|bound|IQR|fraction|median|MiB|per second", re.I)
 
 

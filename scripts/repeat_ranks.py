@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from ragged_toolkit.data import docstring_corpus, pack_documents, split_by_token_budget  # noqa: E402
-from ragged_site.data_parallel_launch import DataParallelJob, GradientRun, run_data_parallel  # noqa: E402
+from ragged_toolkit.data import (docstring_corpus, pack_documents, split_by_token_budget)  # noqa: E402
+from ragged_site.data_parallel_launch import (DataParallelJob, GradientRun, run_data_parallel)  # noqa: E402
 from ragged_toolkit.gpt import GPT, GPTConfig  # noqa: E402
 
 MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=512)

@@ -29,7 +29,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from gallery_layout import GALLERY_OUT, GALLERY_SRC, PACKAGES, TOOLKIT, page_modules, toolkit_modules, tutorial_sources
+from gallery_layout import (GALLERY_OUT, GALLERY_SRC, PACKAGES, TOOLKIT, page_modules,
+                            toolkit_modules, tutorial_sources)
 
 # --- the rST the pages write -> Markdown ------------------------------------------
 # Sphinx-Gallery converts headings, links, notes, math and code blocks at the

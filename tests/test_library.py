@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata as metadata
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -122,9 +123,14 @@ def test_pip_install_of_the_library_runs_with_torch_and_numpy_alone(tmp_path):
     in from this environment, with what torch requires, and nothing else),
     then attention, the GPT, the paged KV cache and the server, in an
     interpreter that sees only those."""
-    target = tmp_path / "installed"
+    source, target = tmp_path / "source", tmp_path / "installed"  # a copy: the build writes beside its sources
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    for name in ("ragged_toolkit", "ragged_site"):  # the harness beside it, as in a clone: not installed
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                           "--no-build-isolation", "--target", str(target), str(REPO)],
+                           "--no-build-isolation", "--target", str(target), str(source)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     installed = {p.parts[0] for p in (p.relative_to(target) for p in target.iterdir())}
@@ -143,3 +149,32 @@ def test_pip_install_of_the_library_runs_with_torch_and_numpy_alone(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.startswith("ran ['ragged_toolkit'"), run.stdout
+
+
+def reference_table(text: str) -> dict[str, list[str]]:
+    """Module -> names of the reference page's table of the library."""
+    return {m: re.findall(r"``(\w+)``", names)
+            for m, names in re.findall(r"^   \* - ``(ragged_toolkit[\w.]*)``\n     - (.*)$", text, flags=re.M)}
+
+
+def test_the_reference_page_lists_the_library_apart_in_one_table():
+    import importlib
+
+    text = (REPO / "toolkit.rst").read_text()
+    library, harness = text.index("The library: ``ragged_toolkit``"), text.index("The site's machinery: ``ragged_site``")
+    assert library < harness
+    assert all(text.index(f"automodule:: {m}\n") < harness for m in LIBRARY), "a library module among the harness"
+    assert all(text.index(f"automodule:: {m}\n") > harness for m in FILES if m not in LIBRARY), \
+        "a harness module among the library"
+    table = reference_table(text)
+    shown = {n for names in table.values() for n in names}
+    exported = {n: m for m in LIBRARY for n in importlib.import_module(m).__all__}
+    assert set(exported) == shown, f"the table lacks {sorted(set(exported) - shown)}, lists {sorted(shown - set(exported))}"
+    for module, names in table.items():
+        wrong = [n for n in names if n not in importlib.import_module(module).__all__]
+        assert not wrong, f"the table lists {wrong} under {module}, which does not export them"
+
+
+def test_the_table_check_reads_a_row():
+    row = "   * - ``ragged_toolkit.layers``\n     - ``MultiHeadAttention``, ``Extra``\n"
+    assert reference_table(row) == {"ragged_toolkit.layers": ["MultiHeadAttention", "Extra"]}

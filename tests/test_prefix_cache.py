@@ -26,13 +26,15 @@ from ragged_toolkit.serving.prefix_cache import PrefixCache, PrefixStats, block_
 from ragged_site.serving.prefix_tree import MostSharedTree, cached_tree, tree_rows
 from ragged_site.serving.proof import TokenLogits, check_against_alone
 from ragged_toolkit.serving.requests import Request, fresh_requests
-from ragged_site.serving.runs import draw_trace, prompt_token_seconds, prove_every_run, skipping_bound, with_and_without
+from ragged_site.serving.runs import (draw_trace, prompt_token_seconds, prove_every_run,
+                                      skipping_bound, with_and_without)
 from ragged_toolkit.serving.schedulers import plan_continuous
 from ragged_toolkit.serving.server import StepRecord, ServingRun, serve, take_turns
 from ragged_toolkit.serving.shared_prefix_attention import (attention_lse, merge_by_lse,
                                                             plan_shared_prefix, rows_read,
                                                             shared_prefix_attention, shared_prefix_step)
-from ragged_site.serving.shared_prompts import conversation_stream, greedy_answers, reusable_tokens, system_prompt_stream
+from ragged_site.serving.shared_prompts import (conversation_stream, greedy_answers,
+                                                reusable_tokens, system_prompt_stream)
 
 CFG = GPTConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=256)
 FLOAT32 = tolerances(torch.float32)

@@ -19,11 +19,13 @@ from ragged_toolkit.serving import paged_attention, schedulers
 from ragged_site.page import tolerances
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
-from ragged_toolkit.serving.requests import fresh_requests, next_tokens, poisson_arrivals, Request, request_stream
+from ragged_toolkit.serving.requests import (fresh_requests, next_tokens, poisson_arrivals,
+                                             Request, request_stream)
 from ragged_site.figures import draw_paged_cache
 from ragged_toolkit.serving.engine import build_step, forward_step, step_logits
 from ragged_site.serving.proof import TokenLogits, check_against_alone, logits_after, logits_alone
-from ragged_site.serving.metrics import draw_steps, draw_throughput_and_latency, latency_ms, ms_per_token, slot_bound, step_costs
+from ragged_site.serving.metrics import (draw_steps, draw_throughput_and_latency, latency_ms,
+                                         ms_per_token, slot_bound, step_costs)
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
 from ragged_toolkit.serving.server import serve, ServingRun, StepRecord, take_turns
 

@@ -119,7 +119,8 @@ print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
 
 from ragged_toolkit.batches import offsets_from_position_ids, token_index
 from ragged_toolkit.data import document_targets
-from ragged_site.data_parallel import check_documents_apart, check_positions, check_targets, failure_message
+from ragged_site.data_parallel import (check_documents_apart, check_positions, check_targets,
+                                       failure_message)
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.layouts import PackedLayout
 

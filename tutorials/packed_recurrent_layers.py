@@ -319,7 +319,8 @@ plt.show()
 
 import textwrap
 import transformers
-from ragged_toolkit.recurrent_hf import FORWARDS_CU_SEQ_LENS, document_differences, forwards_cu_seq_lens
+from ragged_toolkit.recurrent_hf import (FORWARDS_CU_SEQ_LENS, document_differences,
+                                         forwards_cu_seq_lens)
 
 # sphinx_gallery_start_ignore
 transformers.logging.set_verbosity_error()  # its notes that its reference kernels run

@@ -106,7 +106,8 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 
 import numpy as np
 from ragged_toolkit.data import docstring_corpus
-from ragged_site.serving.shared_prompts import conversation_stream, greedy_answers, reusable_tokens, system_prompt_stream
+from ragged_site.serving.shared_prompts import (conversation_stream, greedy_answers,
+                                                reusable_tokens, system_prompt_stream)
 
 docs, source = docstring_corpus(min_chars=2)
 rng = np.random.default_rng(setup.seed)

@@ -399,7 +399,8 @@ step_fns = {  # side -> {"forward": ..., "forward+backward": ...}
 # the whole square under a padding mask, the causal half under a causal
 # kernel; the :term:`fraction of the bound`: :doc:`measuring_ragged_batches`.
 
-from ragged_site.measuring.bound import attention_layer_work, model_work, pairs_scored, speedup_line, throughput_line
+from ragged_site.measuring.bound import (attention_layer_work, model_work, pairs_scored,
+                                         speedup_line, throughput_line)
 from ragged_site.measuring.tables import print_timings
 
 

@@ -154,7 +154,8 @@ for job, (tensors, keywords) in JOBS.items():
 #    :pyobject: varlen_kwargs
 
 from ragged_toolkit.attention import backend_support
-from ragged_toolkit.attention.varlen import VARLEN_KEYWORDS, VarlenUnavailable, varlen_kwargs, varlen_missing
+from ragged_toolkit.attention.varlen import (VARLEN_KEYWORDS, VarlenUnavailable, varlen_kwargs,
+                                             varlen_missing)
 
 print(f"varlen_attn in PyTorch {torch.__version__}: "
       + (f"{len(VARLEN_KEYWORDS)} parameters" if VARLEN_KEYWORDS else "none in this build"))

@@ -17,8 +17,17 @@ from ragged_toolkit.layouts import PackedLayout
 from .measuring.bound import pairs_scored
 from .measuring.compiling import compile_counter
 
-__all__ = ["check_documents_apart", "check_targets", "check_positions", "failure_message", "step_load",
-           "compiled_graphs", "one_process_gradients", "check_same_gradients", "nccl_ranks"]
+__all__ = [
+    "check_documents_apart",
+    "check_targets",
+    "check_positions",
+    "failure_message",
+    "step_load",
+    "compiled_graphs",
+    "one_process_gradients",
+    "check_same_gradients",
+    "nccl_ranks",
+]
 
 
 def check_documents_apart(model, document, pack, backend=None):
@@ -79,8 +88,12 @@ def failure_message(check, *args, width=110):
     try:
         check(*args)
     except AssertionError as failure:
-        return "\n".join(textwrap.wrap(str(failure), width, initial_indent="  ", subsequent_indent="    "))
-    raise AssertionError(f"{check.__name__} accepted the wrong variant: it would not catch the mistake")
+        return "\n".join(
+            textwrap.wrap(str(failure), width, initial_indent="  ", subsequent_indent="    ")
+        )
+    raise AssertionError(
+        f"{check.__name__} accepted the wrong variant: it would not catch the mistake"
+    )
 
 
 def step_load(steps):
@@ -90,9 +103,11 @@ def step_load(steps):
     steps, and the steps' ``imbalance`` (:func:`~ragged_toolkit.data_parallel.token_imbalance`)."""
     imbalance = token_imbalance(steps)  # refuses steps without tokens
     micro_batches = [mb for step in steps for rank in step for mb in rank]
-    return {"tokens": sum(len(t) for t, _ in micro_batches) / len(steps),
-            "pairs": sum(pairs_scored(o.diff(), o.diff(), True) for _, o in micro_batches) / len(steps),
-            "imbalance": imbalance}
+    return {
+        "tokens": sum(len(t) for t, _ in micro_batches) / len(steps),
+        "pairs": sum(pairs_scored(o.diff(), o.diff(), True) for _, o in micro_batches) / len(steps),
+        "imbalance": imbalance,
+    }
 
 
 def compiled_graphs(model, micro_batches, layout_of, *, dynamic=None, dtype=torch.float32):
@@ -110,8 +125,9 @@ def compiled_graphs(model, micro_batches, layout_of, *, dynamic=None, dtype=torc
     try:
         with torch._dynamo.config.patch(recompile_limit=64), compile_counter() as count:
             for tokens, offsets in micro_batches:
-                loss, targets = token_loss_sum(runner, tokens, offsets, dtype=dtype,
-                                               layout=layout_of(tokens, offsets))
+                loss, targets = token_loss_sum(
+                    runner, tokens, offsets, dtype=dtype, layout=layout_of(tokens, offsets)
+                )
                 (loss / targets).backward()
     finally:
         model.zero_grad(set_to_none=True)
@@ -133,7 +149,10 @@ def one_process_gradients(model, micro_batches, backend=None):
 def check_same_gradients(grads, reference, tol=1e-4):
     """Raise ``AssertionError`` unless every gradient in ``grads`` is within
     ``tol`` of the one in ``reference``; returns the largest difference."""
-    gaps = {n: (grads[n].float().cpu() - g.float().cpu()).abs().max().item() for n, g in reference.items()}
+    gaps = {
+        n: (grads[n].float().cpu() - g.float().cpu()).abs().max().item()
+        for n, g in reference.items()
+    }
     name = max(gaps, key=gaps.get)
     assert gaps[name] <= tol, (
         f"the data-parallel gradients differ from one process on the whole batch: "

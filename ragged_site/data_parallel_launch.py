@@ -24,8 +24,13 @@ from ragged_toolkit.data_parallel import data_parallel_step, wrap_model
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.clock import stopwatch
 
-__all__ = ["GradientRun", "DataParallelJob", "data_parallel_worker",
-           "run_data_parallel", "step_times_ms"]
+__all__ = [
+    "GradientRun",
+    "DataParallelJob",
+    "data_parallel_worker",
+    "run_data_parallel",
+    "step_times_ms",
+]
 
 
 @dataclass
@@ -94,8 +99,13 @@ def data_parallel_worker(folder):
     data = torch.load(folder / "data.pt", weights_only=True)
     device = _init_rank(job)
     try:
-        report = {"rank": rank, "world_size": dist.get_world_size(), "backend": job.backend,
-                  "device": str(device), "threads": torch.get_num_threads()}
+        report = {
+            "rank": rank,
+            "world_size": dist.get_world_size(),
+            "backend": job.backend,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+        }
         _gradient_runs(job, data, device, folder, rank)
         report["timing"] = _timed_steps(job, data, device, rank)
         dist.barrier()  # the last collective: every rank is done with the others
@@ -121,7 +131,9 @@ def _leave_together(folder, rank, world, timeout_s=120.0):
     deadline = time.monotonic() + timeout_s
     while not all((folder / f"rank{r}.done").exists() for r in range(world)):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: the other ranks did not finish within {timeout_s:.0f} s")
+            raise TimeoutError(
+                f"rank {rank}: the other ranks did not finish within {timeout_s:.0f} s"
+            )
         time.sleep(0.01)
 
 
@@ -146,9 +158,13 @@ def _gradient_runs(job, data, device, folder, rank):
     mine = [(t.to(device), o.to(device)) for t, o in data["grad_batches"][rank]]
     for run in job.grad_runs:
         model, runner, sync = _fresh_model(job, data, run.wrap, device)
-        data_parallel_step(runner, mine, sync, reduce_count=run.reduce_count, backend=job.grad_backend)
-        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                 for n, p in model.named_parameters()}  # FSDP2 holds shards: gather
+        data_parallel_step(
+            runner, mine, sync, reduce_count=run.reduce_count, backend=job.grad_backend
+        )
+        grads = {
+            n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for n, p in model.named_parameters()
+        }  # FSDP2 holds shards: gather
         if rank == 0:
             torch.save({n: g.cpu() for n, g in grads.items()}, folder / f"grads-{run.name}.pt")
 
@@ -179,8 +195,16 @@ def _launch_command(nproc, script="worker.py", folder="FOLDER", log_dir=None):
     with ``log_dir``, each rank's standard output and error go to files of
     their own there (``--redirects 3``)."""
     logs = ["--log-dir", str(log_dir), "--redirects", "3"] if log_dir else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            *logs, script, folder]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *logs,
+        script,
+        folder,
+    ]
 
 
 def _rank_errors(folder, nproc):
@@ -210,21 +234,37 @@ def run_data_parallel(job, data, nproc, *, timeout=600):
         (folder / "worker.py").write_text(DATA_PARALLEL_SCRIPT)
         (folder / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
         torch.save(data, folder / "data.pt")
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
-               "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
+            "PYTHONUNBUFFERED": "1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "MASTER_ADDR": "127.0.0.1",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [package_parent, os.environ.get("PYTHONPATH")])
+            ),
+        }
         if job.backend == "gloo":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no accelerator to build a mesh on
         command = _launch_command(nproc, folder=str(folder), log_dir=folder / "logs")
-        proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout
+        )
         if proc.returncode != 0:
             errors = _rank_errors(folder, nproc)
-            shown = "\n".join(f"--- {who}:\n{text}" for who, text in errors) or (proc.stdout + proc.stderr)[-3000:]
+            shown = (
+                "\n".join(f"--- {who}:\n{text}" for who, text in errors)
+                or (proc.stdout + proc.stderr)[-3000:]
+            )
             where = ", " + ", ".join(who for who, _ in errors) if errors else ""
-            raise RuntimeError(f"{nproc} ranks on {job.backend} failed (exit {proc.returncode}{where}):\n{shown}")
+            raise RuntimeError(
+                f"{nproc} ranks on {job.backend} failed (exit {proc.returncode}{where}):\n{shown}"
+            )
         reports = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
-        grads = {run.name: torch.load(folder / f"grads-{run.name}.pt", weights_only=True)
-                 for run in job.grad_runs}
+        grads = {
+            run.name: torch.load(folder / f"grads-{run.name}.pt", weights_only=True)
+            for run in job.grad_runs
+        }
     return reports, grads
 
 
@@ -235,6 +275,8 @@ def step_times_ms(reports, scheme, skip=0):
     ``skip`` steps (the warm-up) are left out. A list of floats, one a step."""
     seconds = [report["timing"][scheme]["seconds"][skip:] for report in reports]
     if not seconds or len({len(s) for s in seconds}) != 1:
-        raise ValueError(f"timed steps of {scheme!r} per rank after the first {skip}: "
-                         f"{[len(s) for s in seconds]}; every rank of one run times the same steps")
+        raise ValueError(
+            f"timed steps of {scheme!r} per rank after the first {skip}: "
+            f"{[len(s) for s in seconds]}; every rank of one run times the same steps"
+        )
     return [1e3 * max(step) for step in zip(*seconds)]

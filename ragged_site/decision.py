@@ -24,9 +24,20 @@ from ragged_site.measuring.noise import choose, outside_noise
 from ragged_site.measuring.tables import Table
 from ragged_site.measuring.timing import Timing
 
-__all__ = ["padded_attention", "one_row_attention", "padded_paths", "one_row_paths", "padded_decoding",
-           "alibi_score_mod", "alibi_bias", "alibi_paths", "alibi_reference", "PaddedServing",
-           "decision_guide", "speedup_grid"]
+__all__ = [
+    "padded_attention",
+    "one_row_attention",
+    "padded_paths",
+    "one_row_paths",
+    "padded_decoding",
+    "alibi_score_mod",
+    "alibi_bias",
+    "alibi_paths",
+    "alibi_reference",
+    "PaddedServing",
+    "decision_guide",
+    "speedup_grid",
+]
 
 _BASELINE = "padded tensors"  # the path every speedup is measured against
 
@@ -36,7 +47,9 @@ def padded_attention(qh, kh, vh):
     SDPA call with ``is_causal`` on tensors padded from the start, q (B, H,
     S, D), k and v (B, H_kv, S, D) -> (B, H, S, D). With right padding a
     causal query never reaches a padding key."""
-    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=kh.shape[1] != qh.shape[1])
+    return F.scaled_dot_product_attention(
+        qh, kh, vh, is_causal=True, enable_gqa=kh.shape[1] != qh.shape[1]
+    )
 
 
 def one_row_attention(qr, kr, vr, row_mask):
@@ -44,7 +57,9 @@ def one_row_attention(qr, kr, vr, row_mask):
     D), with a (T, T) block-diagonal causal mask, what ``transformers`` builds
     from the position ids of a packed row: every pair of the row is scored.
     Returns (1, H, T, D)."""
-    return F.scaled_dot_product_attention(qr, kr, vr, attn_mask=row_mask, enable_gqa=kr.shape[1] != qr.shape[1])
+    return F.scaled_dot_product_attention(
+        qr, kr, vr, attn_mask=row_mask, enable_gqa=kr.shape[1] != qr.shape[1]
+    )
 
 
 def _forward(attention, *tensors):
@@ -67,16 +82,20 @@ def padded_paths(q, k, v, offsets, grad, kv_heads):
     the first ``kv_heads`` key/value heads, contiguous as a GQA model holds
     them. Returns job -> ``(call, packed)``; training's call returns ``dq,
     dk, dv``."""
-    qh, kh, vh = (to_padded(t, offsets)[0].transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, S, D)
+    qh, kh, vh = (
+        to_padded(t, offsets)[0].transpose(1, 2).contiguous() for t in (q, k, v)
+    )  # (B, H, S, D)
     grad_h = to_padded(grad, offsets)[0].transpose(1, 2)
     kh_gqa, vh_gqa = kh[:, :kv_heads].contiguous(), vh[:, :kv_heads].contiguous()  # (B, H_kv, S, D)
 
     def unpad(out):  # (B, H, S, D) -> (T, H, D)
         return from_padded(out.transpose(1, 2), offsets).float()
 
-    return {"inference": (_forward(padded_attention, qh, kh, vh), unpad),
-            "training": (_backward(padded_attention, qh, kh, vh, grad_h), unpad),
-            "GQA": (_forward(padded_attention, qh, kh_gqa, vh_gqa), unpad)}
+    return {
+        "inference": (_forward(padded_attention, qh, kh, vh), unpad),
+        "training": (_backward(padded_attention, qh, kh, vh, grad_h), unpad),
+        "GQA": (_forward(padded_attention, qh, kh_gqa, vh_gqa), unpad),
+    }
 
 
 def one_row_paths(q, k, v, offsets, grad, kv_heads):
@@ -93,9 +112,11 @@ def one_row_paths(q, k, v, offsets, grad, kv_heads):
     def unrow(out):  # (1, H, T, D) -> (T, H, D)
         return out[0].transpose(0, 1).float()
 
-    return {"inference": (_forward(attend, qr, kr, vr), unrow),
-            "training": (_backward(attend, qr, kr, vr, grad.transpose(0, 1)[None]), unrow),
-            "GQA": (_forward(attend, qr, kr[:, :kv_heads], vr[:, :kv_heads]), unrow)}
+    return {
+        "inference": (_forward(attend, qr, kr, vr), unrow),
+        "training": (_backward(attend, qr, kr, vr, grad.transpose(0, 1)[None]), unrow),
+        "GQA": (_forward(attend, qr, kr[:, :kv_heads], vr[:, :kv_heads]), unrow),
+    }
 
 
 def padded_decoding(q_one, k_rect, v_rect, used):
@@ -110,8 +131,12 @@ def padded_decoding(q_one, k_rect, v_rect, used):
     @torch.no_grad()
     def step():  # (B, H, 1, D)
         in_use = torch.arange(n_used, device=used.device) < used[:, None]  # (B, n_used)
-        return F.scaled_dot_product_attention(q_one[:, :, None], k_rect[:, :, :n_used], v_rect[:, :, :n_used],
-                                              attn_mask=in_use[:, None, None])
+        return F.scaled_dot_product_attention(
+            q_one[:, :, None],
+            k_rect[:, :, :n_used],
+            v_rect[:, :, :n_used],
+            attn_mask=in_use[:, None, None],
+        )
 
     return step, lambda out: out[:, :, 0].float()
 
@@ -131,7 +156,9 @@ def alibi_score_mod(slopes):
 def alibi_bias(slopes, n):
     """ALiBi as an additive bias for a dense SDPA call over ``n`` positions:
     (H, n, n), the penalty below the diagonal, ``-inf`` above it (causal)."""
-    distance = torch.arange(n, device=slopes.device)[:, None] - torch.arange(n, device=slopes.device)
+    distance = torch.arange(n, device=slopes.device)[:, None] - torch.arange(
+        n, device=slopes.device
+    )
     return (-slopes[:, None, None] * distance.float()).masked_fill(distance < 0, float("-inf"))
 
 
@@ -154,23 +181,44 @@ def alibi_paths(q, k, v, offsets, slopes):
     def flex_alibi(q, k, v, block_mask):
         return flex_attention(q, k, v, score_mod=alibi_penalty, block_mask=block_mask)
 
-    score_mask = create_block_mask(causal_within_sequence, None, None, len(q), len(q), device=q.device)
+    score_mask = create_block_mask(
+        causal_within_sequence, None, None, len(q), len(q), device=q.device
+    )
     qr, kr, vr = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
     per_seq = list(zip(*(t.split(lengths) for t in (q, k, v))))  # (L, H, D) each
     biases = [alibi_bias(slopes, n).to(q.dtype)[None] for n in lengths]
-    qh, kh, vh = (to_padded(t, offsets)[0].transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, S, D)
+    qh, kh, vh = (
+        to_padded(t, offsets)[0].transpose(1, 2).contiguous() for t in (q, k, v)
+    )  # (B, H, S, D)
     valid = to_padded(q, offsets)[1]  # (B, S)
-    pad_bias = alibi_bias(slopes, qh.shape[2]).masked_fill(~valid[:, None, None, :], float("-inf")).to(q.dtype)
+    pad_bias = (
+        alibi_bias(slopes, qh.shape[2])
+        .masked_fill(~valid[:, None, None, :], float("-inf"))
+        .to(q.dtype)
+    )
 
     def loop():
-        return torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv), attn_mask=bias)[0]
-                          for qkv, bias in zip(per_seq, biases)], 1).transpose(0, 1)
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(t.transpose(0, 1)[None] for t in qkv), attn_mask=bias
+                )[0]
+                for qkv, bias in zip(per_seq, biases)
+            ],
+            1,
+        ).transpose(0, 1)
 
-    return {"flex": (torch.no_grad()(lambda: flex_alibi(qr, kr, vr, score_mask)[0].transpose(0, 1)),
-                     lambda out: out.float()),
-            "loop": (torch.no_grad()(loop), lambda out: out.float()),
-            _BASELINE: (torch.no_grad()(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=pad_bias)),
-                       lambda out: from_padded(out.transpose(1, 2), offsets).float())}
+    return {
+        "flex": (
+            torch.no_grad()(lambda: flex_alibi(qr, kr, vr, score_mask)[0].transpose(0, 1)),
+            lambda out: out.float(),
+        ),
+        "loop": (torch.no_grad()(loop), lambda out: out.float()),
+        _BASELINE: (
+            torch.no_grad()(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=pad_bias)),
+            lambda out: from_padded(out.transpose(1, 2), offsets).float(),
+        ),
+    }
 
 
 def alibi_reference(q, k, v, offsets, slopes):
@@ -178,9 +226,15 @@ def alibi_reference(q, k, v, offsets, slopes):
     copies, sequence by sequence with SDPA's math kernel: no kernel shared
     with the paths of :func:`alibi_paths`."""
     with sdpa_kernel(SDPBackend.MATH):
-        return torch.cat([F.scaled_dot_product_attention(*(t.float().transpose(0, 1) for t in (a, b, c)),
-                                                         attn_mask=alibi_bias(slopes, len(a))).transpose(0, 1)
-                          for a, b, c in zip(*(t.split(offsets.diff().tolist()) for t in (q, k, v)))])
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(t.float().transpose(0, 1) for t in (a, b, c)),
+                    attn_mask=alibi_bias(slopes, len(a)),
+                ).transpose(0, 1)
+                for a, b, c in zip(*(t.split(offsets.diff().tolist()) for t in (q, k, v)))
+            ]
+        )
 
 
 class PaddedServing:
@@ -199,26 +253,42 @@ class PaddedServing:
 
     def __init__(self, step, q, layer=0):
         q_len, kv_len, device = step.q_offsets.diff(), step.kv_lengths, q.device
-        rows = paged_rows(step.block_table, kv_len, step.cache.block_size)  # every key in use, request by request
+        rows = paged_rows(
+            step.block_table, kv_len, step.cache.block_size
+        )  # every key in use, request by request
         keys, values = step.cache.k[layer][rows], step.cache.v[layer][rows]
-        self.q_seq, kv_seq = token_index(step.q_offsets)[0], token_index(offsets_from_lengths(kv_len, device))[0]
+        self.q_seq, kv_seq = (
+            token_index(step.q_offsets)[0],
+            token_index(offsets_from_lengths(kv_len, device))[0],
+        )
         self.groups = {"decode tokens": q_len == 1, "prompt chunks": q_len > 1}
         self.tensors = {}
         for name, group in self.groups.items():
             q_offsets = offsets_from_lengths(q_len[group], device)
             qp = to_padded(q[group[self.q_seq]], q_offsets)[0].transpose(1, 2)
-            kp, vp = (to_padded(t[group[kv_seq]], offsets_from_lengths(kv_len[group], device))[0].transpose(1, 2)
-                      for t in (keys, values))
-            i, j = torch.arange(qp.shape[2], device=device), torch.arange(kp.shape[2], device=device)
-            shift = (kv_len - q_len)[group][:, None, None]  # a query at i sees the keys up to i + shift
+            kp, vp = (
+                to_padded(t[group[kv_seq]], offsets_from_lengths(kv_len[group], device))[
+                    0
+                ].transpose(1, 2)
+                for t in (keys, values)
+            )
+            i, j = (
+                torch.arange(qp.shape[2], device=device),
+                torch.arange(kp.shape[2], device=device),
+            )
+            shift = (kv_len - q_len)[group][
+                :, None, None
+            ]  # a query at i sees the keys up to i + shift
             sees = (j <= i[:, None] + shift) & (j < kv_len[group][:, None, None])
             self.tensors[name] = dict(q=qp, k=kp, v=vp, mask=sees[:, None], q_offsets=q_offsets)
         self.pairs = sum(t["mask"].numel() for t in self.tensors.values())
 
     @torch.no_grad()
     def __call__(self):
-        return {name: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["mask"])
-                for name, t in self.tensors.items()}
+        return {
+            name: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["mask"])
+            for name, t in self.tensors.items()
+        }
 
     def packed(self, outs):
         """The outputs of a call, name -> (B_g, H, S_q, D), as the step's
@@ -254,17 +324,41 @@ def decision_guide(table, bounds, default, pointers=None):
         gain = padded.median_ms / ran[ragged].median_ms
         kernels = f"\nkernels: {ran[best].kernels}" if ran[best].kernels else ""
         chosen = f"{best}, {ran[best].median_ms:.2f} ms{kernels}"
-        versus = ((f"{ragged}: " if ragged != best else "") + f"speedup {gain:.2f}x\nwork bound {bound:.2f}x\n"
-                  f"fraction {gain / bound:.2f}" + ("" if outside_noise(padded, ran[ragged]) else " (within noise)"))
+        versus = (
+            (f"{ragged}: " if ragged != best else "")
+            + f"speedup {gain:.2f}x\nwork bound {bound:.2f}x\n"
+            f"fraction {gain / bound:.2f}"
+            + ("" if outside_noise(padded, ran[ragged]) else " (within noise)")
+        )
         pointer = f"\n{pointers[job]}" if pointers and job in pointers else ""
-        rows.append([job, chosen, versus, ", ".join(then) + pointer,
-                     ", ".join(name for name, r in results.items() if not isinstance(r, Timing))])
-    return Table(["job", "chosen here", f"against {_BASELINE}", "then", "not here"], rows, css_class="decision-guide")
+        rows.append(
+            [
+                job,
+                chosen,
+                versus,
+                ", ".join(then) + pointer,
+                ", ".join(name for name, r in results.items() if not isinstance(r, Timing)),
+            ]
+        )
+    return Table(
+        ["job", "chosen here", f"against {_BASELINE}", "then", "not here"],
+        rows,
+        css_class="decision-guide",
+    )
 
 
 def speedup_grid(table, paths):
     """(paths, jobs): each path's speedup over ``"padded tensors"`` for each
     job of ``table`` (as :func:`decision_guide` takes it), NaN where the path
     did not run; for :func:`~ragged_site.figures.draw_speedups`."""
-    return np.array([[table[job][_BASELINE].median_ms / table[job][path].median_ms
-                      if isinstance(table[job].get(path), Timing) else np.nan for job in table] for path in paths])
+    return np.array(
+        [
+            [
+                table[job][_BASELINE].median_ms / table[job][path].median_ms
+                if isinstance(table[job].get(path), Timing)
+                else np.nan
+                for job in table
+            ]
+            for path in paths
+        ]
+    )

@@ -5,8 +5,16 @@ import numpy as np
 
 from ragged_toolkit.batches import offsets_from_lengths, token_index
 
-__all__ = ["FIGURE_STYLE", "draw_batch", "draw_block_mask", "draw_scores", "draw_kv_cache",
-           "draw_token_budget", "draw_speedups", "draw_paged_cache"]
+__all__ = [
+    "FIGURE_STYLE",
+    "draw_batch",
+    "draw_block_mask",
+    "draw_scores",
+    "draw_kv_cache",
+    "draw_token_budget",
+    "draw_speedups",
+    "draw_paged_cache",
+]
 
 # 12-point text at 100 dpi is about 17 px, as large as the page's body text
 # when a figure of at most 8 inches (800 px) is shown at its natural size in
@@ -47,15 +55,29 @@ def draw_batch(lengths):
     for b, n in enumerate(lengths):
         for s in range(S):
             real = s < n
-            _cell(ax_pad, s, b, colors[b] if real else "0.88", f"{s}" if real else "pad",
-                  "white" if real else "0.45")
+            _cell(
+                ax_pad,
+                s,
+                b,
+                colors[b] if real else "0.88",
+                f"{s}" if real else "pad",
+                "white" if real else "0.45",
+            )
     for t in range(T):
         _cell(ax_pack, t, 0, colors[int(seq[t])], f"{int(pos[t])}")
-    ax_pad.set(xlim=(0, S), ylim=(B, 0),
-               title=f"padded (B, S) = ({B}, {S}) and a mask: {B * S - T} of {B * S} slots are padding")
+    ax_pad.set(
+        xlim=(0, S),
+        ylim=(B, 0),
+        title=f"padded (B, S) = ({B}, {S}) and a mask: {B * S - T} of {B * S} slots are padding",
+    )
     ax_pad.axis("off")
-    ax_pack.set(xlim=(0, T), ylim=(1, -0.1), yticks=[], xticks=offsets.tolist(),
-                title=f"packed values (T,) = ({T},), offsets {offsets.tolist()}")
+    ax_pack.set(
+        xlim=(0, T),
+        ylim=(1, -0.1),
+        yticks=[],
+        xticks=offsets.tolist(),
+        title=f"packed values (T,) = ({T},), offsets {offsets.tolist()}",
+    )
     ax_pack.set_xlabel("offsets: where each sequence starts, then where the last one ends")
     fig.tight_layout()
     return fig
@@ -67,9 +89,13 @@ def _block_grid(block_mask):
     with no mask, 1 where the mask runs inside it, 0 where it is skipped."""
     import torch
 
-    grid = torch.zeros(block_mask.kv_num_blocks.shape[-1], block_mask.kv_indices.shape[-1], dtype=torch.long)
-    for kind, (counts, indices) in ((1, (block_mask.kv_num_blocks, block_mask.kv_indices)),
-                                    (2, (block_mask.full_kv_num_blocks, block_mask.full_kv_indices))):
+    grid = torch.zeros(
+        block_mask.kv_num_blocks.shape[-1], block_mask.kv_indices.shape[-1], dtype=torch.long
+    )
+    for kind, (counts, indices) in (
+        (1, (block_mask.kv_num_blocks, block_mask.kv_indices)),
+        (2, (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)),
+    ):
         if counts is None:
             continue
         for row, (n, cols) in enumerate(zip(counts[0, 0].tolist(), indices[0, 0].tolist())):
@@ -99,9 +125,17 @@ def draw_block_mask(block_mask, title=""):
     ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
     skipped = float((grid == 0).mean())
     ax.set_title(title or f"{skipped:.0%} of the blocks skipped")
-    ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(
-        colors[::-1], ("computed whole", "computed, mask applied", "skipped"))],
-        loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=3, fontsize=11, frameon=False)
+    ax.legend(
+        handles=[
+            Patch(color=c, label=t)
+            for c, t in zip(colors[::-1], ("computed whole", "computed, mask applied", "skipped"))
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncols=3,
+        fontsize=11,
+        frameon=False,
+    )
     fig.tight_layout()
     return fig, skipped
 
@@ -122,7 +156,9 @@ def draw_scores(lengths):
         rows, cols = np.tril_indices(n)
         packed[start + rows, start + cols] = colors[b]
     ax_pack.imshow(packed)
-    ax_pack.set_title(f"packed: {int(sum(n * (n + 1) // 2 for n in lengths))} pairs\n(T, T) = ({T}, {T})")
+    ax_pack.set_title(
+        f"packed: {int(sum(n * (n + 1) // 2 for n in lengths))} pairs\n(T, T) = ({T}, {T})"
+    )
     padded = np.ones((B * (S + 1) - 1, S, 4))
     for b, n in enumerate(lengths):
         rows, cols = np.tril_indices(S)
@@ -133,7 +169,9 @@ def draw_scores(lengths):
     ax_pad.set_title(f"padded: {B * S * (S + 1) // 2} pairs\n{B} x (S, S) = {B} x ({S}, {S})")
     for ax in (ax_pack, ax_pad):
         ax.set(xticks=[], yticks=[], xlabel="keys", ylabel="queries")
-    fig.suptitle("causal scores: a color per sequence; gray, padding, computed and thrown away", fontsize=12)
+    fig.suptitle(
+        "causal scores: a color per sequence; gray, padding, computed and thrown away", fontsize=12
+    )
     fig.tight_layout()
     return fig
 
@@ -156,10 +194,17 @@ def draw_kv_cache(kv_used, capacity, new=None):
             if is_new:
                 ax.add_patch(plt.Rectangle((s, b), 0.92, 0.86, fill=False, lw=2.5, ec=colors[b]))
         ax.text(capacity + 0.3, b + 0.43, f"kv_used {n}", va="center")
-    ax.set(xlim=(0, capacity + 2.6), ylim=(B, -0.1), yticks=np.arange(B) + 0.43,
-           yticklabels=[f"sequence {b}" for b in range(B)], xticks=[])
-    ax.set_title(f"packed rows: sequence b owns rows b x {capacity} ..." +
-                 ("; outlined, where its next token goes" if new is not None else ""))
+    ax.set(
+        xlim=(0, capacity + 2.6),
+        ylim=(B, -0.1),
+        yticks=np.arange(B) + 0.43,
+        yticklabels=[f"sequence {b}" for b in range(B)],
+        xticks=[],
+    )
+    ax.set_title(
+        f"packed rows: sequence b owns rows b x {capacity} ..."
+        + ("; outlined, where its next token goes" if new is not None else "")
+    )
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
@@ -181,15 +226,24 @@ def draw_token_budget(lengths, budget, micro_batches=None):
     for b, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
         for r in range(start // budget, min((end - 1) // budget, rows - 1) + 1):
             lo, hi = max(start, r * budget), min(end, (r + 1) * budget)
-            ax.barh(r, hi - lo, left=lo - r * budget, height=0.8, color=colors[b], edgecolor="white")
+            ax.barh(
+                r, hi - lo, left=lo - r * budget, height=0.8, color=colors[b], edgecolor="white"
+            )
             if hi == (r + 1) * budget and end > hi:  # the document goes on in the next row
                 for x, y in ((budget, r), (0, r + 1))[: 1 + (r + 1 < rows)]:
                     ax.plot([x, x], [y - 0.45, y + 0.45], color="black", lw=4, clip_on=False)
                 cuts += 1
-    ax.set(xlim=(0, budget), ylim=(rows - 0.5, -0.5), xlabel=f"token position in the micro-batch "
-           f"(budget {budget})", yticks=range(rows), yticklabels=[f"{r}" for r in range(rows)],
-           ylabel="micro-batch")
-    ax.set_title(f"{rows} micro-batches; a black edge: a document cut there ({cuts}), its rest opens the next")
+    ax.set(
+        xlim=(0, budget),
+        ylim=(rows - 0.5, -0.5),
+        xlabel=f"token position in the micro-batch (budget {budget})",
+        yticks=range(rows),
+        yticklabels=[f"{r}" for r in range(rows)],
+        ylabel="micro-batch",
+    )
+    ax.set_title(
+        f"{rows} micro-batches; a black edge: a document cut there ({cuts}), its rest opens the next"
+    )
     fig.tight_layout()
     return fig
 
@@ -234,7 +288,9 @@ def draw_paged_cache(tables, free, n_blocks, block_size, keys, shown=4):
     chosen = sorted(tables, key=lambda rid: -len(tables[rid]))[:shown]
     owner, per_row = {b: rid for rid, blocks in tables.items() for b in blocks}, 20
     lines = -(-n_blocks // per_row)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), layout="constrained", height_ratios=[lines, len(chosen)])
+    fig, (ax1, ax2) = plt.subplots(
+        2, 1, figsize=(8, 6.5), layout="constrained", height_ratios=[lines, len(chosen)]
+    )
 
     def cell(ax, x, y, color, text=""):
         ax.add_patch(plt.Rectangle((x, y), 0.92, 0.86, fc=color, ec="0.5"))
@@ -246,16 +302,23 @@ def draw_paged_cache(tables, free, n_blocks, block_size, keys, shown=4):
             cell(ax1, b % per_row, b // per_row, f"C{chosen.index(rid)}", str(tables[rid].index(b)))
         else:
             cell(ax1, b % per_row, b // per_row, "white" if rid is None else "0.75")
-    ax1.set(xlim=(0, per_row), ylim=(lines, 0), title=f"The cache: {n_blocks} blocks of {block_size} rows\n"
-            f"{len(chosen)} requests (the logical block in each), {len(tables) - len(chosen)} others (gray), "
-            f"{len(free)} free (white)")
+    ax1.set(
+        xlim=(0, per_row),
+        ylim=(lines, 0),
+        title=f"The cache: {n_blocks} blocks of {block_size} rows\n"
+        f"{len(chosen)} requests (the logical block in each), {len(tables) - len(chosen)} others (gray), "
+        f"{len(free)} free (white)",
+    )
     for row, rid in enumerate(chosen):
         for j, b in enumerate(tables[rid]):
             cell(ax2, j, row, f"C{row}", str(b))
-    ax2.set(xlim=(0, max(map(len, tables.values()))), ylim=(len(chosen), 0),
-            title="their block tables: the physical block of each logical block",
-            yticks=[row + 0.43 for row in range(len(chosen))],
-            yticklabels=[f"request {rid}, {keys[rid]} keys" for rid in chosen])
+    ax2.set(
+        xlim=(0, max(map(len, tables.values()))),
+        ylim=(len(chosen), 0),
+        title="their block tables: the physical block of each logical block",
+        yticks=[row + 0.43 for row in range(len(chosen))],
+        yticklabels=[f"request {rid}, {keys[rid]} keys" for rid in chosen],
+    )
     for ax in (ax1, ax2):
         ax.set_xticks([])
         ax.spines[:].set_visible(False)

@@ -33,9 +33,7 @@ def quick_mode():
 
 class _DropNotes(logging.Filter):
     def filter(self, record):
-        return not record.getMessage().startswith(
-            ("is_fx_tracing", "Failed to pickle cache key")
-        )
+        return not record.getMessage().startswith(("is_fx_tracing", "Failed to pickle cache key"))
 
 
 def quiet_known_notes():
@@ -45,9 +43,7 @@ def quiet_known_notes():
     profiler's log lines."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     warnings.filterwarnings("ignore", message=r".*nested tensors is in prototype stage")
-    warnings.filterwarnings(
-        "ignore", message=r".*does not implement _stable_hash_for_caching"
-    )
+    warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
     for name in ("torch.fx._symbolic_trace", "torch._inductor.codecache"):
         logging.getLogger(name).addFilter(_DropNotes())
 
@@ -58,7 +54,10 @@ def page_sizes(sizes, device, quick):
     key). The one place a page chooses its sizes, as a literal dict, so that
     the CUDA audit (``tests/test_cuda_audit.py``) reads a page's CUDA sizes
     without running it."""
-    chosen = {k: dict(v) if isinstance(v, dict) else v for k, v in sizes["cuda" if device == "cuda" else "cpu"].items()}
+    chosen = {
+        k: dict(v) if isinstance(v, dict) else v
+        for k, v in sizes["cuda" if device == "cuda" else "cpu"].items()
+    }
     for key, value in (sizes.get("quick", {}) if quick else {}).items():
         chosen[key] = {**chosen[key], **value} if isinstance(value, dict) else value
     return chosen
@@ -79,7 +78,10 @@ def page_setup(sizes, *, threads=1, seed=0):
     torch.manual_seed(seed)
     quiet_known_notes()
     chosen = page_sizes(sizes, device, quick)
-    print(f"PyTorch {torch.__version__}, device: {device}, dtype: {dtype}"
-          + (", quick mode" if quick else ""))
-    return types.SimpleNamespace(device=device, dtype=dtype, quick=quick, seed=seed,
-                                 sizes=types.SimpleNamespace(**chosen))
+    print(
+        f"PyTorch {torch.__version__}, device: {device}, dtype: {dtype}"
+        + (", quick mode" if quick else "")
+    )
+    return types.SimpleNamespace(
+        device=device, dtype=dtype, quick=quick, seed=seed, sizes=types.SimpleNamespace(**chosen)
+    )

@@ -11,7 +11,9 @@ from ragged_toolkit.attention.plan import plan_batch
 __all__ = ["reference_attention", "math_scores_bytes", "math_check_sequences"]
 
 
-def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None, scale=None):
+def reference_attention(
+    q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None, scale=None
+):
     """The attention of :func:`~ragged_toolkit.attention.ragged_attention` in
     float32, sequence by sequence, on the math backend of SDPA, with key/value
     heads repeated and the causal mask built explicitly: a reference that
@@ -19,8 +21,10 @@ def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False,
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     plan = plan_batch(q_offsets, kv_offsets, backend="loop", is_causal=is_causal, kv_used=kv_used)
     if (plan.n_q, plan.n_kv) != (q.shape[0], k.shape[0]):
-        raise ValueError(f"the offsets describe {plan.n_q} query and {plan.n_kv} key rows; "
-                         f"got {q.shape[0]} and {k.shape[0]}")
+        raise ValueError(
+            f"the offsets describe {plan.n_q} query and {plan.n_kv} key rows; "
+            f"got {q.shape[0]} and {k.shape[0]}"
+        )
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     q_start, kv_start = q_offsets.tolist(), kv_offsets.tolist()
@@ -29,7 +33,10 @@ def reference_attention(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False,
             if lq and lkv:
                 qi = q[q_start[i] : q_start[i] + lq].float().transpose(0, 1)  # (H, Lq, D)
                 ki, vi = (
-                    t[kv_start[i] : kv_start[i] + lkv].float().repeat_interleave(group, 1).transpose(0, 1)
+                    t[kv_start[i] : kv_start[i] + lkv]
+                    .float()
+                    .repeat_interleave(group, 1)
+                    .transpose(0, 1)
                     for t in (k, v)
                 )  # (H, Lkv, D)
                 mask = bottom_right_causal(lq, lkv, q.device) if is_causal else None

@@ -8,8 +8,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["STOP_RANKS", "zipf_stop_probability", "sentence_lengths", "offsets_from_lengths",
-           "offsets_from_position_ids", "ragged_batch", "token_index", "to_padded", "from_padded", "check_offsets"]
+__all__ = [
+    "STOP_RANKS",
+    "zipf_stop_probability",
+    "sentence_lengths",
+    "offsets_from_lengths",
+    "offsets_from_position_ids",
+    "ragged_batch",
+    "token_index",
+    "to_padded",
+    "from_padded",
+    "check_offsets",
+]
 
 STOP_RANKS = (3, 386, 858)  # ".", "!" and "?" in the WikiText-2 vocabulary
 
@@ -48,15 +58,11 @@ def offsets_from_position_ids(position_ids):
     return torch.cat([starts, starts.new_tensor([len(position_ids)])])
 
 
-def ragged_batch(
-    rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32
-):
+def ragged_batch(rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32):
     """A random ragged batch: packed values (T, dim) and offsets (B + 1,)."""
     lengths = sentence_lengths(rng, batch, alpha, max_len)
     gen = torch.Generator(device).manual_seed(int(rng.integers(2**62)))
-    values = torch.randn(
-        int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype
-    )
+    values = torch.randn(int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype)
     return values, offsets_from_lengths(lengths, device)
 
 
@@ -90,11 +96,7 @@ def from_padded(padded, offsets):
 def check_offsets(offsets, total, name="offsets"):
     """Raise ``ValueError``, naming the problem, unless ``offsets`` describe a packed
     tensor of ``total`` tokens."""
-    if (
-        offsets.dim() != 1
-        or len(offsets) < 1
-        or offsets.dtype not in (torch.int32, torch.int64)
-    ):
+    if offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{name} must be a 1-D int32 or int64 tensor of B + 1 entries, "
             f"got shape {tuple(offsets.shape)} and {offsets.dtype}"
@@ -109,6 +111,4 @@ def check_offsets(offsets, total, name="offsets"):
             f"> {name}[{i + 1}] = {int(offsets[i + 1])}"
         )
     if int(offsets[-1]) != total:
-        raise ValueError(
-            f"{name} must end at the token count, {total}, got {int(offsets[-1])}"
-        )
+        raise ValueError(f"{name} must end at the token count, {total}, got {int(offsets[-1])}")

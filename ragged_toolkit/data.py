@@ -15,8 +15,17 @@ import torch
 
 from .batches import offsets_from_lengths
 
-__all__ = ["docstring_corpus", "as_tokens", "pack_documents", "document_targets", "concat_batches",
-           "split_by_documents", "split_by_token_budget", "split_carrying_documents", "group_by_length"]
+__all__ = [
+    "docstring_corpus",
+    "as_tokens",
+    "pack_documents",
+    "document_targets",
+    "concat_batches",
+    "split_by_documents",
+    "split_by_token_budget",
+    "split_carrying_documents",
+    "group_by_length",
+]
 
 # folders of the standard library whose files are tests, test data or installs
 _NOT_LIBRARY = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -157,6 +166,8 @@ def group_by_length(lengths, batch_size, window, rng):
     list of batches, each a list of indices into ``lengths``."""
     batches = []
     for lo in range(0, len(lengths), batch_size * window):
-        chunk = sorted(range(lo, min(lo + batch_size * window, len(lengths))), key=lambda i: -lengths[i])
+        chunk = sorted(
+            range(lo, min(lo + batch_size * window, len(lengths))), key=lambda i: -lengths[i]
+        )
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     return [batches[i] for i in rng.permutation(len(batches))]

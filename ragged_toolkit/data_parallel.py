@@ -12,7 +12,14 @@ from .batches import token_index
 from .data import document_targets
 from .layouts import PackedLayout
 
-__all__ = ["deal_to_ranks", "rank_tokens", "token_imbalance", "token_loss_sum", "data_parallel_step", "wrap_model"]
+__all__ = [
+    "deal_to_ranks",
+    "rank_tokens",
+    "token_imbalance",
+    "token_loss_sum",
+    "data_parallel_step",
+    "wrap_model",
+]
 
 # --- micro-batches dealt to the ranks ------------------------------------------------
 
@@ -26,15 +33,19 @@ def deal_to_ranks(micro_batches, world, per_rank):
     if world < 1 or per_rank < 1:
         raise ValueError(f"world ({world}) and per_rank ({per_rank}) must be at least 1")
     per_step = world * per_rank
-    return [[micro_batches[s + r : s + per_step : world] for r in range(world)]
-            for s in range(0, len(micro_batches) - per_step + 1, per_step)]
+    return [
+        [micro_batches[s + r : s + per_step : world] for r in range(world)]
+        for s in range(0, len(micro_batches) - per_step + 1, per_step)
+    ]
 
 
 def rank_tokens(steps):
     """The tokens each rank holds in each step of :func:`deal_to_ranks`: an
     int64 tensor (steps, ranks)."""
     per_rank = [[sum(len(t) for t, _ in rank) for rank in step] for step in steps]
-    return torch.tensor(per_rank, dtype=torch.int64).reshape(len(steps), len(steps[0]) if steps else 0)
+    return torch.tensor(per_rank, dtype=torch.int64).reshape(
+        len(steps), len(steps[0]) if steps else 0
+    )
 
 
 def token_imbalance(steps):
@@ -44,8 +55,10 @@ def token_imbalance(steps):
     holds the same tokens in every step."""
     per_rank = rank_tokens(steps).double()  # (steps, ranks)
     if per_rank.numel() == 0 or per_rank.sum() == 0:
-        raise ValueError(f"no tokens in {len(steps)} steps: deal_to_ranks had fewer micro-batches "
-                         "than one step takes (world * per_rank)")
+        raise ValueError(
+            f"no tokens in {len(steps)} steps: deal_to_ranks had fewer micro-batches "
+            "than one step takes (world * per_rank)"
+        )
     return float(per_rank.max(1).values.sum() / per_rank.mean(1).sum())
 
 
@@ -65,8 +78,9 @@ def token_loss_sum(model, tokens, offsets, backend=None, dtype=torch.float32, *,
     return loss, (targets != -100).sum()
 
 
-def data_parallel_step(model, micro_batches, sync=None, *, reduce_count=True, backend=None,
-                       dtype=torch.float32):
+def data_parallel_step(
+    model, micro_batches, sync=None, *, reduce_count=True, backend=None, dtype=torch.float32
+):
     """Forward and backward of one step with gradient accumulation, on this rank.
 
     The loss of the step is the sum of the token losses of every micro-batch
@@ -120,5 +134,3 @@ def wrap_model(model, how, device):
 
         return model, sync
     raise ValueError(f"unknown wrapper {how!r}: ddp or fsdp")
-
-

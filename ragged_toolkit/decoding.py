@@ -31,14 +31,28 @@ def prefill_packed(model, prompts, offsets, cache, backend=None):
     autocast for a lower precision."""
     backend = default_backend(prompts.device, cache.k.dtype) if backend is None else backend
     seq, pos = token_index(offsets)
-    plan = plan_batch(offsets, cache.row_offsets, backend=backend, is_causal=True, kv_used=offsets.diff())
+    plan = plan_batch(
+        offsets, cache.row_offsets, backend=backend, is_causal=True, kv_used=offsets.diff()
+    )
     layout = PackedLayout(plan, cache, seq * cache.capacity + pos)
     return model(prompts, pos, layout)[offsets[1:] - 1]
 
 
 @torch.no_grad()
-def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, backend=None, slots=None,
-                  start=None, step=None, return_logits=False):
+def decode_greedy(
+    model,
+    logits,
+    cache,
+    positions,
+    n_new,
+    *,
+    fixed_shape=True,
+    backend=None,
+    slots=None,
+    start=None,
+    step=None,
+    return_logits=False,
+):
     """``n_new`` greedy tokens per sequence from the prefill's last logits
     (B, vocab): each step feeds one token per sequence at its own position
     (``positions``, (B,), the prompt lengths). ``fixed_shape``: a
@@ -64,15 +78,27 @@ def decode_greedy(model, logits, cache, positions, n_new, *, fixed_shape=True, b
         if fixed_shape:
             layout = CachedStep(cache, slots + i, start)
         else:  # each token's row, and the keys its sequence then has
-            plan = plan_batch(one_each, cache.row_offsets, backend=backend, is_causal=True, kv_used=slots + i + 1)
+            plan = plan_batch(
+                one_each, cache.row_offsets, backend=backend, is_causal=True, kv_used=slots + i + 1
+            )
             layout = PackedLayout(plan, cache, cache.row_offsets[:-1] + slots + i)
         logits = step(model, out[-1], positions + i, layout)
     return (torch.stack(out, 1), torch.stack(chose, 1)) if return_logits else torch.stack(out, 1)
 
 
 @torch.no_grad()
-def generate_packed(model, prompts, offsets, n_new, backend=None, *, fixed_shape=False, step=None,
-                    dtype=None, return_logits=False):
+def generate_packed(
+    model,
+    prompts,
+    offsets,
+    n_new,
+    backend=None,
+    *,
+    fixed_shape=False,
+    step=None,
+    dtype=None,
+    return_logits=False,
+):
     """Greedy generation for packed prompts (T,) with offsets (B + 1,):
     :func:`prefill_packed` with ``backend``, then :func:`decode_greedy` with
     the same backend or, ``fixed_shape=True``, with ``CachedStep`` steps.
@@ -84,8 +110,17 @@ def generate_packed(model, prompts, offsets, n_new, backend=None, *, fixed_shape
     cache = KVCache(model.cfg, len(lengths), int(lengths.max()) + n_new, prompts.device, dtype)
     with torch.autocast(prompts.device.type, dtype=dtype, enabled=dtype != torch.float32):
         logits = prefill_packed(model, prompts, offsets, cache, backend)
-        return decode_greedy(model, logits, cache, lengths, n_new, fixed_shape=fixed_shape, backend=backend,
-                             step=step, return_logits=return_logits)
+        return decode_greedy(
+            model,
+            logits,
+            cache,
+            lengths,
+            n_new,
+            fixed_shape=fixed_shape,
+            backend=backend,
+            step=step,
+            return_logits=return_logits,
+        )
 
 
 @torch.no_grad()
@@ -97,8 +132,15 @@ def teacher_forced_logits(model, prompts, offsets, new_tokens, backend="loop"):
     match them within the dtype's tolerance, however rounding breaks a near
     tie (the next tokens are fed, not re-chosen)."""
     lengths, n_new = offsets.diff(), new_tokens.shape[1]
-    pieces = [torch.cat([prompts[int(a):int(b)], t[:-1]]) for a, b, t in zip(offsets[:-1], offsets[1:], new_tokens)]
+    pieces = [
+        torch.cat([prompts[int(a) : int(b)], t[:-1]])
+        for a, b, t in zip(offsets[:-1], offsets[1:], new_tokens)
+    ]
     full = offsets_from_lengths(lengths + n_new - 1, prompts.device)
-    logits = model(torch.cat(pieces), token_index(full)[1], PackedLayout.of(full, backend))  # (T, vocab)
-    rows = full[:-1, None] + lengths[:, None] - 1 + torch.arange(n_new, device=prompts.device)  # (B, n_new)
+    logits = model(
+        torch.cat(pieces), token_index(full)[1], PackedLayout.of(full, backend)
+    )  # (T, vocab)
+    rows = (
+        full[:-1, None] + lengths[:, None] - 1 + torch.arange(n_new, device=prompts.device)
+    )  # (B, n_new)
     return logits[rows].float()

@@ -21,9 +21,7 @@ def default_dtype(device):
     name = os.environ.get("TUTORIALS_DTYPE")
     if name:
         if name not in ("float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}"
-            )
+            raise ValueError(f"TUTORIALS_DTYPE must be float32, bfloat16 or float16, got {name!r}")
         return getattr(torch, name)
     if torch.device(device).type != "cuda":
         return torch.float32
@@ -31,5 +29,3 @@ def default_dtype(device):
         return torch.bfloat16
     print("This GPU has no bfloat16: the page runs in float16 instead.")
     return torch.float16
-
-

@@ -122,5 +122,3 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, layout)
         return self.output(self.norm(x))
-
-

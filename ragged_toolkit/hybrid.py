@@ -39,9 +39,11 @@ class RecurrentBlock(nn.Module):
         elif isinstance(layout, PaddedLayout) and layout.mask is None and layout.cache is None:
             offsets = None  # right-padded rows, one document each
         else:
-            raise ValueError(f"a recurrent block takes a packed batch (PackedLayout) or right-padded rows "
-                             f"(PaddedLayout without a mask), without a KV cache; got {layout!r}. To decode, "
-                             f"use the mixer's prefill and step")
+            raise ValueError(
+                f"a recurrent block takes a packed batch (PackedLayout) or right-padded rows "
+                f"(PaddedLayout without a mask), without a KV cache; got {layout!r}. To decode, "
+                f"use the mixer's prefill and step"
+            )
         x = x + self.mixer(self.attn_norm(x), offsets)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -60,8 +62,12 @@ class HybridGPT(GPT):
         self.attention_layers = [i for i in range(cfg.n_layers) if (i + 1) % attention_every == 0]
         for i in range(cfg.n_layers):
             if i not in self.attention_layers:
-                self.layers[i] = RecurrentBlock(cfg, mixer(cfg.dim, cfg.n_heads, cfg.head_dim,
-                                                           key_heads=cfg.n_kv_heads, chunk=chunk))
+                self.layers[i] = RecurrentBlock(
+                    cfg,
+                    mixer(
+                        cfg.dim, cfg.n_heads, cfg.head_dim, key_heads=cfg.n_kv_heads, chunk=chunk
+                    ),
+                )
 
 
 def hybrid_loss(model, tokens, offsets, *, padded=False, dtype=torch.float32):
@@ -73,9 +79,14 @@ def hybrid_loss(model, tokens, offsets, *, padded=False, dtype=torch.float32):
     targets = document_targets(tokens, offsets)  # (T,), -100 at each document's last token
     with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
         if padded:
-            tokens, targets = to_padded(tokens, offsets)[0], to_padded(targets, offsets, -100)[0]  # (B, S)
+            tokens, targets = (
+                to_padded(tokens, offsets)[0],
+                to_padded(targets, offsets, -100)[0],
+            )  # (B, S)
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             logits = model(tokens, positions, PaddedLayout())  # (B, S, vocab)
         else:
-            logits = model(tokens, token_index(offsets, len(tokens))[1], PackedLayout.of(offsets, dtype=dtype))
+            logits = model(
+                tokens, token_index(offsets, len(tokens))[1], PackedLayout.of(offsets, dtype=dtype)
+            )
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())

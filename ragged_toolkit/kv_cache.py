@@ -125,8 +125,10 @@ class PagedKVCache:
         blocks it shares.)"""
         held = len(self.tables.get(rid, []))
         if stop > held * self.block_size:
-            raise RuntimeError(f"request {rid} writes position {stop - 1}, but its {held} blocks hold "
-                               f"{held * self.block_size} tokens: reserve its rows first")
+            raise RuntimeError(
+                f"request {rid} writes position {stop - 1}, but its {held} blocks hold "
+                f"{held * self.block_size} tokens: reserve its rows first"
+            )
 
     def write(self, layer, k, v, rows):
         """New keys and values (T, H_kv, D) into their rows (T,)."""
@@ -136,8 +138,10 @@ class PagedKVCache:
     def check(self):
         """Raise ``RuntimeError`` unless each block is free or in one table, once."""
         owner = {}
-        for holder, table in [("the free list", self.free),
-                              *((f"the table of request {r}", t) for r, t in self.tables.items())]:
+        for holder, table in [
+            ("the free list", self.free),
+            *((f"the table of request {r}", t) for r, t in self.tables.items()),
+        ]:
             for b in table:
                 if b in owner:
                     raise RuntimeError(f"block {b} is in {owner[b]} and in {holder}")
@@ -151,8 +155,9 @@ def block_table_tensor(cache, rids, device):
     row padded with zeros (never read: the lengths bound every read)."""
     tables = [cache.tables[r] for r in rids]
     width = max(map(len, tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                        device=device)
+    return torch.tensor(
+        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+    )
 
 
 def paged_rows(block_table, kv_lengths, block_size):
@@ -161,5 +166,3 @@ def paged_rows(block_table, kv_lengths, block_size):
     and the keys in use (B,)."""
     seq, pos = token_index(offsets_from_lengths(kv_lengths, block_table.device))
     return block_table[seq, pos // block_size].long() * block_size + pos % block_size
-
-

@@ -43,6 +43,11 @@ class MultiHeadAttention(nn.Module):
             out = ragged_attention(q, k, v, plan)  # (T, H, D); causal or not as planned
         else:
             mask = None if key_valid is None else key_valid[:, None, None, :]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, is_causal=is_causal).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                is_causal=is_causal,
+            ).transpose(1, 2)
         return self.out_proj(out.flatten(-2))

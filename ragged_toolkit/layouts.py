@@ -68,8 +68,9 @@ class PaddedLayout:
         if self.cache is not None:
             k, v = self.cache.write_columns(layer, k, v, self.start)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None,
-                                             enable_gqa=shares_heads(q, k))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, is_causal=self.mask is None, enable_gqa=shares_heads(q, k)
+        )
         return out.transpose(1, 2)
 
 
@@ -95,6 +96,10 @@ class PackedRows:
 
     def attend(self, q, k, v, layer):  # (N * L, H, D), (N * L, H_kv, D)
         rows, row_len = self.mask.shape[0], self.mask.shape[-1]
-        q, k, v = (t.view(rows, row_len, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # (N, H, L, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=shares_heads(q, k))
+        q, k, v = (
+            t.view(rows, row_len, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)
+        )  # (N, H, L, D)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, enable_gqa=shares_heads(q, k)
+        )
         return out.transpose(1, 2).flatten(0, 1)  # (N * L, H, D)

@@ -36,9 +36,22 @@ import torch.nn.functional as F
 from .batches import token_index
 
 __all__ = [
-    "recurrent_step", "reference_recurrence", "documents_reference", "token_loop", "causal_conv",
-    "same_document", "chunk_decay", "delta_values", "carry_states", "chunked_recurrence", "packed_recurrence",
-    "padded_recurrence", "RecurrentCache", "ScalarDecayLayer", "GatedDeltaLayer", "l2norm",
+    "recurrent_step",
+    "reference_recurrence",
+    "documents_reference",
+    "token_loop",
+    "causal_conv",
+    "same_document",
+    "chunk_decay",
+    "delta_values",
+    "carry_states",
+    "chunked_recurrence",
+    "packed_recurrence",
+    "padded_recurrence",
+    "RecurrentCache",
+    "ScalarDecayLayer",
+    "GatedDeltaLayer",
+    "l2norm",
 ]
 
 
@@ -58,14 +71,14 @@ def recurrent_step(state, q, k, v, g, beta=None):
     the log decay; beta: (..., H) for the delta rule, None for a scalar decay.
     Returns o (..., H, V) and the new state (..., H, K, V).
     """
-    state = g.exp()[..., None, None] * state                 # exp(g_t) S_{t-1}
+    state = g.exp()[..., None, None] * state  # exp(g_t) S_{t-1}
     if beta is None:
-        write = v                                             # scalar decay: add k_t v_t^T
+        write = v  # scalar decay: add k_t v_t^T
     else:
-        recalled = (k[..., :, None] * state).sum(-2)          # (..., H, V): k_t^T S, what S holds for k_t
-        write = beta[..., None] * (v - recalled)              # delta rule: write the correction
-    state = state + k[..., :, None] * write[..., None, :]     # + k_t write^T
-    return (q[..., :, None] * state).sum(-2), state          # o_t = S_t^T q_t
+        recalled = (k[..., :, None] * state).sum(-2)  # (..., H, V): k_t^T S, what S holds for k_t
+        write = beta[..., None] * (v - recalled)  # delta rule: write the correction
+    state = state + k[..., :, None] * write[..., None, :]  # + k_t write^T
+    return (q[..., :, None] * state).sum(-2), state  # o_t = S_t^T q_t
 
 
 def reference_recurrence(q, k, v, g, beta=None):
@@ -89,8 +102,10 @@ def documents_reference(q, k, v, g, offsets, beta=None):
     each document alone, in float64. q, k: (T, H, K); v: (T, H, V); g, beta:
     (T, H); offsets: (B + 1,). Returns o (T, H, V) and the final states
     (B, H, K, V), float64."""
-    runs = [reference_recurrence(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b])
-            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    runs = [
+        reference_recurrence(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b])
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
+    ]
     return torch.cat([o for o, _ in runs]), torch.stack([state for _, state in runs])
 
 
@@ -121,9 +136,9 @@ def causal_conv(x, weight, pos):
     """
     width, length = weight.shape[1], x.shape[-2]
     out = torch.zeros_like(_wide(x))
-    for m in range(width):                                    # tap m reads the token m places back
-        back = F.pad(x, (0, 0, m, 0))[..., :length, :]        # x[t - m], zeros before the row's start
-        inside = (pos >= m)[..., None]                        # (..., L, 1): still in t's document
+    for m in range(width):  # tap m reads the token m places back
+        back = F.pad(x, (0, 0, m, 0))[..., :length, :]  # x[t - m], zeros before the row's start
+        inside = (pos >= m)[..., None]  # (..., L, 1): still in t's document
         out = out + _wide(weight[:, width - 1 - m]) * back * inside
     return out.to(x.dtype)
 
@@ -132,9 +147,9 @@ def _conv_tail(x, offsets, width):
     """The convolution's cache: each document's last ``width - 1`` inputs,
     oldest first, zeros before a short document's start. x: (T, D);
     offsets: (B + 1,). Returns (B, width - 1, D)."""
-    back = torch.arange(width - 1, 0, -1, device=x.device)   # W - 1, ..., 1 places back from the end
-    index = offsets[1:, None] - back                          # (B, W - 1) packed token indices
-    inside = (index >= offsets[:-1, None])[..., None]         # (B, W - 1, 1)
+    back = torch.arange(width - 1, 0, -1, device=x.device)  # W - 1, ..., 1 places back from the end
+    index = offsets[1:, None] - back  # (B, W - 1) packed token indices
+    inside = (index >= offsets[:-1, None])[..., None]  # (B, W - 1, 1)
     return x[index.clamp(min=0)] * inside
 
 
@@ -166,11 +181,13 @@ def chunk_decay(g, doc, pos):
     the chunk, for the tokens whose document began before the chunk, else 0.
     """
     C = g.shape[-1]
-    steps = g[..., :, None].expand(*g.shape, C)               # (R, N, H, C, C): [i, j] = g_i
+    steps = g[..., :, None].expand(*g.shape, C)  # (R, N, H, C, C): [i, j] = g_i
     steps = steps.masked_fill(~torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1), 0)
-    between = steps.cumsum(-2)                                # [i, j] = g_{j+1} + ... + g_i, no cancellation
+    between = steps.cumsum(-2)  # [i, j] = g_{j+1} + ... + g_i, no cancellation
     decay = between.masked_fill(~same_document(doc)[:, :, None], -torch.inf).exp()
-    began_before = pos > torch.arange(C, device=pos.device)   # (R, N, C): position in document > in chunk
+    began_before = pos > torch.arange(
+        C, device=pos.device
+    )  # (R, N, C): position in document > in chunk
     return decay, g.cumsum(-1).exp() * began_before[:, :, None]
 
 
@@ -185,8 +202,8 @@ def delta_values(k, v, beta, decay, carry):
     v: (R, N, H, C, V); beta, carry: (R, N, H, C); decay: (R, N, H, C, C).
     Returns u (R, N, H, C, V) and w (R, N, H, C, K): the writes are u - w S_in.
     """
-    bk = beta[..., None] * k                                  # (R, N, H, C, K)
-    A = (bk @ k.mT * decay).tril(-1)                          # (R, N, H, C, C), strictly lower
+    bk = beta[..., None] * k  # (R, N, H, C, K)
+    A = (bk @ k.mT * decay).tril(-1)  # (R, N, H, C, C), strictly lower
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     rhs = torch.cat([beta[..., None] * v, bk * carry[..., None]], -1)
     solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
@@ -199,12 +216,12 @@ def carry_states(scale, update, correction=None):
     starting from zero. scale: (R, N, H, 1, 1); update: (R, N, H, K, V);
     correction: (R, N, H, K, K) or None. Returns the state entering each
     chunk, (R, N, H, K, V)."""
-    state = torch.zeros_like(update[:, 0])                    # (R, H, K, V)
+    state = torch.zeros_like(update[:, 0])  # (R, H, K, V)
     entering = []
     for n in range(update.shape[1]):
         entering.append(state)
         new = scale[:, n] * state + update[:, n]
-        if correction is not None:                            # delta rule: what S_n already held, removed
+        if correction is not None:  # delta rule: what S_n already held, removed
             new = new - correction[:, n] @ state
         state = new
     return torch.stack(entering, 1)
@@ -222,19 +239,22 @@ def chunked_recurrence(q, k, v, g, beta, doc, pos, ends, chunk=64):
     q, k, v, g = (_chunks(_wide(t), chunk).transpose(2, 3) for t in (q, k, v, g))  # (R, N, H, C, .)
     decay, carry = chunk_decay(g, _chunks(doc, chunk, -1), _chunks(pos, chunk))
     if beta is None:
-        u, w = v, None                                        # scalar decay: every token writes v
+        u, w = v, None  # scalar decay: every token writes v
     else:
         u, w = delta_values(k, v, _chunks(_wide(beta), chunk).transpose(2, 3), decay, carry)
     # the state leaving a chunk is its last document's: decay[..., -1, :] and carry[..., -1] are zero
     # for the tokens of other documents, and for the carried state if that document began in the chunk
-    to_end = decay[..., -1, :, None] * k                      # (R, N, H, C, K): k_j decayed to the chunk's end
-    entering = carry_states(carry[..., -1, None, None], to_end.mT @ u,
-                            None if w is None else to_end.mT @ w)  # (R, N, H, K, V)
-    writes = u if w is None else u - w @ entering             # (R, N, H, C, V)
+    to_end = decay[..., -1, :, None] * k  # (R, N, H, C, K): k_j decayed to the chunk's end
+    entering = carry_states(
+        carry[..., -1, None, None], to_end.mT @ u, None if w is None else to_end.mT @ w
+    )  # (R, N, H, K, V)
+    writes = u if w is None else u - w @ entering  # (R, N, H, C, V)
     o = (q * carry[..., None]) @ entering + (q @ k.mT * decay) @ writes
     r, n, i = ends[:, 0], ends[:, 1] // chunk, ends[:, 1] % chunk
-    states = (carry[r, n, :, i][..., None, None] * entering[r, n]     # (E, H, K, V): the state after
-              + (decay[r, n, :, i][..., None] * k[r, n]).mT @ writes[r, n])  # token i of chunk n
+    states = (
+        carry[r, n, :, i][..., None, None] * entering[r, n]  # (E, H, K, V): the state after
+        + (decay[r, n, :, i][..., None] * k[r, n]).mT @ writes[r, n]
+    )  # token i of chunk n
     return o.transpose(2, 3).flatten(1, 2)[:, :L], states
 
 
@@ -245,11 +265,20 @@ def packed_recurrence(q, k, v, g, offsets, beta=None, *, chunk=64):
     offsets: (B + 1,). Returns o (T, H, V) in v's dtype and each document's
     final state (B, H, K, V) in float32 (float64 kept), zeros if empty.
     """
-    doc, pos = token_index(offsets, q.shape[0])               # (T,), (T,)
-    last = (offsets[1:] - 1).clamp(min=0)                     # (B,): each document's last token
-    ends = torch.stack([torch.zeros_like(last), last], 1)     # (B, 2): all in row 0
-    o, states = chunked_recurrence(q[None], k[None], v[None], g[None], None if beta is None else beta[None],
-                                   doc[None], pos[None], ends, chunk)
+    doc, pos = token_index(offsets, q.shape[0])  # (T,), (T,)
+    last = (offsets[1:] - 1).clamp(min=0)  # (B,): each document's last token
+    ends = torch.stack([torch.zeros_like(last), last], 1)  # (B, 2): all in row 0
+    o, states = chunked_recurrence(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        None if beta is None else beta[None],
+        doc[None],
+        pos[None],
+        ends,
+        chunk,
+    )
     empty = (offsets.diff() == 0)[:, None, None, None]
     return o[0].to(v.dtype), states.masked_fill(empty, 0)
 
@@ -264,7 +293,7 @@ def padded_recurrence(q, k, v, g, lengths=None, beta=None, *, chunk=64):
     v's dtype and the final states (B, H, K, V).
     """
     B, S = q.shape[:2]
-    pos = torch.arange(S, device=q.device).expand(B, S)      # (B, S): every row one document
+    pos = torch.arange(S, device=q.device).expand(B, S)  # (B, S): every row one document
     lengths = torch.full((B,), S, device=q.device) if lengths is None else lengths.to(q.device)
     ends = torch.stack([torch.arange(B, device=q.device), (lengths - 1).clamp(min=0)], 1)
     o, states = chunked_recurrence(q, k, v, g, beta, torch.zeros_like(pos), pos, ends, chunk)
@@ -299,19 +328,38 @@ class _RecurrentLayer(nn.Module):
 
     delta = False
 
-    def __init__(self, embed, heads, head_dim, *, key_heads=None, conv_width=4, chunk=64, eps=1e-6,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        embed,
+        heads,
+        head_dim,
+        *,
+        key_heads=None,
+        conv_width=4,
+        chunk=64,
+        eps=1e-6,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         kw = {"bias": False, "device": device, "dtype": dtype}
         self.heads, self.key_heads, self.head_dim = heads, key_heads or heads, head_dim
         self.chunk, self.eps = chunk, eps
-        self.channels = (2 * self.key_heads + heads) * head_dim    # q, k, v: the convolution's channels
+        self.channels = (
+            2 * self.key_heads + heads
+        ) * head_dim  # q, k, v: the convolution's channels
         self.qkv_proj = nn.Linear(embed, self.channels, **kw)
         self.gate_proj = nn.Linear(embed, heads * head_dim, **kw)  # z, the output gate
-        self.ab_proj = nn.Linear(embed, heads * (2 if self.delta else 1), **kw)  # a (decay step), b (beta)
+        self.ab_proj = nn.Linear(
+            embed, heads * (2 if self.delta else 1), **kw
+        )  # a (decay step), b (beta)
         fk = {"device": device, "dtype": dtype}
-        self.conv_weight = nn.Parameter(torch.randn(self.channels, conv_width, **fk) / conv_width**0.5)
-        self.A_log = nn.Parameter(torch.empty(heads, **fk).uniform_(0.01, 16).log())  # as Qwen3-Next
+        self.conv_weight = nn.Parameter(
+            torch.randn(self.channels, conv_width, **fk) / conv_width**0.5
+        )
+        self.A_log = nn.Parameter(
+            torch.empty(heads, **fk).uniform_(0.01, 16).log()
+        )  # as Qwen3-Next
         self.dt_bias = nn.Parameter(torch.ones(heads, **fk))
         self.norm_weight = nn.Parameter(torch.ones(head_dim, **fk))
         self.out_proj = nn.Linear(heads * head_dim, embed, **kw)
@@ -319,16 +367,18 @@ class _RecurrentLayer(nn.Module):
     def mixer_inputs(self, mixed, ab):
         """mixed (..., channels) after the convolution, ab (..., H or 2H) ->
         q, k (..., H, K), v (..., H, V), g (..., H), beta (..., H) or None."""
-        q, k, v = mixed.unflatten(-1, (-1, self.head_dim)).split([self.key_heads, self.key_heads, self.heads], -2)
+        q, k, v = mixed.unflatten(-1, (-1, self.head_dim)).split(
+            [self.key_heads, self.key_heads, self.heads], -2
+        )
         a, b = ab.chunk(2, -1) if self.delta else (ab, None)
-        step = F.softplus(_wide(a) + self.dt_bias)                 # (..., H) the step size
-        g = -_wide(self.A_log).exp() * step                        # log decay <= 0
+        step = F.softplus(_wide(a) + self.dt_bias)  # (..., H) the step size
+        g = -_wide(self.A_log).exp() * step  # log decay <= 0
         q, k = l2norm(_wide(q)) * self.head_dim**-0.5, l2norm(_wide(k))
         if self.delta:
-            beta = _wide(b).sigmoid()                              # (..., H) how much of v_t to write
-        else:                                                      # Mamba-2: the input scaled by its step
+            beta = _wide(b).sigmoid()  # (..., H) how much of v_t to write
+        else:  # Mamba-2: the input scaled by its step
             v, beta = v * step[..., None].to(v.dtype), None
-        share = self.heads // self.key_heads                       # value heads per q/k head
+        share = self.heads // self.key_heads  # value heads per q/k head
         q, k = (t.repeat_interleave(share, -2).to(v.dtype) for t in (q, k))
         return q, k, v, g, beta
 
@@ -344,10 +394,15 @@ class _RecurrentLayer(nn.Module):
         return self._run(x, offsets)[0]
 
     def _run(self, x, offsets):
-        pos = (torch.arange(x.shape[1], device=x.device).expand(x.shape[:2]) if offsets is None
-               else token_index(offsets, x.shape[0])[1])
-        qkv = self.qkv_proj(x)                                     # (..., channels)
-        q, k, v, g, beta = self.mixer_inputs(F.silu(causal_conv(qkv, self.conv_weight, pos)), self.ab_proj(x))
+        pos = (
+            torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])
+            if offsets is None
+            else token_index(offsets, x.shape[0])[1]
+        )
+        qkv = self.qkv_proj(x)  # (..., channels)
+        q, k, v, g, beta = self.mixer_inputs(
+            F.silu(causal_conv(qkv, self.conv_weight, pos)), self.ab_proj(x)
+        )
         if offsets is None:
             o, states = padded_recurrence(q, k, v, g, None, beta, chunk=self.chunk)
         else:
@@ -364,7 +419,9 @@ class _RecurrentLayer(nn.Module):
         """One new token per request: x (B, E) and its cache -> (B, E) and the
         new cache. The state is updated by :func:`recurrent_step`."""
         window = torch.cat([cache.conv, self.qkv_proj(x)[:, None]], 1)  # (B, W, channels)
-        mixed = F.silu((_wide(window) * _wide(self.conv_weight).T).sum(1).to(x.dtype))  # (B, channels)
+        mixed = F.silu(
+            (_wide(window) * _wide(self.conv_weight).T).sum(1).to(x.dtype)
+        )  # (B, channels)
         q, k, v, g, beta = self.mixer_inputs(mixed, self.ab_proj(x))
         o, state = recurrent_step(cache.state, _wide(q), _wide(k), _wide(v), g, beta)
         return self.output(o.to(x.dtype), x), RecurrentCache(state, window[:, 1:])
@@ -375,12 +432,16 @@ class _RecurrentLayer(nn.Module):
         float64 reference). x (T, E) -> (T, E) and the final states (B, H, K, V)."""
         outs, states = [], []
         for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            xd, width = x[start:end], self.conv_weight.shape[1]   # (L, E): one document
-            if end == start:                                      # empty: no output, a zero state
+            xd, width = x[start:end], self.conv_weight.shape[1]  # (L, E): one document
+            if end == start:  # empty: no output, a zero state
                 states.append(x.new_zeros(self.heads, self.head_dim, self.head_dim))
                 continue
-            conv = F.conv1d(self.qkv_proj(xd).T[None], self.conv_weight[:, None], padding=width - 1,
-                            groups=self.channels)[0, :, :end - start].T
+            conv = F.conv1d(
+                self.qkv_proj(xd).T[None],
+                self.conv_weight[:, None],
+                padding=width - 1,
+                groups=self.channels,
+            )[0, :, : end - start].T
             q, k, v, g, beta = self.mixer_inputs(F.silu(conv), self.ab_proj(xd))
             o, state = reference_recurrence(q, k, v, g, beta)
             outs.append(self.output(o.to(x.dtype), xd))

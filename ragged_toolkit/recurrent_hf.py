@@ -23,8 +23,13 @@ import torch.nn as nn
 from .batches import offsets_from_lengths, token_index
 from .recurrent import GatedDeltaLayer
 
-__all__ = ["FORWARDS_CU_SEQ_LENS", "forwards_cu_seq_lens", "PackedGatedDeltaNet",
-           "swap_gated_delta_layers", "document_differences"]
+__all__ = [
+    "FORWARDS_CU_SEQ_LENS",
+    "forwards_cu_seq_lens",
+    "PackedGatedDeltaNet",
+    "swap_gated_delta_layers",
+    "document_differences",
+]
 
 #: The first ``transformers`` release whose Qwen3-Next decoder layers pass the
 #: boundary keywords (``cu_seq_lens_q``) on to ``linear_attn`` (5.8.1 does not).
@@ -55,20 +60,35 @@ def _gated_delta_from_qwen3_next(hf, chunk=64):
     ``gate_proj`` (z) and ``ab_proj`` (a, b); the rest is copied as is."""
     Hk, Hv, K, V = hf.num_k_heads, hf.num_v_heads, hf.head_k_dim, hf.head_v_dim
     if K != V or hf.activation != "silu":
-        raise ValueError(f"GatedDeltaLayer has one head size and SiLU; this layer has K {K}, V {V}, "
-                         f"{hf.activation}")
+        raise ValueError(
+            f"GatedDeltaLayer has one head size and SiLU; this layer has K {K}, V {V}, "
+            f"{hf.activation}"
+        )
     weight = hf.in_proj_qkvz.weight
-    layer = GatedDeltaLayer(hf.hidden_size, Hv, V, key_heads=Hk, conv_width=hf.conv_kernel_size,
-                            chunk=chunk, eps=hf.layer_norm_epsilon, device=weight.device, dtype=weight.dtype)
+    layer = GatedDeltaLayer(
+        hf.hidden_size,
+        Hv,
+        V,
+        key_heads=Hk,
+        conv_width=hf.conv_kernel_size,
+        chunk=chunk,
+        eps=hf.layer_norm_epsilon,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     r = Hv // Hk
     q, k, v, z = weight.unflatten(0, (Hk, -1)).split([K, K, r * V, r * V], 1)  # (Hk, rows, E) each
-    b, a = hf.in_proj_ba.weight.unflatten(0, (Hk, -1)).split([r, r], 1)       # (Hk, r, E) each
+    b, a = hf.in_proj_ba.weight.unflatten(0, (Hk, -1)).split([r, r], 1)  # (Hk, r, E) each
     layer.qkv_proj.weight.copy_(torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)]))
     layer.gate_proj.weight.copy_(z.flatten(0, 1))
     layer.ab_proj.weight.copy_(torch.cat([a.flatten(0, 1), b.flatten(0, 1)]))
-    layer.conv_weight.copy_(hf.conv1d.weight[:, 0])                         # (channels, 1, W) -> (channels, W)
-    for mine, theirs in ((layer.A_log, hf.A_log), (layer.dt_bias, hf.dt_bias),
-                         (layer.norm_weight, hf.norm.weight), (layer.out_proj.weight, hf.out_proj.weight)):
+    layer.conv_weight.copy_(hf.conv1d.weight[:, 0])  # (channels, 1, W) -> (channels, W)
+    for mine, theirs in (
+        (layer.A_log, hf.A_log),
+        (layer.dt_bias, hf.dt_bias),
+        (layer.norm_weight, hf.norm.weight),
+        (layer.out_proj.weight, hf.out_proj.weight),
+    ):
         mine.copy_(theirs)
     return layer
 
@@ -87,13 +107,18 @@ class PackedGatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if cache_params is not None:
-            raise ValueError("PackedGatedDeltaNet keeps no cache: call the model with use_cache=False")
+            raise ValueError(
+                "PackedGatedDeltaNet keeps no cache: call the model with use_cache=False"
+            )
         if attention_mask is not None:
             raise ValueError("PackedGatedDeltaNet takes packed rows, not a padding mask")
         B, L, E = hidden_states.shape
         offsets = kwargs.get("cu_seq_lens_q")
-        offsets = (torch.arange(B + 1, device=hidden_states.device) * L if offsets is None
-                   else offsets.to(hidden_states.device, torch.long))
+        offsets = (
+            torch.arange(B + 1, device=hidden_states.device) * L
+            if offsets is None
+            else offsets.to(hidden_states.device, torch.long)
+        )
         return self.layer(hidden_states.reshape(B * L, E), offsets).view(B, L, E)
 
 
@@ -105,9 +130,11 @@ def swap_gated_delta_layers(model, chunk=64):
     import transformers
 
     if not forwards_cu_seq_lens():
-        raise RuntimeError(f"transformers {transformers.__version__} does not pass a packed row's boundaries "
-                           f"(cu_seq_lens_q) to its linear-attention layers, so the swapped layers could not "
-                           f"keep documents apart: upgrade to transformers {FORWARDS_CU_SEQ_LENS} or later")
+        raise RuntimeError(
+            f"transformers {transformers.__version__} does not pass a packed row's boundaries "
+            f"(cu_seq_lens_q) to its linear-attention layers, so the swapped layers could not "
+            f"keep documents apart: upgrade to transformers {FORWARDS_CU_SEQ_LENS} or later"
+        )
     decoder = getattr(model, "model", model)
     swapped = 0
     for block in decoder.layers:
@@ -122,7 +149,12 @@ def _packed_kwargs(offsets):
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them:
     offsets (B + 1,) -> ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k``."""
     cu, longest = offsets.to(torch.int32), int(offsets.diff().max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 @torch.no_grad()
@@ -137,5 +169,7 @@ def document_differences(model, docs, *, boundaries=False):
     ids, pos = torch.cat(docs)[None], token_index(offsets)[1][None]  # (1, T) each
     extra = _packed_kwargs(offsets) if boundaries else {}
     row = model(input_ids=ids, position_ids=pos, use_cache=False, **extra).logits[0]  # (T, vocab)
-    return [float((row[a:b] - model(input_ids=d[None], use_cache=False).logits[0]).abs().max())
-            for d, a, b in zip(docs, offsets[:-1].tolist(), offsets[1:].tolist())]
+    return [
+        float((row[a:b] - model(input_ids=d[None], use_cache=False).logits[0]).abs().max())
+        for d, a, b in zip(docs, offsets[:-1].tolist(), offsets[1:].tolist())
+    ]

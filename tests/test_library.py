@@ -178,3 +178,15 @@ def test_the_reference_page_lists_the_library_apart_in_one_table():
 def test_the_table_check_reads_a_row():
     row = "   * - ``ragged_toolkit.layers``\n     - ``MultiHeadAttention``, ``Extra``\n"
     assert reference_table(row) == {"ragged_toolkit.layers": ["MultiHeadAttention", "Extra"]}
+
+
+FORMATTED = ("ragged_toolkit", "ragged_site")  # the pages join them with issue 38's restructure
+
+
+def test_the_packages_are_formatted_by_the_formatter():
+    """``ruff format --check`` (line length 100, from pyproject.toml): a line
+    limit is met by the formatter's lines, not by joining them."""
+    ruff = Path(sys.executable).with_name("ruff")
+    proc = subprocess.run([str(ruff), "format", "--check", "--no-cache", *FORMATTED], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"run `ruff format {' '.join(FORMATTED)}`:\n{proc.stdout}{proc.stderr}"

@@ -12,8 +12,17 @@ import torch.nn as nn
 
 from ragged_site.measuring.noise import outside_noise
 
-__all__ = ["Work", "attention_layer_work", "model_work", "pairs_scored", "work_bound", "work_per_token",
-           "generation_work", "speedup_line", "throughput_line"]
+__all__ = [
+    "Work",
+    "attention_layer_work",
+    "model_work",
+    "pairs_scored",
+    "work_bound",
+    "work_per_token",
+    "generation_work",
+    "speedup_line",
+    "throughput_line",
+]
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,11 @@ def work_bound(q_lengths, kv_lengths=None, *, work, causal=False, padded_causal=
     padded_causal = causal if padded_causal is None else padded_causal
 
     def total(ql, kvl, c):
-        return (work.per_token * float(ql.sum()) + work.per_kv_token * float(kvl.sum())
-                + work.per_pair * pairs_scored(ql, kvl, c))
+        return (
+            work.per_token * float(ql.sum())
+            + work.per_kv_token * float(kvl.sum())
+            + work.per_pair * pairs_scored(ql, kvl, c)
+        )
 
     full_q, full_kv = torch.full_like(q, int(q.max())), torch.full_like(kv, int(kv.max()))
     return total(full_q, full_kv, padded_causal) / total(q, kv, causal)
@@ -82,9 +94,13 @@ def work_per_token(batches, work, *, padded=False, causal=True):
     second, even when they batch other documents (a length-grouped baseline)."""
     total = tokens = 0.0
     for n in batches:
-        if padded:  # every sequence as long as the longest; the causal half only with a causal kernel
+        if (
+            padded
+        ):  # every sequence as long as the longest; the causal half only with a causal kernel
             n_padded = torch.full_like(n, int(n.max()))
-            total += work.per_token * float(n_padded.sum()) + work.per_pair * pairs_scored(n_padded, n_padded, causal)
+            total += work.per_token * float(n_padded.sum()) + work.per_pair * pairs_scored(
+                n_padded, n_padded, causal
+            )
         else:  # the causal half of each sequence
             total += work.per_token * float(n.sum()) + work.per_pair * pairs_scored(n, n, True)
         tokens += float(n.sum())
@@ -102,10 +118,13 @@ def generation_work(prompt_lengths, n_new, work, *, cache=True):
     grown = prompt[:, None] + torch.arange(n_new)  # (B, n_new): each sequence's length at each step
     if not cache:
         every = grown.flatten()
-        return work.per_token * float(every.sum()) + work.per_pair * pairs_scored(every, every, True)
+        return work.per_token * float(every.sum()) + work.per_pair * pairs_scored(
+            every, every, True
+        )
     steps = grown[:, 1:]  # the keys each decoding step's query scores
-    return (work.per_token * float(prompt.sum() + steps.numel())
-            + work.per_pair * (pairs_scored(prompt, prompt, True) + float(steps.sum())))
+    return work.per_token * float(prompt.sum() + steps.numel()) + work.per_pair * (
+        pairs_scored(prompt, prompt, True) + float(steps.sum())
+    )
 
 
 def speedup_line(label, padded, ragged, bound):
@@ -121,5 +140,7 @@ def throughput_line(label, fast, slow, bound, names=("ragged", "padded")):
     W.WWx, fraction F.FF`` from two rates in tokens/s (``names`` for the two
     sides) and the work bound."""
     s = fast / slow
-    return (f"{label}: {names[0]} {fast:.0f} tokens/s, {names[1]} {slow:.0f} tokens/s, speedup {s:.2f}x, "
-            f"work bound {bound:.2f}x, fraction {s / bound:.2f}")
+    return (
+        f"{label}: {names[0]} {fast:.0f} tokens/s, {names[1]} {slow:.0f} tokens/s, speedup {s:.2f}x, "
+        f"work bound {bound:.2f}x, fraction {s / bound:.2f}"
+    )

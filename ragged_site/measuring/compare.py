@@ -14,9 +14,21 @@ from ragged_site.measuring.timing import measure
 __all__ = ["compare_backends", "compare_calls"]
 
 
-def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv_used=None,
-                     backward=False, backends=BACKENDS, min_run_time=0.5, profile=True,
-                     plan_per_call=False):
+def compare_backends(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets=None,
+    *,
+    is_causal=False,
+    kv_used=None,
+    backward=False,
+    backends=BACKENDS,
+    min_run_time=0.5,
+    profile=True,
+    plan_per_call=False,
+):
     """Check and time one attention job on each backend, each with its plan
     built once, before timing (``plan_batch``: the per-batch bookkeeping is
     not in the timed call); ``profile``: also profile one call of each for
@@ -37,8 +49,15 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
     ref_grads = torch.autograd.grad(reference, (q32, k32, v32), grad_out) if backward else ()
     results, runs = {}, {}
     for name in backends:
-        why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=backward, gqa=gqa,
-                              head_dim=q.shape[-1])
+        why = backend_support(
+            name,
+            q.device,
+            q.dtype,
+            is_causal=is_causal,
+            needs_grad=backward,
+            gqa=gqa,
+            head_dim=q.shape[-1],
+        )
         if why:
             results[name] = why
             continue
@@ -46,20 +65,33 @@ def compare_backends(q, k, v, q_offsets, kv_offsets=None, *, is_causal=False, kv
         def run(plan):
             with torch.set_grad_enabled(backward):
                 out = ragged_attention(q, k, v, plan)
-                grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)) if backward else ()
+                grads = (
+                    torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)) if backward else ()
+                )
             return out, grads
 
         try:
             plan = plan_batch(q_offsets, kv_offsets, backend=name, **kw)
             out, grads = run(plan)
         except Exception as err:
-            raise RuntimeError(f"backend {name!r} should run this job here and raised: {err}") from err
-        for what, got, want in (("output", out, reference), *zip(("dq", "dk", "dv"), grads, ref_grads)):
-            torch.testing.assert_close(got.float(), want, **tolerances(q.dtype),
-                                       msg=lambda m, n=name, w=what: f"{n}: {w} disagrees with the reference: {m}")
+            raise RuntimeError(
+                f"backend {name!r} should run this job here and raised: {err}"
+            ) from err
+        for what, got, want in (
+            ("output", out, reference),
+            *zip(("dq", "dk", "dv"), grads, ref_grads),
+        ):
+            torch.testing.assert_close(
+                got.float(),
+                want,
+                **tolerances(q.dtype),
+                msg=lambda m, n=name, w=what: f"{n}: {w} disagrees with the reference: {m}",
+            )
         runs[name] = lambda run=run, plan=plan: run(plan)
         if plan_per_call:
-            runs[name] = lambda run=run, name=name: run(plan_batch(q_offsets, kv_offsets, backend=name, **kw))
+            runs[name] = lambda run=run, name=name: run(
+                plan_batch(q_offsets, kv_offsets, backend=name, **kw)
+            )
     results.update(measure(runs, min_run_time=min_run_time, profile=profile))
     results = {name: results[name] for name in backends}
     print_timings(results)
@@ -78,6 +110,14 @@ def compare_calls(calls, *, dtype, min_run_time=0.5, profile=True):
         got = call()
         got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            torch.testing.assert_close(packed(g), w, **tolerances(dtype),
-                                       msg=lambda m, n=name, i=i: f"{n} (output {i}) disagrees with the reference: {m}")
-    return measure({name: call for name, (call, _, _) in calls.items()}, min_run_time=min_run_time, profile=profile)
+            torch.testing.assert_close(
+                packed(g),
+                w,
+                **tolerances(dtype),
+                msg=lambda m, n=name, i=i: f"{n} (output {i}) disagrees with the reference: {m}",
+            )
+    return measure(
+        {name: call for name, (call, _, _) in calls.items()},
+        min_run_time=min_run_time,
+        profile=profile,
+    )

@@ -37,9 +37,15 @@ class CompileCount:
 
     def __str__(self):
         fell = f"; {len(self.fallbacks)} uncompiled fallbacks" if self.fallbacks else ""
-        shapes = f" for {len(self.shapes)} batch shape{'s' * (len(self.shapes) != 1)}" if self.shapes else ""
-        return (f"{self.graphs} graph{'s' * (self.graphs != 1)} compiled{shapes}, "
-                f"{self.breaks} graph break{'s' * (self.breaks != 1)}{fell}")
+        shapes = (
+            f" for {len(self.shapes)} batch shape{'s' * (len(self.shapes) != 1)}"
+            if self.shapes
+            else ""
+        )
+        return (
+            f"{self.graphs} graph{'s' * (self.graphs != 1)} compiled{shapes}, "
+            f"{self.breaks} graph break{'s' * (self.breaks != 1)}{fell}"
+        )
 
 
 _FALLBACK_NOTES = ("called without torch.compile", "recompile_limit", "cache_size_limit")

@@ -51,7 +51,9 @@ def choose(results, default, what="choice"):
     defaults = (default,) if isinstance(default, str) else tuple(default)
     if gap > 0 and few:
         pick = next((d for d in defaults if d in timed), best)
-        print(f"{what}: too few timed runs to tell ({', '.join(few)}: under {MIN_RUNS}), chosen {pick}")
+        print(
+            f"{what}: too few timed runs to tell ({', '.join(few)}: under {MIN_RUNS}), chosen {pick}"
+        )
         return pick
     if gap > 0:
         print(f"{what}: chosen {best}, outside the noise")

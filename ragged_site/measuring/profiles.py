@@ -16,6 +16,7 @@ from ragged_toolkit.clock import stopwatch
 
 __all__ = ["profiler_overhead_us", "Profile", "where_time_goes"]
 
+
 def profiler_overhead_us(n=2000):
     """What the profiler adds per operator it records, in microseconds: a
     loop of ``n`` trivial operators timed with and without it, twice each
@@ -25,7 +26,10 @@ def profiler_overhead_us(n=2000):
     x, plain, profiled = torch.zeros(1), [], []
     with cpu_threads(TIMING_THREADS):
         for _ in range(2):
-            for times, context in ((plain, cpu_threads(None)), (profiled, profile(activities=[ProfilerActivity.CPU]))):
+            for times, context in (
+                (plain, cpu_threads(None)),
+                (profiled, profile(activities=[ProfilerActivity.CPU])),
+            ):
                 with context, stopwatch() as watch:
                     for _ in range(n):
                         x.add_(0)
@@ -56,8 +60,10 @@ class Profile:
             f"  ({self.events:.0f} operators); the timed median is {self.median_ms:.2f} ms. "
             f"Operators' own time: {self.self_ms:.2f} ms per call",
         ]
-        lines += [f"  {name[:52]:52s} {ms:8.3f} ms {share:5.1f}%  x{count:g}"
-                  for name, ms, share, count in self.rows]
+        lines += [
+            f"  {name[:52]:52s} {ms:8.3f} ms {share:5.1f}%  x{count:g}"
+            for name, ms, share, count in self.rows
+        ]
         return "\n".join(lines)
 
 
@@ -96,6 +102,8 @@ def where_time_goes(fn, top=6, *, timing=None, overhead_us=None, warmup=1, threa
         events=events,
         overhead_ms=events * overhead_us / 1e3,
         median_ms=timing.median_ms,
-        rows=[(e.key, own(e) / 1e3 / calls, 100 * own(e) / total, e.count / calls)
-              for e in sorted(rows, key=own, reverse=True)[:top]],
+        rows=[
+            (e.key, own(e) / 1e3 / calls, 100 * own(e) / total, e.count / calls)
+            for e in sorted(rows, key=own, reverse=True)[:top]
+        ],
     )

@@ -21,7 +21,11 @@ def print_timings(results):
     width = max(map(len, names.values()), default=0)
     for key, r in results.items():
         name = names[key]
-        print(f"  {name:{width}s} {r}" if isinstance(r, Timing) else f"  {name:{width}s} not available: {r}")
+        print(
+            f"  {name:{width}s} {r}"
+            if isinstance(r, Timing)
+            else f"  {name:{width}s} not available: {r}"
+        )
 
 
 @dataclass
@@ -44,15 +48,25 @@ class Table:
             return f'<{tag} data-label="{html.escape(label)}">{lines}</{tag}>'
 
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
-        body = "".join("<tr>" + "".join(cell("th" if i == 0 else "td", c, h)
-                                        for i, (c, h) in enumerate(zip(row, self.header))) + "</tr>"
-                       for row in self.rows)
+        body = "".join(
+            "<tr>"
+            + "".join(
+                cell("th" if i == 0 else "td", c, h)
+                for i, (c, h) in enumerate(zip(row, self.header))
+            )
+            + "</tr>"
+            for row in self.rows
+        )
         classes = " ".join(["figures-table", self.css_class]).strip()
-        return f'<table class="{classes}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        return (
+            f'<table class="{classes}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        )
 
     def __str__(self):
         cells = [[str(c).split("\n") for c in row] for row in [self.header, *self.rows]]
-        widths = [max(len(line) for row in cells for line in row[i]) for i in range(len(self.header))]
+        widths = [
+            max(len(line) for row in cells for line in row[i]) for i in range(len(self.header))
+        ]
         out = []
         for row in cells:
             for lines in zip_longest(*row, fillvalue=""):

@@ -15,8 +15,16 @@ from torch.utils import benchmark
 
 from ragged_toolkit.clock import stopwatch, synchronize
 
-__all__ = ["TIMING_THREADS", "cpu_threads", "Timing", "profile_call", "measure",
-           "StepTimer", "warm_every_shape", "train_in_turns"]
+__all__ = [
+    "TIMING_THREADS",
+    "cpu_threads",
+    "Timing",
+    "profile_call",
+    "measure",
+    "StepTimer",
+    "warm_every_shape",
+    "train_in_turns",
+]
 
 #: The CPU threads per operator that ``measure`` times with and every profile
 #: runs with: one, ``torch.utils.benchmark``'s default, so that a profile
@@ -56,10 +64,14 @@ class Timing:
     def of(cls, samples_ms):
         """The Timing of a list of timed runs in ms (steps of a loop, say)."""
         q1, median, q3 = np.percentile(samples_ms, [25, 50, 75])
-        return cls(float(median), float(q3 - q1), q1_ms=float(q1), q3_ms=float(q3), runs=len(samples_ms))
+        return cls(
+            float(median), float(q3 - q1), q1_ms=float(q1), q3_ms=float(q3), runs=len(samples_ms)
+        )
 
     def __str__(self):
-        memory = "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"  # NaN: not measured
+        memory = (
+            "" if self.peak_mib != self.peak_mib else f"  peak {self.peak_mib:7.1f} MiB"
+        )  # NaN: not measured
         kernels = f"  [{self.kernels}]" if self.kernels else ""
         return f"{self.median_ms:9.2f} ms (IQR {self.iqr_ms:6.2f}){memory}{kernels}"
 
@@ -115,9 +127,14 @@ def profile_call(fn, threads=TIMING_THREADS):
     if cuda:
         peak = torch.cuda.max_memory_allocated() - before
     else:  # the running sum of the allocation and free events, in time order
-        sizes = [n for _, n in sorted((e.start_ns(), e.nbytes())
-                                      for e in prof.profiler.kineto_results.events()
-                                      if e.name() == "[memory]")]
+        sizes = [
+            n
+            for _, n in sorted(
+                (e.start_ns(), e.nbytes())
+                for e in prof.profiler.kineto_results.events()
+                if e.name() == "[memory]"
+            )
+        ]
         peak = max(float(np.cumsum(sizes).max()), 0.0) if sizes else 0.0
     return peak / 2**20, _kernel_label(prof.events())
 
@@ -138,7 +155,9 @@ def measure(fns, *, min_run_time=1.0, rounds=3, profile=True, threads=TIMING_THR
             first[name] = watch.seconds
         for _ in range(rounds):
             for name, fn in fns.items():
-                timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+                timer = benchmark.Timer(
+                    "fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+                )
                 times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
     out = {}
     for name, fn in fns.items():

@@ -10,8 +10,15 @@ import numpy as np
 
 from ragged_site.measuring.timing import Timing
 
-__all__ = ["tokens_per_second", "ms_per_token", "slot_bound", "step_costs", "latency_ms", "draw_steps",
-           "draw_throughput_and_latency"]
+__all__ = [
+    "tokens_per_second",
+    "ms_per_token",
+    "slot_bound",
+    "step_costs",
+    "latency_ms",
+    "draw_steps",
+    "draw_throughput_and_latency",
+]
 
 
 def tokens_per_second(runs):
@@ -27,8 +34,12 @@ def ms_per_token(runs):
     the number of runs), for the noise rule (``outside_noise``). A rate in
     tokens/s is ``1000 / ms``: the median's, and an IQR from ``1000 / q3_ms``
     to ``1000 / q1_ms``."""
-    return Timing.of([1e3 * sum(s.seconds for s in run.steps) / sum(r.n_out for r in run.requests)
-                      for run in runs])
+    return Timing.of(
+        [
+            1e3 * sum(s.seconds for s in run.steps) / sum(r.n_out for r in run.requests)
+            for run in runs
+        ]
+    )
 
 
 def slot_bound(run):
@@ -52,9 +63,15 @@ def step_costs(steps, slots):
     mixed = np.array([s.prefill > 0 for s in steps])
     plain = ~mixed & ~tail
     decode_step = float(np.median(seconds[plain] if plain.any() else seconds))
-    return dict(seconds=float(seconds.sum()), tail_steps=int(tail.sum()), tail_seconds=float(seconds[tail].sum()),
-                mixed_steps=int(mixed.sum()), prompt_tokens=int(sum(s.prefill for s in steps)),
-                prompt_seconds=float(seconds[mixed].sum() - mixed.sum() * decode_step), decode_step_s=decode_step)
+    return dict(
+        seconds=float(seconds.sum()),
+        tail_steps=int(tail.sum()),
+        tail_seconds=float(seconds[tail].sum()),
+        mixed_steps=int(mixed.sum()),
+        prompt_tokens=int(sum(s.prefill for s in steps)),
+        prompt_seconds=float(seconds[mixed].sum() - mixed.sum() * decode_step),
+        decode_step_s=decode_step,
+    )
 
 
 def latency_ms(requests):
@@ -63,8 +80,10 @@ def latency_ms(requests):
     ``{"ttft": (p50, p99), "tpot": (p50, p99)}``."""
     ttft = [r.first_token_s - r.arrival for r in requests]
     tpot = [(r.finish_s - r.first_token_s) / (r.n_out - 1) for r in requests if r.n_out > 1]
-    return {name: tuple(np.percentile(np.array(x) * 1e3, [50, 99]).tolist())
-            for name, x in (("ttft", ttft), ("tpot", tpot))}
+    return {
+        name: tuple(np.percentile(np.array(x) * 1e3, [50, 99]).tolist())
+        for name, x in (("ttft", ttft), ("tpot", tpot))
+    }
 
 
 def draw_steps(steps, token_budget, title):
@@ -77,7 +96,14 @@ def draw_steps(steps, token_budget, title):
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
     number, decoded = np.arange(len(steps)), [s.decode for s in steps]
     ax1.bar(number, decoded, width=1.0, color="C0", label="decode tokens")
-    ax1.bar(number, [s.prefill for s in steps], bottom=decoded, width=1.0, color="C1", label="prompt tokens")
+    ax1.bar(
+        number,
+        [s.prefill for s in steps],
+        bottom=decoded,
+        width=1.0,
+        color="C1",
+        label="prompt tokens",
+    )
     ax1.axhline(token_budget, color="k", ls=":", label="token budget")
     ax1.set(ylabel="tokens in the step", ylim=(0, 1.45 * token_budget), title=title)
     ax1.legend(loc="upper right", ncol=3)
@@ -98,17 +124,32 @@ def draw_throughput_and_latency(runs, latency, rate):
     import matplotlib.pyplot as plt
 
     colors = ["C0", "C3", "C7", "C2", "C1"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 4.5), layout="constrained", width_ratios=[1, 1.6])
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(8, 4.5), layout="constrained", width_ratios=[1, 1.6]
+    )
     for col, (name, each) in enumerate(runs.items()):
-        ax1.plot([col] * len(each), [tokens_per_second([run]) for run in each], "o", color=colors[col], alpha=0.6)
+        ax1.plot(
+            [col] * len(each),
+            [tokens_per_second([run]) for run in each],
+            "o",
+            color=colors[col],
+            alpha=0.6,
+        )
         ax1.plot([col - 0.3, col + 0.3], [1e3 / ms_per_token(each).median_ms] * 2, color="k")
     ax1.set_xticks(range(len(runs)), [name.replace(", ", ",\n") for name in runs])
     ax1.set(ylabel="generated tokens/s", ylim=(0, None), title="All at once, every run")
     width = 0.8 / len(latency)
     for col, (name, lat) in enumerate(latency.items()):
-        ax2.bar(np.arange(4) + width * (col + 0.5) - 0.4, [*lat["ttft"], *lat["tpot"]], width,
-                color=colors[col], label=name)
-    ax2.set_xticks(range(4), ["first\ntoken p50", "first\ntoken p99", "per token\np50", "per token\np99"])
+        ax2.bar(
+            np.arange(4) + width * (col + 0.5) - 0.4,
+            [*lat["ttft"], *lat["tpot"]],
+            width,
+            color=colors[col],
+            label=name,
+        )
+    ax2.set_xticks(
+        range(4), ["first\ntoken p50", "first\ntoken p99", "per token\np50", "per token\np99"]
+    )
     ax2.set(yscale="log", ylabel="ms", title=f"Arrivals at {rate:.1f} requests/s")
     ax2.legend()
     return fig

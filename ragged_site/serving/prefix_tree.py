@@ -45,8 +45,13 @@ def cached_tree(cache):
         computed = len(cache.chains.get(rid, []))  # its full blocks whose keys it knows
         for depth, b in enumerate(table):
             if b not in nodes:
-                nodes[b] = CachedBlock(b, table[depth - 1] if depth else None, depth, cache.refs[b],
-                                       "copy" if depth < computed else "own")
+                nodes[b] = CachedBlock(
+                    b,
+                    table[depth - 1] if depth else None,
+                    depth,
+                    cache.refs[b],
+                    "copy" if depth < computed else "own",
+                )
     return sorted(nodes.values(), key=lambda n: (n.depth, n.block))
 
 
@@ -63,7 +68,12 @@ class MostSharedTree:
     def __call__(self, step, running, cache):
         sharing = sum(r for r in cache.refs if r > 1)  # readers of the blocks read by several
         if sharing > self.sharing:
-            self.sharing, self.step, self.running, self.nodes = sharing, step, len(running), cached_tree(cache)
+            self.sharing, self.step, self.running, self.nodes = (
+                sharing,
+                step,
+                len(running),
+                cached_tree(cache),
+            )
 
 
 def tree_rows(nodes):
@@ -101,10 +111,21 @@ def draw_cached_tree(nodes, title):
             ax.plot([n.depth - 1, n.depth], [rows[n.parent], rows[n.block]], color="0.6", lw=0.8)
     for n in nodes:
         color = "C3" if n.readers > 1 else "C0" if n.readers else "0.75"
-        ax.scatter(n.depth, rows[n.block], s=14 + 6 * n.readers, zorder=3,
-                   c="white" if n.kind == "copy" else color, edgecolors=color)
+        ax.scatter(
+            n.depth,
+            rows[n.block],
+            s=14 + 6 * n.readers,
+            zorder=3,
+            c="white" if n.kind == "copy" else color,
+            edgecolors=color,
+        )
         if n.readers > 1 and (n.parent not in by_block or by_block[n.parent].readers != n.readers):
-            ax.annotate(f"{n.readers} read", (n.depth, rows[n.block]), xytext=(3, 4),
-                        textcoords="offset points", fontsize=10)
+            ax.annotate(
+                f"{n.readers} read",
+                (n.depth, rows[n.block]),
+                xytext=(3, 4),
+                textcoords="offset points",
+                fontsize=10,
+            )
     ax.set(xlabel="block of the prefix", yticks=[], title=title)
     return fig

@@ -25,7 +25,9 @@ class TokenLogits:
 
     def of(self, request):
         if id(request) not in self._seen:
-            raise KeyError(f"request {request.rid}: no logits recorded; serve it with on_token=this record")
+            raise KeyError(
+                f"request {request.rid}: no logits recorded; serve it with on_token=this record"
+            )
         return torch.stack(self._seen[id(request)][1])
 
 
@@ -47,7 +49,7 @@ def logits_alone(model, request):
     device = next(model.parameters()).device
     ids = torch.tensor(request.prompt + request.generated[:-1], device=device)[None]  # (1, S)
     positions = torch.arange(ids.shape[1], device=device)[None]
-    return model(ids, positions, PaddedLayout())[0, len(request.prompt) - 1:]
+    return model(ids, positions, PaddedLayout())[0, len(request.prompt) - 1 :]
 
 
 def check_against_alone(reference, requests, tolerance, logits):
@@ -64,8 +66,12 @@ def check_against_alone(reference, requests, tolerance, logits):
         assert req.done() and len(req.generated) == req.n_out, f"request {req.rid} did not finish"
         ref = logits_alone(reference, req).float()  # (n_out, vocab)
         got = logits.of(req).to(ref.device)
-        torch.testing.assert_close(got, ref, **tolerance, msg=lambda m, r=req:
-                                   f"request {r.rid}: logits differ from decoding it alone: {m}")
+        torch.testing.assert_close(
+            got,
+            ref,
+            **tolerance,
+            msg=lambda m, r=req: f"request {r.rid}: logits differ from decoding it alone: {m}",
+        )
         chosen = ref.gather(1, torch.tensor(req.generated, device=ref.device)[:, None])[:, 0]
         gap = ref.max(-1).values - chosen  # 0 where the token is the reference's choice
         bad = (gap > tolerance["atol"]).nonzero().flatten().tolist()

@@ -24,8 +24,16 @@ from ragged_toolkit.serving.requests import fresh_requests
 from ragged_toolkit.serving.schedulers import retire_finished
 from ragged_toolkit.serving.server import serve, take_turns
 
-__all__ = ["busy_seconds", "spread", "prompt_token_seconds", "skipping_bound", "CachingRuns",
-           "with_and_without", "draw_trace", "prove_every_run"]
+__all__ = [
+    "busy_seconds",
+    "spread",
+    "prompt_token_seconds",
+    "skipping_bound",
+    "CachingRuns",
+    "with_and_without",
+    "draw_trace",
+    "prove_every_run",
+]
 
 
 def busy_seconds(run):
@@ -49,7 +57,9 @@ def prompt_token_seconds(steps):
     seconds = np.array([s.seconds for s in steps])
     prompt = np.array([s.prefill for s in steps])
     if not (prompt == 0).any() or not prompt.any():
-        raise ValueError("the cost of a prompt token needs steps with prompt tokens and steps without")
+        raise ValueError(
+            "the cost of a prompt token needs steps with prompt tokens and steps without"
+        )
     decode_only = np.median(seconds[prompt == 0])
     return float((seconds[prompt > 0].sum() - (prompt > 0).sum() * decode_only) / prompt.sum())
 
@@ -86,7 +96,9 @@ class CachingRuns:
     bound: float
 
 
-def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, observe=None, on_token=None):
+def with_and_without(
+    model, requests, plan, *, n_blocks, block_size, runs, observe=None, on_token=None
+):
     """Serve ``requests`` (fresh copies each run) with a
     :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache`, whose steps
     end with :func:`~ragged_toolkit.serving.prefix_cache.retire_caching`,
@@ -103,21 +115,41 @@ def with_and_without(model, requests, plan, *, n_blocks, block_size, runs, obser
     def starter(cache_type, retire, **kw):
         def start():
             extra = dict(stats=stats if not caches else None) if cache_type is PrefixCache else {}
-            caches.append(cache_type(model.cfg, n_blocks, block_size, weights.device, weights.dtype, **extra))
-            return serve(model, fresh_requests(requests), caches[-1], plan, retire, on_token=on_token, **kw)
+            caches.append(
+                cache_type(model.cfg, n_blocks, block_size, weights.device, weights.dtype, **extra)
+            )
+            return serve(
+                model, fresh_requests(requests), caches[-1], plan, retire, on_token=on_token, **kw
+            )
+
         return start
 
-    served = dict(zip(("with", "without"), take_turns(starter(PrefixCache, retire_caching, observe=observe),
-                                                      starter(PagedKVCache, retire_finished), runs=runs)))
+    served = dict(
+        zip(
+            ("with", "without"),
+            take_turns(
+                starter(PrefixCache, retire_caching, observe=observe),
+                starter(PagedKVCache, retire_finished),
+                runs=runs,
+            ),
+        )
+    )
     cache = caches[0]  # the first run with the cache started first
     prefill = {name: sum(s.prefill for s in done[0].steps) for name, done in served.items()}
     skipped = prefill["without"] - prefill["with"]
     return CachingRuns(
-        runs=served, prefill=prefill,
+        runs=served,
+        prefill=prefill,
         per_token={name: ms_per_token(done) for name, done in served.items()},
-        ttft={name: spread(done, lambda run: latency_ms(run.requests)["ttft"][0]) for name, done in served.items()},
-        cache=cache, stats=stats, hit=stats.hit_rate(),
-        bound=float(np.median([skipping_bound(run, skipped) for run in served["without"]])))
+        ttft={
+            name: spread(done, lambda run: latency_ms(run.requests)["ttft"][0])
+            for name, done in served.items()
+        },
+        cache=cache,
+        stats=stats,
+        hit=stats.hit_rate(),
+        bound=float(np.median([skipping_bound(run, skipped) for run in served["without"]])),
+    )
 
 
 def draw_trace(requests, served, title):
@@ -138,9 +170,16 @@ def draw_trace(requests, served, title):
     ax1.legend(loc="lower right")
     for name, color in (("with", "C0"), ("without", "C3")):
         first = {r.rid: r.first_token_s for r in served.runs[name][0].requests}
-        ax2.scatter(arrival, [(first[r.rid] - r.arrival) * 1e3 for r in requests], s=12, color=color,
-                    label=f"{name} the cache")
-    ax2.set(xlabel="arrival (s, simulated clock)", ylabel="time to first token (ms)", ylim=(0, None))
+        ax2.scatter(
+            arrival,
+            [(first[r.rid] - r.arrival) * 1e3 for r in requests],
+            s=12,
+            color=color,
+            label=f"{name} the cache",
+        )
+    ax2.set(
+        xlabel="arrival (s, simulated clock)", ylabel="time to first token (ms)", ylim=(0, None)
+    )
     ax2.legend(loc="upper left")
     return fig
 
@@ -161,9 +200,15 @@ def prove_every_run(reference, runs, tolerance, logits):
             history = (tuple(req.prompt), tuple(req.generated))
             if history in proved:
                 assert req.done(), f"request {req.rid} did not finish"
-                torch.testing.assert_close(logits.of(req), logits.of(proved[history]),
-                                           **tolerance, msg=lambda m, r=req: f"request {r.rid}: logits "
-                                           f"differ from a proved request's with the same tokens: {m}")
+                torch.testing.assert_close(
+                    logits.of(req),
+                    logits.of(proved[history]),
+                    **tolerance,
+                    msg=lambda m, r=req: (
+                        f"request {r.rid}: logits "
+                        f"differ from a proved request's with the same tokens: {m}"
+                    ),
+                )
             else:
                 difference, tied = check_against_alone(reference, [req], tolerance, logits)
                 proved[history], worst, ties = req, max(worst, difference), ties + tied

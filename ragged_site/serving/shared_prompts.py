@@ -20,8 +20,10 @@ def _openings(documents, rng, n, longest, shortest=1):
     left."""
     pool = [d for d in documents if len(d) >= shortest]
     if n > len(pool):
-        raise ValueError(f"{n} openings need {n} documents of at least {shortest} bytes; "
-                         f"the corpus has {len(pool)}: ask for fewer requests or shorter prompts")
+        raise ValueError(
+            f"{n} openings need {n} documents of at least {shortest} bytes; "
+            f"the corpus has {len(pool)}: ask for fewer requests or shorter prompts"
+        )
     chosen = rng.choice(len(pool), size=n, replace=False)
     taken = {id(pool[i]) for i in chosen}
     return [list(pool[i][:longest]) for i in chosen], [d for d in documents if id(d) not in taken]
@@ -36,7 +38,9 @@ def system_prompt_stream(documents, n, rng, *, systems, system_len, user_max, ou
     system, rest = _openings(documents, rng, systems, system_len, shortest=system_len)
     users, _ = _openings(rest, rng, n, user_max)
     which, outs = rng.integers(0, systems, size=n), output_lengths(rng, n, out_median, out_max)
-    return [Request(i, system[s] + u, int(o)) for i, (s, u, o) in enumerate(zip(which, users, outs))]
+    return [
+        Request(i, system[s] + u, int(o)) for i, (s, u, o) in enumerate(zip(which, users, outs))
+    ]
 
 
 @torch.no_grad()
@@ -51,8 +55,9 @@ def greedy_answers(model, prompts, n_outs, dtype=torch.float32):
     return [row[:n] for row, n in zip(new, n_outs)]
 
 
-def conversation_stream(documents, rng, *, conversations, turns, message_max, out_median, out_max,
-                        answer):
+def conversation_stream(
+    documents, rng, *, conversations, turns, message_max, out_median, out_max, answer
+):
     """``conversations`` conversations of ``turns`` turns, all waiting at
     time 0, turn after turn (every first turn, then every second...). Turn
     ``t``'s prompt is turn ``t - 1``'s prompt, its answer and a new message
@@ -81,7 +86,7 @@ def reusable_tokens(requests, block_size):
     for req in requests:
         history = req.prompt + req.generated
         for i in range((len(req.prompt) - 1) // block_size):
-            found += block_size * (tuple(req.prompt[:(i + 1) * block_size]) in seen)
+            found += block_size * (tuple(req.prompt[: (i + 1) * block_size]) in seen)
         for i in range(len(history) // block_size):  # what this request leaves cached
-            seen.add(tuple(history[:(i + 1) * block_size]))
+            seen.add(tuple(history[: (i + 1) * block_size]))
     return found

@@ -15,11 +15,24 @@ from .padded import bucketed_backend, padded_backend
 from .plan import BACKENDS, BatchPlan, plan_batch
 from .varlen import varlen_attn, varlen_backend
 
-__all__ = ["BACKENDS", "BatchPlan", "plan_batch", "ragged_attention", "backend_support", "default_backend"]
+__all__ = [
+    "BACKENDS",
+    "BatchPlan",
+    "plan_batch",
+    "ragged_attention",
+    "backend_support",
+    "default_backend",
+]
 
 # Each backend's function: ``fn(q, k, v, plan, scale)``.
-_ATTEND = {"varlen": varlen_backend, "sdpa_njt": sdpa_njt_backend, "flex": flex_backend,
-           "loop": loop_backend, "bucketed": bucketed_backend, "padded": padded_backend}
+_ATTEND = {
+    "varlen": varlen_backend,
+    "sdpa_njt": sdpa_njt_backend,
+    "flex": flex_backend,
+    "loop": loop_backend,
+    "bucketed": bucketed_backend,
+    "padded": padded_backend,
+}
 
 
 def ragged_attention(q, k, v, plan, *, scale=None):
@@ -49,8 +62,13 @@ def ragged_attention(q, k, v, plan, *, scale=None):
 def _check_tensors(q, k, v, plan):
     """Raise ``ValueError`` unless q is (T_q, H, D) and k, v (T_kv, H_kv, D) of
     one dtype, with H a multiple of H_kv, and ``plan`` describes their rows."""
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] \
-            or q.shape[1] % k.shape[1]:
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or k.shape != v.shape
+        or q.shape[2] != k.shape[2]
+        or q.shape[1] % k.shape[1]
+    ):
         raise ValueError(
             f"expected q (T_q, H, D) and k, v (T_kv, H_kv, D) with H a multiple "
             f"of H_kv; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -61,24 +79,37 @@ def _check_tensors(q, k, v, plan):
             "(under autocast, cast float32 rotary outputs back to the projection's dtype)"
         )
     if not isinstance(plan, BatchPlan):
-        raise TypeError(f"ragged_attention takes the batch's plan, from plan_batch(offsets, backend=...); "
-                        f"got {type(plan).__name__}")
+        raise TypeError(
+            f"ragged_attention takes the batch's plan, from plan_batch(offsets, backend=...); "
+            f"got {type(plan).__name__}"
+        )
     if q.shape[0] != plan.n_q or k.shape[0] != plan.n_kv:
-        raise ValueError(f"the plan describes {plan.n_q} query rows and {plan.n_kv} key rows; "
-                         f"got {q.shape[0]} and {k.shape[0]}: plan this batch with plan_batch")
+        raise ValueError(
+            f"the plan describes {plan.n_q} query rows and {plan.n_kv} key rows; "
+            f"got {q.shape[0]} and {k.shape[0]}: plan this batch with plan_batch"
+        )
 
 
 def _check_support(name, q, k, v, is_causal):
     """Raise ``RuntimeError`` if backend ``name`` cannot run this call here
     (:func:`backend_support` says why)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    why = backend_support(name, q.device, q.dtype, is_causal=is_causal, needs_grad=needs_grad,
-                          gqa=q.shape[1] != k.shape[1], head_dim=q.shape[-1])
+    why = backend_support(
+        name,
+        q.device,
+        q.dtype,
+        is_causal=is_causal,
+        needs_grad=needs_grad,
+        gqa=q.shape[1] != k.shape[1],
+        head_dim=q.shape[-1],
+    )
     if why:
         raise RuntimeError(f"ragged_attention: backend {name!r} cannot run this here: {why}")
 
 
-def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, gqa=False, head_dim=None):
+def backend_support(
+    name, device, dtype, *, is_causal=False, needs_grad=False, gqa=False, head_dim=None
+):
     """None if backend ``name`` can run this job here, else why it cannot.
     ``head_dim``: the head size, where known (the CUDA kernels limit it)."""
     cuda = torch.device(device).type == "cuda"
@@ -100,8 +131,10 @@ def backend_support(name, device, dtype, *, is_causal=False, needs_grad=False, g
     if name == "sdpa_njt" and is_causal and not cuda:
         return "on CPU only the math path of SDPA takes nested tensors, and it refuses is_causal"
     if name == "sdpa_njt" and is_causal and needs_grad and dtype == torch.float32 and cuda:
-        return ("no CUDA kernel takes nested float32 with gradients and is_causal: flash needs 16 bits, "
-                "memory-efficient refuses nested inputs that need grad, math refuses is_causal")
+        return (
+            "no CUDA kernel takes nested float32 with gradients and is_causal: flash needs 16 bits, "
+            "memory-efficient refuses nested inputs that need grad, math refuses is_causal"
+        )
     if name == "flex" and needs_grad and not cuda:
         return "FlexAttention has no backward on CPU"
     if name == "flex" and cuda and head_dim is not None and head_dim < 16:
@@ -113,6 +146,9 @@ def default_backend(device, dtype, head_dim=None):
     """The backend to use when a caller has measured nothing: ``varlen``
     where it runs, else ``sdpa_njt`` on CUDA, else the per-sequence loop."""
     for name in ("varlen", "sdpa_njt") if torch.device(device).type == "cuda" else ():
-        if backend_support(name, device, dtype, is_causal=True, needs_grad=True, head_dim=head_dim) is None:
+        if (
+            backend_support(name, device, dtype, is_causal=True, needs_grad=True, head_dim=head_dim)
+            is None
+        ):
             return name
     return "loop"

@@ -14,8 +14,12 @@ __all__ = ["bottom_right_causal", "shares_heads", "dense_attention", "many_shape
 #: nearly every sequence length (``loop``, ``bucketed``): cuDNN attention,
 #: first on recent GPUs, builds a plan for each new shape (tens of
 #: milliseconds each), so it goes after flash and memory-efficient attention.
-MANY_SHAPES_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                     SDPBackend.MATH]
+MANY_SHAPES_ORDER = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 def many_shapes_kernels(device):

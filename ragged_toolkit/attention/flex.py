@@ -9,8 +9,15 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from ..batches import offsets_from_lengths, token_index
 from .dense import shares_heads
 
-__all__ = ["FLEX_BLOCK", "FLEX_RECOMPILE_LIMIT", "compiled_flex_attention", "flex_rows", "document_block_mask",
-           "prepare_flex", "flex_backend"]
+__all__ = [
+    "FLEX_BLOCK",
+    "FLEX_RECOMPILE_LIMIT",
+    "compiled_flex_attention",
+    "flex_rows",
+    "document_block_mask",
+    "prepare_flex",
+    "flex_backend",
+]
 
 #: Rows per FlexAttention block: the padded sizes are multiples of it.
 FLEX_BLOCK = 128
@@ -34,10 +41,15 @@ def compiled_flex_attention(q, k, v, **kwargs):
     which materializes the whole score matrix (dynamo's own recompile limit,
     which would do that silently, is raised to it and made to fail). Inside
     a model being compiled, ``flex_attention`` is compiled with the model."""
-    if torch.compiler.is_compiling():  # (views as whole tensors: inductor's CPU lowering needs them)
+    if (
+        torch.compiler.is_compiling()
+    ):  # (views as whole tensors: inductor's CPU lowering needs them)
         return flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), **kwargs)
-    limits = dict(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True,
-                  accumulated_recompile_limit=max(FLEX_RECOMPILE_LIMIT, 256))
+    limits = dict(
+        recompile_limit=FLEX_RECOMPILE_LIMIT,
+        fail_on_recompile_limit_hit=True,
+        accumulated_recompile_limit=max(FLEX_RECOMPILE_LIMIT, 256),
+    )
     try:
         with torch._dynamo.config.patch(**limits):
             return _compiled(q, k, v, **kwargs)
@@ -80,7 +92,11 @@ def document_block_mask(plan):
     kv_used = torch.tensor(plan.kv_lengths, device=device)
     shift = kv_used - torch.tensor(plan.q_lengths, device=device)  # L_kv - L_q per sequence
     q_doc, q_pos, q_shift = pad(q_seq, n_q, -2), pad(q_pos, n_q, 0), pad(shift[q_seq], n_q, 0)
-    kv_doc, kv_pos, kv_use = pad(kv_seq, n_kv, -1), pad(kv_pos, n_kv, 0), pad(kv_used[kv_seq], n_kv, 1)
+    kv_doc, kv_pos, kv_use = (
+        pad(kv_seq, n_kv, -1),
+        pad(kv_pos, n_kv, 0),
+        pad(kv_used[kv_seq], n_kv, 1),
+    )
     if n_kv > t_kv:
         kv_doc[t_kv] = -2
 
@@ -90,7 +106,9 @@ def document_block_mask(plan):
             same = same & (kv_pos[kv_idx] <= q_pos[q_idx] + q_shift[q_idx])
         return same
 
-    return create_block_mask(document_mask, None, None, n_q, n_kv, device=device, BLOCK_SIZE=FLEX_BLOCK)
+    return create_block_mask(
+        document_mask, None, None, n_q, n_kv, device=device, BLOCK_SIZE=FLEX_BLOCK
+    )
 
 
 def prepare_flex(plan):
@@ -109,6 +127,7 @@ def flex_backend(q, k, v, plan, scale=None):
     # (T, H, D) -> (1, H, T_padded, D): the whole batch as one long sequence
     qf = F.pad(q, (0, 0, 0, 0, 0, n_q - t_q)).transpose(0, 1)[None]
     kf, vf = (F.pad(t, (0, 0, 0, 0, 0, n_kv - t_kv)).transpose(0, 1)[None] for t in (k, v))
-    out = compiled_flex_attention(qf, kf, vf, block_mask=mask, scale=scale,
-                                  enable_gqa=shares_heads(qf, kf))
+    out = compiled_flex_attention(
+        qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=shares_heads(qf, kf)
+    )
     return out[0, :, :t_q].transpose(0, 1)

@@ -8,8 +8,15 @@ import torch.nn.functional as F
 
 from .dense import dense_attention, many_shapes_kernels, shares_heads
 
-__all__ = ["BUCKETS", "bucket_plan", "attend_in_groups", "prepare_bucketed", "prepare_padded", "bucketed_backend",
-           "padded_backend"]
+__all__ = [
+    "BUCKETS",
+    "bucket_plan",
+    "attend_in_groups",
+    "prepare_bucketed",
+    "prepare_padded",
+    "bucketed_backend",
+    "padded_backend",
+]
 
 #: How many groups of similar length ``bucketed`` pads the sequences in.
 BUCKETS = 4
@@ -31,9 +38,12 @@ def bucket_plan(plan, buckets):
         q_real = torch.arange(int(lq.max())) < lq[:, None]  # (n, Sq)
         kv_real = torch.arange(int(lkv.max())) < lkv[:, None]  # (n, Skv)
         # the packed row of each slot: the sequence's first row plus the slot
-        q_idx = torch.where(q_real, torch.as_tensor(q_start[group])[:, None] + torch.arange(q_real.shape[1]), 0)
-        kv_idx = torch.where(kv_real, torch.as_tensor(kv_start[group])[:, None]
-                             + torch.arange(kv_real.shape[1]), 0)
+        q_idx = torch.where(
+            q_real, torch.as_tensor(q_start[group])[:, None] + torch.arange(q_real.shape[1]), 0
+        )
+        kv_idx = torch.where(
+            kv_real, torch.as_tensor(kv_start[group])[:, None] + torch.arange(kv_real.shape[1]), 0
+        )
         mask = kv_real[:, None, :]  # (n, 1, Skv): real keys only
         if plan.is_causal:  # query i sees keys up to i + Lkv - Lq
             key, query = torch.arange(kv_real.shape[1]), torch.arange(q_real.shape[1])[:, None]
@@ -58,7 +68,9 @@ def attend_in_groups(q, k, v, groups, inverse, is_causal, scale=None):
     D), k and v (T_kv, H_kv, D) -> (T_q, H, D)."""
     out = []
     for q_idx, kv_idx, mask, real_slots in groups:
-        qb, kb, vb = (t[i].transpose(1, 2) for t, i in ((q, q_idx), (k, kv_idx), (v, kv_idx)))  # (n, H, S, D)
+        qb, kb, vb = (
+            t[i].transpose(1, 2) for t, i in ((q, q_idx), (k, kv_idx), (v, kv_idx))
+        )  # (n, H, S, D)
         ob = dense_attention(qb, kb, vb, is_causal and mask is None, scale, mask)  # (n, H, Sq, D)
         out.append(ob.transpose(1, 2).flatten(0, 1)[real_slots])  # the real rows, (sum Lq, H, D)
     return torch.cat(out)[inverse]
@@ -100,7 +112,10 @@ def padded_backend(q, k, v, plan, scale=None):
     mask, n = prepared
     B, lq, rows = len(plan.q_lengths), plan.q_lengths[0], plan.kv_rows[0]
     qb = q.view(B, lq, *q.shape[1:]).transpose(1, 2)  # (B, H, Lq, D)
-    kb, vb = (t.view(B, rows, *t.shape[1:])[:, :n].transpose(1, 2) for t in (k, v))  # (B, H_kv, n, D)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
-                                         enable_gqa=shares_heads(qb, kb))
+    kb, vb = (
+        t.view(B, rows, *t.shape[1:])[:, :n].transpose(1, 2) for t in (k, v)
+    )  # (B, H_kv, n, D)
+    out = F.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=shares_heads(qb, kb)
+    )
     return out.transpose(1, 2).reshape(q.shape)

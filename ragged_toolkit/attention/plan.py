@@ -23,8 +23,14 @@ __all__ = ["BACKENDS", "BatchPlan", "plan_batch"]
 #: The names of ``ragged_attention``'s backends.
 BACKENDS = ("varlen", "sdpa_njt", "flex", "loop", "bucketed", "padded")
 # what each backend builds for a batch, once (the loop needs only the lengths)
-_PREPARE = {"varlen": prepare_varlen, "sdpa_njt": prepare_njt, "flex": prepare_flex,
-            "loop": lambda plan: None, "bucketed": prepare_bucketed, "padded": prepare_padded}
+_PREPARE = {
+    "varlen": prepare_varlen,
+    "sdpa_njt": prepare_njt,
+    "flex": prepare_flex,
+    "loop": lambda plan: None,
+    "bucketed": prepare_bucketed,
+    "padded": prepare_padded,
+}
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,18 @@ def plan_batch(q_offsets, kv_offsets=None, *, backend, is_causal=False, kv_used=
     q_offsets, kv_offsets = q_offsets.long(), kv_offsets.long()
     kv_lengths = kv_rows if kv_used is None else kv_used.tolist()
     if len(kv_lengths) != len(kv_rows) or any(not 0 <= n <= r for n, r in zip(kv_lengths, kv_rows)):
-        raise ValueError(f"kv_used must hold one count per sequence, between 0 and its key rows "
-                         f"{kv_rows}; got {kv_lengths}")
+        raise ValueError(
+            f"kv_used must hold one count per sequence, between 0 and its key rows "
+            f"{kv_rows}; got {kv_lengths}"
+        )
     if is_causal and any(0 < lkv < lq for lq, lkv in zip(q_lengths, kv_lengths)):
-        raise ValueError("is_causal needs at least as many keys as queries in every sequence "
-                         "(the last query sees every key)")
-    plan = BatchPlan(backend, is_causal, q_offsets, kv_offsets, q_lengths, kv_lengths, kv_rows, kv_used)
+        raise ValueError(
+            "is_causal needs at least as many keys as queries in every sequence "
+            "(the last query sees every key)"
+        )
+    plan = BatchPlan(
+        backend, is_causal, q_offsets, kv_offsets, q_lengths, kv_lengths, kv_rows, kv_used
+    )
     empty = not (all(q_lengths) and all(kv_lengths))
     if empty or (kv_used is not None and not _reads_kv_used(backend)):
         return replace(plan, nonempty=_without_empty_sequences(plan))
@@ -100,8 +112,10 @@ def _lengths(q_offsets, kv_offsets):
     check_offsets(q_offsets, int(q_offsets[-1]) if len(q_offsets) else 0, "q_offsets")
     check_offsets(kv_offsets, int(kv_offsets[-1]) if len(kv_offsets) else 0, "kv_offsets")
     if len(q_offsets) != len(kv_offsets):
-        raise ValueError(f"q_offsets and kv_offsets describe different batch sizes: "
-                         f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences")
+        raise ValueError(
+            f"q_offsets and kv_offsets describe different batch sizes: "
+            f"{len(q_offsets) - 1} and {len(kv_offsets) - 1} sequences"
+        )
     return q_offsets.diff().tolist(), kv_offsets.diff().tolist()
 
 
@@ -113,9 +127,18 @@ def _without_empty_sequences(plan):
     q_rows = [np.arange(q_start[i], q_start[i] + plan.q_lengths[i]) for i in keep]
     kv_rows = [np.arange(kv_start[i], kv_start[i] + plan.kv_lengths[i]) for i in keep]
     device = plan.q_offsets.device
-    as_rows = lambda rows: torch.as_tensor(np.concatenate(rows or [[]]), dtype=torch.long, device=device)  # noqa: E731
+    as_rows = lambda rows: torch.as_tensor(
+        np.concatenate(rows or [[]]), dtype=torch.long, device=device
+    )  # noqa: E731
     used = [plan.kv_lengths[i] for i in keep]
-    kept = plan_batch(offsets_from_lengths([plan.q_lengths[i] for i in keep], device),
-                      offsets_from_lengths(used, device), backend=plan.backend,
-                      is_causal=plan.is_causal) if keep else None
+    kept = (
+        plan_batch(
+            offsets_from_lengths([plan.q_lengths[i] for i in keep], device),
+            offsets_from_lengths(used, device),
+            backend=plan.backend,
+            is_causal=plan.is_causal,
+        )
+        if keep
+        else None
+    )
     return as_rows(q_rows), as_rows(kv_rows), kept

@@ -10,8 +10,14 @@ import inspect
 
 import torch
 
-__all__ = ["VARLEN_KEYWORDS", "VarlenUnavailable", "varlen_kwargs", "varlen_missing",
-           "prepare_varlen", "varlen_backend"]
+__all__ = [
+    "VARLEN_KEYWORDS",
+    "VarlenUnavailable",
+    "varlen_kwargs",
+    "varlen_missing",
+    "prepare_varlen",
+    "varlen_backend",
+]
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -21,8 +27,11 @@ except ImportError:  # not in this build of PyTorch
 #: The keyword arguments of this release's ``varlen_attn``, read from its
 #: signature once, at import (empty where this PyTorch has none, and in a
 #: documentation build without torch, where autodoc's stand-in has no signature).
-VARLEN_KEYWORDS = (frozenset() if varlen_attn is None or getattr(varlen_attn, "__sphinx_mock__", False)
-                   else frozenset(inspect.signature(varlen_attn).parameters))
+VARLEN_KEYWORDS = (
+    frozenset()
+    if varlen_attn is None or getattr(varlen_attn, "__sphinx_mock__", False)
+    else frozenset(inspect.signature(varlen_attn).parameters)
+)
 
 
 class VarlenUnavailable(RuntimeError):
@@ -39,23 +48,40 @@ def varlen_missing(features, keywords=None):
     return [f for f in features if not has.get(f, f in keywords)]
 
 
-def varlen_kwargs(*, is_causal=False, scale=None, enable_gqa=False, seqused_k=None, block_table=None,
-                  num_splits=None, keywords=None):
+def varlen_kwargs(
+    *,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+    keywords=None,
+):
     """The keyword arguments that ask a ``varlen_attn`` whose keywords are
     ``keywords`` (default: this release's) for this call: causal as
     ``window_size=(-1, 0)`` (2.11 on) or ``is_causal=True`` (2.10), and each
     other feature under its own name. Raises :class:`VarlenUnavailable`
     naming what the release lacks; nothing is dropped silently."""
     keywords = VARLEN_KEYWORDS if keywords is None else keywords
-    wanted = {"scale": scale, "enable_gqa": enable_gqa or None, "seqused_k": seqused_k,
-              "block_table": block_table, "num_splits": num_splits}
+    wanted = {
+        "scale": scale,
+        "enable_gqa": enable_gqa or None,
+        "seqused_k": seqused_k,
+        "block_table": block_table,
+        "num_splits": num_splits,
+    }
     wanted = {name: value for name, value in wanted.items() if value is not None}
     missing = varlen_missing(["causal"] * is_causal + list(wanted), keywords)
     if missing:
-        raise VarlenUnavailable(f"this release's varlen_attn has no {', '.join(missing)} "
-                                f"(its keywords: {', '.join(sorted(keywords)) or 'none'})")
+        raise VarlenUnavailable(
+            f"this release's varlen_attn has no {', '.join(missing)} "
+            f"(its keywords: {', '.join(sorted(keywords)) or 'none'})"
+        )
     if is_causal:
-        wanted.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
+        wanted.update(
+            {"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True}
+        )
     return wanted
 
 

@@ -31,7 +31,9 @@ def build_step(cache, work, device, path="gathered", backend=None):
     for req, n in work:
         cache.check_writable(req.rid, req.computed, req.computed + max(n, 1))
     tokens = [t for req, n in work for t in (next_tokens(req, req.computed, n) if n else [0])]
-    starts = torch.tensor([req.computed for req, _ in work], device=device)  # (B,) keys cached before
+    starts = torch.tensor(
+        [req.computed for req, _ in work], device=device
+    )  # (B,) keys cached before
     q_lengths = [max(n, 1) for _, n in work]  # an idle slot feeds one padding token
     q_offsets = offsets_from_lengths(q_lengths, device)  # (B + 1,)
     seq, step_position = token_index(q_offsets)  # (T,) each token's request, its place in the step
@@ -40,8 +42,17 @@ def build_step(cache, work, device, path="gathered", backend=None):
     size = cache.block_size
     slots = block_table[seq, positions // size].long() * size + positions % size  # (T,) cache rows
     kv_lengths = starts + torch.tensor(q_lengths, device=device)  # (B,) keys in use after the step
-    layout = PagedLayout(cache, q_offsets, slots, positions, kv_lengths, block_table,
-                         max(q_lengths), max(r.computed + m for (r, _), m in zip(work, q_lengths)), path)
+    layout = PagedLayout(
+        cache,
+        q_offsets,
+        slots,
+        positions,
+        kv_lengths,
+        block_table,
+        max(q_lengths),
+        max(r.computed + m for (r, _), m in zip(work, q_lengths)),
+        path,
+    )
     backend = default_backend(device, cache.k.dtype) if backend is None else backend
     layout = replace(layout, prepared=prepare_paged(layout, backend))
     return torch.tensor(tokens, dtype=torch.long, device=device), positions, layout

@@ -18,8 +18,16 @@ from ..attention.varlen import varlen_attn, varlen_kwargs, varlen_missing
 from ..batches import offsets_from_lengths, token_index
 from ..kv_cache import PagedKVCache, paged_rows
 
-__all__ = ["PagedLayout", "gathered_attention", "paged_block_mask", "flex_paged_attention",
-           "varlen_paged_attention", "PAGED_PATHS", "prepare_paged", "paged_varlen_support"]
+__all__ = [
+    "PagedLayout",
+    "gathered_attention",
+    "paged_block_mask",
+    "flex_paged_attention",
+    "varlen_paged_attention",
+    "PAGED_PATHS",
+    "prepare_paged",
+    "paged_varlen_support",
+]
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,9 @@ def paged_block_mask(step):
     def paged_causal(b, h, q_idx, kv_idx):
         return (owner[kv_idx] == q_seq[q_idx]) & (row_pos[kv_idx] <= q_pos[q_idx])
 
-    return create_block_mask(paged_causal, None, None, n_q, n_rows, device=device,
-                             BLOCK_SIZE=FLEX_BLOCK)
+    return create_block_mask(
+        paged_causal, None, None, n_q, n_rows, device=device, BLOCK_SIZE=FLEX_BLOCK
+    )
 
 
 def flex_paged_attention(q, step, layer):
@@ -90,9 +99,14 @@ def flex_paged_attention(q, step, layer):
     mask = step.prepared
     qf = F.pad(q, (0, 0, 0, 0, 0, mask.seq_lengths[0] - len(q))).transpose(0, 1)[None]
     kf, vf = (t[layer].transpose(0, 1)[None] for t in (step.cache.k, step.cache.v))
-    out = compiled_flex_attention(qf, kf, vf, block_mask=mask,  # (1, H, n_q, D), (1, H_kv, rows, D)
-                                  enable_gqa=shares_heads(qf, kf))
-    return out[0, :, :len(q)].transpose(0, 1)
+    out = compiled_flex_attention(
+        qf,
+        kf,
+        vf,
+        block_mask=mask,  # (1, H, n_q, D), (1, H_kv, rows, D)
+        enable_gqa=shares_heads(qf, kf),
+    )
+    return out[0, :, : len(q)].transpose(0, 1)
 
 
 def varlen_paged_attention(q, step, layer):
@@ -102,15 +116,31 @@ def varlen_paged_attention(q, step, layer):
     pytorch/pytorch#194167): q (T, H, D) -> (T, H, D)."""
     c, lengths = step.cache, step.kv_lengths.to(torch.int32)
     k, v = (t[layer].view(c.n_blocks, c.block_size, *t.shape[2:]) for t in (c.k, c.v))  # pages
-    kw = varlen_kwargs(is_causal=True, enable_gqa=q.shape[1] != k.shape[2], seqused_k=lengths,
-                       block_table=step.block_table, num_splits=1)
-    return varlen_attn(q, k, v, step.q_offsets.to(torch.int32), offsets_from_lengths(lengths).int(),
-                       step.max_q, step.max_kv, **kw)
+    kw = varlen_kwargs(
+        is_causal=True,
+        enable_gqa=q.shape[1] != k.shape[2],
+        seqused_k=lengths,
+        block_table=step.block_table,
+        num_splits=1,
+    )
+    return varlen_attn(
+        q,
+        k,
+        v,
+        step.q_offsets.to(torch.int32),
+        offsets_from_lengths(lengths).int(),
+        step.max_q,
+        step.max_kv,
+        **kw,
+    )
 
 
 #: How a :class:`PagedLayout` reads the cache: name -> ``fn(q, step, layer)``.
-PAGED_PATHS = {"gathered": gathered_attention, "flex": flex_paged_attention,
-               "varlen": varlen_paged_attention}
+PAGED_PATHS = {
+    "gathered": gathered_attention,
+    "flex": flex_paged_attention,
+    "varlen": varlen_paged_attention,
+}
 
 
 def prepare_paged(step, backend=None):

@@ -72,7 +72,9 @@ class PrefixCache(PagedKVCache):
     :class:`PrefixStats` told of each admission and eviction, if given;
     ``block_hash``: the key function (:func:`block_hash`)."""
 
-    def __init__(self, cfg, n_blocks, block_size, device, dtype, *, stats=None, block_hash=block_hash):
+    def __init__(
+        self, cfg, n_blocks, block_size, device, dtype, *, stats=None, block_hash=block_hash
+    ):
         super().__init__(cfg, n_blocks, block_size, device, dtype)
         self.refs = [0] * n_blocks
         self.block_of, self.key_of, self.tokens_of, self.parent_of = {}, {}, {}, {}
@@ -96,7 +98,7 @@ class PrefixCache(PagedKVCache):
         gains a reader and leaves the idle list. Returns the tokens covered."""
         size, key, table = self.block_size, None, []
         for i in range((len(tokens) - 1) // size):
-            block_tokens = tokens[i * size:(i + 1) * size]
+            block_tokens = tokens[i * size : (i + 1) * size]
             key = self.block_hash(key, block_tokens)
             b = self.find(key, block_tokens, table[-1] if table else None)
             if b is None:
@@ -163,7 +165,11 @@ class PrefixCache(PagedKVCache):
         if req.rid in self._admitting and self.stats is not None:
             self.stats.admitted(req.rid, *self._admitting[req.rid])
         self._admitting.pop(req.rid, None)
-        chain, size, table = self.chains.setdefault(req.rid, []), self.block_size, self.tables[req.rid]
+        chain, size, table = (
+            self.chains.setdefault(req.rid, []),
+            self.block_size,
+            self.tables[req.rid],
+        )
         while (len(chain) + 1) * size <= req.computed:
             i = len(chain)
             tokens, parent = next_tokens(req, i * size, size), table[i - 1] if i else None
@@ -175,7 +181,11 @@ class PrefixCache(PagedKVCache):
                 self.refs[table[i]] = 0
                 self.free.append(table[i])
                 table[i] = cached
-            elif cached is None and key not in self.block_of and (parent is None or parent in self.key_of):
+            elif (
+                cached is None
+                and key not in self.block_of
+                and (parent is None or parent in self.key_of)
+            ):
                 b = table[i]
                 self.block_of[key], self.key_of[b] = b, key
                 self.tokens_of[b], self.parent_of[b] = tuple(tokens), parent
@@ -188,10 +198,12 @@ class PrefixCache(PagedKVCache):
         readers rely on what they hold)."""
         super().check_writable(rid, start, stop)
         table = self.tables[rid]
-        for b in table[start // self.block_size:-(-stop // self.block_size)]:
+        for b in table[start // self.block_size : -(-stop // self.block_size)]:
             if b in self.key_of or self.refs[b] != 1:
-                raise RuntimeError(f"request {rid} would write into block {b}, which is "
-                                   f"{'cached' if b in self.key_of else 'shared'} ({self.refs[b]} readers)")
+                raise RuntimeError(
+                    f"request {rid} would write into block {b}, which is "
+                    f"{'cached' if b in self.key_of else 'shared'} ({self.refs[b]} readers)"
+                )
 
     def check(self):
         """Raise ``RuntimeError`` unless every block is exactly one of: free,
@@ -206,18 +218,33 @@ class PrefixCache(PagedKVCache):
         for b in range(self.n_blocks):
             places = [b in free, b in self.idle, b in holders].count(True)
             if places != 1:
-                raise RuntimeError(f"block {b} is in {places} of: the free list, the idle list, a table")
+                raise RuntimeError(
+                    f"block {b} is in {places} of: the free list, the idle list, a table"
+                )
             if self.refs[b] != holders.get(b, 0):
-                raise RuntimeError(f"block {b} counts {self.refs[b]} readers; {holders.get(b, 0)} tables hold it")
+                raise RuntimeError(
+                    f"block {b} counts {self.refs[b]} readers; {holders.get(b, 0)} tables hold it"
+                )
             if b in free and b in self.key_of or b in self.idle and b not in self.key_of:
-                raise RuntimeError(f"block {b} is {'free with' if b in free else 'idle without'} a key")
-        if any(self.key_of.get(b) != k for k, b in self.block_of.items()) or \
-                not len(self.block_of) == len(self.key_of) == len(self.tokens_of) == len(self.parent_of):
+                raise RuntimeError(
+                    f"block {b} is {'free with' if b in free else 'idle without'} a key"
+                )
+        if any(self.key_of.get(b) != k for k, b in self.block_of.items()) or not len(
+            self.block_of
+        ) == len(self.key_of) == len(self.tokens_of) == len(self.parent_of):
             raise RuntimeError("a key and its block do not name each other")
-        orphan = next((b for b, parent in self.parent_of.items() if parent is not None
-                       and parent not in self.key_of), None)
+        orphan = next(
+            (
+                b
+                for b, parent in self.parent_of.items()
+                if parent is not None and parent not in self.key_of
+            ),
+            None,
+        )
         if orphan is not None:
-            raise RuntimeError(f"cached block {orphan} follows block {self.parent_of[orphan]}, which is not cached")
+            raise RuntimeError(
+                f"cached block {orphan} follows block {self.parent_of[orphan]}, which is not cached"
+            )
 
 
 def retire_caching(running, cache):

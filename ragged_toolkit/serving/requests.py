@@ -8,8 +8,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Request", "next_tokens", "output_lengths", "request_stream", "poisson_arrivals", "fresh_requests",
-           "check_request"]
+__all__ = [
+    "Request",
+    "next_tokens",
+    "output_lengths",
+    "request_stream",
+    "poisson_arrivals",
+    "fresh_requests",
+    "check_request",
+]
 
 
 @dataclass
@@ -48,7 +55,9 @@ def next_tokens(req, start, n):
     """The ``n`` tokens of ``req``'s history (``prompt + generated``) from
     position ``start``: two slices, not a copy of the whole history."""
     cut = len(req.prompt)
-    return req.prompt[start:start + n] + req.generated[max(start - cut, 0):max(start + n - cut, 0)]
+    return (
+        req.prompt[start : start + n] + req.generated[max(start - cut, 0) : max(start + n - cut, 0)]
+    )
 
 
 def output_lengths(rng, n, median, longest, sigma=1.0):
@@ -66,8 +75,10 @@ def request_stream(documents, n, rng, *, prompt_max, out_median, out_max):
         raise ValueError(f"{n} requests need {n} documents; the corpus has {len(documents)}")
     chosen = rng.choice(len(documents), size=n, replace=False)
     outs = output_lengths(rng, n, out_median, out_max)
-    return [Request(i, list(documents[d][:prompt_max]), int(o))
-            for i, (d, o) in enumerate(zip(chosen, outs))]
+    return [
+        Request(i, list(documents[d][:prompt_max]), int(o))
+        for i, (d, o) in enumerate(zip(chosen, outs))
+    ]
 
 
 def poisson_arrivals(rng, n, rate):
@@ -94,16 +105,24 @@ def check_request(request, cfg, cache):
     if not prompt:
         raise ValueError(f"request {rid}: empty prompt; a request needs at least one prompt token")
     if n_out < 1:
-        raise ValueError(f"request {rid}: output length {n_out}; a request generates at least one token")
+        raise ValueError(
+            f"request {rid}: output length {n_out}; a request generates at least one token"
+        )
     bad = next(((i, t) for i, t in enumerate(prompt) if not 0 <= t < cfg.vocab_size), None)
     if bad is not None:
-        raise ValueError(f"request {rid}: token id {bad[1]} at prompt position {bad[0]} is outside the "
-                         f"vocabulary (ids 0 to {cfg.vocab_size - 1})")
+        raise ValueError(
+            f"request {rid}: token id {bad[1]} at prompt position {bad[0]} is outside the "
+            f"vocabulary (ids 0 to {cfg.vocab_size - 1})"
+        )
     total = len(prompt) + n_out
     if total > cfg.max_seq_len:
-        raise ValueError(f"request {rid}: prompt of {len(prompt)} tokens plus {n_out} output tokens is "
-                         f"{total} positions; the model has {cfg.max_seq_len} (max_seq_len)")
+        raise ValueError(
+            f"request {rid}: prompt of {len(prompt)} tokens plus {n_out} output tokens is "
+            f"{total} positions; the model has {cfg.max_seq_len} (max_seq_len)"
+        )
     blocks = -(-total // cache.block_size)
     if blocks > cache.n_blocks:
-        raise ValueError(f"request {rid}: {total} tokens need {blocks} blocks of {cache.block_size} rows; "
-                         f"the whole cache has {cache.n_blocks}")
+        raise ValueError(
+            f"request {rid}: {total} tokens need {blocks} blocks of {cache.block_size} rows; "
+            f"the whole cache has {cache.n_blocks}"
+        )

@@ -38,8 +38,13 @@ def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
         preempt(victim, cache)
         waiting.appendleft(victim)
         preempted = True
-    while not preempted and waiting and waiting[0].arrival <= now and len(running) < max_running \
-            and budget > 0:
+    while (
+        not preempted
+        and waiting
+        and waiting[0].arrival <= now
+        and len(running) < max_running
+        and budget > 0
+    ):
         req = waiting[0]
         if req.computed == 0:  # the keys of a cached prefix are not computed again
             req.computed = cache.take_prefix(req.rid, req.prompt + req.generated)
@@ -69,8 +74,11 @@ def plan_static(running, waiting, cache, now, *, batch_size, reserve, skip_finis
             if not cache.reserve(req.rid, len(req.prompt) + reserve):
                 raise RuntimeError(f"the cache has no room for a static batch of {batch_size}")
             running.append(req)
-    return [(req, 0 if req.done() else req.pending()) for req in running
-            if not (skip_finished and req.done())]
+    return [
+        (req, 0 if req.done() else req.pending())
+        for req in running
+        if not (skip_finished and req.done())
+    ]
 
 
 def retire_finished(running, cache):

@@ -46,8 +46,15 @@ def _record_step(seconds, fed, slots, running, waiting, cache, now):
     ``(request, n, whether that was a decode token)``, in ``slots`` slots."""
     decode = sum(n for _, n, was_decode in fed if was_decode)
     arrived = sum(r.arrival <= now for r in waiting)
-    return StepRecord(seconds, sum(n for _, n, _ in fed) - decode, decode, slots, arrived,
-                      sum(r.computed for r in running), sum(map(len, cache.tables.values())))
+    return StepRecord(
+        seconds,
+        sum(n for _, n, _ in fed) - decode,
+        decode,
+        slots,
+        arrived,
+        sum(r.computed for r in running),
+        sum(map(len, cache.tables.values())),
+    )
 
 
 def _stamp_clock(requests, now):
@@ -59,8 +66,20 @@ def _stamp_clock(requests, now):
             req.finish_s = now
 
 
-def serve(model, requests, cache, plan, retire_step=retire_finished, *, path="gathered",
-          backend=None, check=False, observe=None, on_refused=None, on_token=None):
+def serve(
+    model,
+    requests,
+    cache,
+    plan,
+    retire_step=retire_finished,
+    *,
+    path="gathered",
+    backend=None,
+    check=False,
+    observe=None,
+    on_refused=None,
+    on_token=None,
+):
     """Serve ``requests`` on a simulated clock that advances by each step's
     measured time and jumps to the next arrival when nothing runs. A generator
     yielding after each step (:func:`take_turns`), returning a

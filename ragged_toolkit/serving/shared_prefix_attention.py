@@ -16,8 +16,15 @@ from .engine import build_step
 from .prefix_cache import PrefixCache
 from .requests import Request
 
-__all__ = ["attention_lse", "merge_by_lse", "SharedPrefixPlan", "plan_shared_prefix",
-           "shared_prefix_attention", "rows_read", "shared_prefix_step"]
+__all__ = [
+    "attention_lse",
+    "merge_by_lse",
+    "SharedPrefixPlan",
+    "plan_shared_prefix",
+    "shared_prefix_attention",
+    "rows_read",
+    "shared_prefix_step",
+]
 
 
 def attention_lse(q, k, v, mask=None, scale=None):
@@ -65,8 +72,9 @@ def plan_shared_prefix(cache, rids, kv_lengths, device):
     ``ValueError`` if they share no block."""
     tables, size = [cache.tables[r] for r in rids], cache.block_size
     common = 0
-    while all(len(t) > common and t[common] == tables[0][common] for t in tables) \
-            and (common + 1) * size < min(kv_lengths):
+    while all(len(t) > common and t[common] == tables[0][common] for t in tables) and (
+        common + 1
+    ) * size < min(kv_lengths):
         common += 1
     if common == 0:
         raise ValueError(f"requests {rids} share no block: their attention has no shared prefix")
@@ -75,9 +83,15 @@ def plan_shared_prefix(cache, rids, kv_lengths, device):
     width = max(kv_lengths) - common * size
     pos = common * size + torch.arange(width, device=device)  # (S_max,) positions after the prefix
     used = pos < torch.tensor(kv_lengths, device=device)[:, None]  # (Q, S_max)
-    table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.long,
-                         device=device)
-    rows = table.gather(1, (pos // size).expand(len(rids), -1).clamp_max(table.shape[1] - 1)) * size + pos % size
+    table = torch.tensor(
+        [t + [0] * (max(map(len, tables)) - len(t)) for t in tables],
+        dtype=torch.long,
+        device=device,
+    )
+    rows = (
+        table.gather(1, (pos // size).expand(len(rids), -1).clamp_max(table.shape[1] - 1)) * size
+        + pos % size
+    )
     return SharedPrefixPlan(prefix_rows, torch.where(used, rows, 0), used)
 
 
@@ -98,10 +112,17 @@ def shared_prefix_attention(q, cache, layer, plan, scale=None):
     out_p = out_p.view(kv_heads, n, group, dim).permute(1, 0, 2, 3)  # (Q, H_kv, group, D)
     lse_p = lse_p.view(kv_heads, n, group).permute(1, 0, 2)
     # each request's own keys after the prefix, padded
-    ks, vs = (t.index_select(0, plan.suffix_rows.flatten()).view(n, -1, kv_heads, dim).transpose(1, 2)
-              for t in (k, v))  # (Q, H_kv, S_max, D)
-    out_s, lse_s = attention_lse(q.view(n, kv_heads, group, dim), ks, vs,
-                                 mask=plan.suffix_used[:, None, None, :], scale=scale)
+    ks, vs = (
+        t.index_select(0, plan.suffix_rows.flatten()).view(n, -1, kv_heads, dim).transpose(1, 2)
+        for t in (k, v)
+    )  # (Q, H_kv, S_max, D)
+    out_s, lse_s = attention_lse(
+        q.view(n, kv_heads, group, dim),
+        ks,
+        vs,
+        mask=plan.suffix_used[:, None, None, :],
+        scale=scale,
+    )
     return merge_by_lse(out_p, lse_p, out_s, lse_s).reshape(n, heads, dim)
 
 
@@ -130,10 +151,14 @@ def shared_prefix_step(cfg, prefix, suffixes, block_size, device, dtype, generat
     cache.k.normal_(generator=generator), cache.v.normal_(generator=generator)
     step = []
     for i, suffix in enumerate(suffixes):
-        req = Request(i, list(range(prefix)) + [-1 - i] * suffix, 1)  # its own tokens: none of the prefix's
+        req = Request(
+            i, list(range(prefix)) + [-1 - i] * suffix, 1
+        )  # its own tokens: none of the prefix's
         req.computed = cache.take_prefix(i, req.prompt)
         if not cache.reserve(i, len(req.prompt)):
-            raise RuntimeError(f"{n_blocks} blocks are too few for request {i}")  # cannot happen: one each
+            raise RuntimeError(
+                f"{n_blocks} blocks are too few for request {i}"
+            )  # cannot happen: one each
         req.computed = len(req.prompt) - 1  # all but the token the step feeds
         cache.note_computed(req)
         step.append((req, 1))

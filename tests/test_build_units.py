@@ -495,7 +495,7 @@ def test_markdown_drops_comments_and_names_what_it_cannot_convert():
     assert _md("Before.\n\n.. a comment\n   that goes on\n\n.. currentmodule:: math\n\nAfter.\n") == \
         "Before.\n\nAfter.\n"
     # No raw rST reaches a reader: anything the pages do not use fails, named.
-    with pytest.raises(ValueError, match=r"'\.\. raw::' has no Markdown form .* sphinxext/downloads\.py"):
+    with pytest.raises(ValueError, match=r"'\.\. raw::' has no Markdown form .* sphinxext/rst_markdown\.py"):
         _md(".. raw:: html\n\n   <b>x</b>\n")
     with pytest.raises(ValueError, match=r"'\.\. list-table::' has no Markdown form"):
         _md("* item\n\n  .. list-table::\n\n     * - a\n")

@@ -233,14 +233,14 @@ MODULE_PAGES = sorted((FIXTURES / "modules").glob("*.py"))  # uses_batches, uses
 
 def test_a_changed_module_runs_again_only_the_pages_that_import_it(tmp_path):
     """Each page's toolkit modules are read from its imports (and theirs): a
-    change to ``device`` runs the page that imports ``measure`` (which imports
-    ``device``) and no other; a change to ``batches`` only its page; no change,
+    change to ``clock`` runs the page that imports ``measure`` (the harness's
+    ``measuring.timing``, which imports the library's ``clock``) and no other; a change to ``batches`` only its page; no change,
     nothing. A build that ran every page again fails this test."""
     site = make_site(tmp_path / "site", tutorials=[*MODULE_PAGES, FIXTURES / "tutorials" / "tiny_text.py"])
     assert build(site).returncode == 0
     again = build(site)
     assert again.returncode == 0 and "successfully executed 0 out of" in again.log, again.log[-3000:]
-    for module, page in (("device", "uses_measure"), ("batches", "uses_batches")):
+    for module, page in (("clock", "uses_measure"), ("batches", "uses_batches")):
         path = site / TOOLKIT / f"{module}.py"
         path.write_text(path.read_text() + "\n# changed\n")
         changed = build(site)

@@ -23,6 +23,7 @@ import check_versions  # noqa: E402
 import downloads  # noqa: E402
 import page_parts  # noqa: E402
 import tutorial_isolation  # noqa: E402
+from gallery_layout import PACKAGES  # noqa: E402
 
 
 # --- a process per tutorial: time limit, crashes, memory, sys.exit -------------
@@ -268,7 +269,7 @@ def test_the_wheel_installs_and_changes_with_the_toolkit(tmp_path):
     """The pages' download: the library and the site's machinery in one wheel
     (``pip install .`` installs the library alone: tests/test_library.py)."""
     site = tmp_path / "site"
-    for package in ("ragged_toolkit", "ragged_site"):
+    for package in PACKAGES:
         shutil.copytree(REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(REPO / "pyproject.toml", site)
     name, data = downloads.wheel_bytes(site)
@@ -282,7 +283,7 @@ def test_the_wheel_installs_and_changes_with_the_toolkit(tmp_path):
                            "--target", str(target), str(tmp_path / name)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     installed = {p.relative_to(target).as_posix() for p in target.rglob("*.py")}
-    assert installed == {p.relative_to(REPO).as_posix() for package in ("ragged_toolkit", "ragged_site")
+    assert installed == {p.relative_to(REPO).as_posix() for package in PACKAGES
                          for p in (REPO / package).rglob("*.py")}
     metadata = next(target.glob("*.dist-info")).joinpath("METADATA").read_text()
     assert "Requires-Dist: torch>=2.11.0" in metadata, metadata

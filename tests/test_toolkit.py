@@ -19,6 +19,8 @@ from sitebuild import REPO, tutorial_sources
 from toolkit_api import FILES, MODULES, OWNER, defined_names
 from toolkit_api import tk as toolkit
 
+from gallery_layout import PACKAGES, TOOLKIT  # (on the path through sitebuild)
+
 PAGES = tutorial_sources(REPO)
 
 
@@ -120,8 +122,8 @@ def test_every_page_imports_the_toolkit(page):
     themselves export nothing. Every page uses the library."""
     missing, imported = [], False
     for node in _top_level(ast.parse(page.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("ragged_toolkit", "ragged_site"):
-            imported |= node.module.split(".")[0] == "ragged_toolkit"
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+            imported |= node.module.split(".")[0] == TOOLKIT
             module = MODULES.get(node.module)
             gone = [a.name for a in node.names if module is None or not hasattr(module, a.name)
                     or isinstance(getattr(module, a.name), types.ModuleType)]

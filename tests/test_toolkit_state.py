@@ -12,6 +12,8 @@ import pytest
 
 from toolkit_api import FILES, MODULES
 
+from gallery_layout import PACKAGES  # (on the path through sitebuild)
+
 MUTATORS = {"append", "extend", "insert", "update", "pop", "popitem", "clear", "setdefault", "add", "remove",
             "discard", "__setitem__"}
 
@@ -60,7 +62,7 @@ def private_reaches(path):
     ``_name`` from it, or reads ``module._name`` of a module it imported."""
     tree = ast.parse(path.read_text())
     toolkit_import = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                      and (node.level or (node.module or "").startswith("ragged_toolkit"))]
+                      and (node.level or (node.module or "").split(".")[0] in PACKAGES)]
     short = {m.rsplit(".", 1)[-1] for m in MODULES}
     modules = {a.asname or a.name for node in toolkit_import for a in node.names if a.name in short}
     found = [(node.lineno, f"from {'.' * node.level}{node.module or ''} import {a.name}")

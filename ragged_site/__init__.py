@@ -5,6 +5,9 @@ to copy into a trainer or a server.
 
 * :mod:`ragged_site.page`: a page's device, dtype, sizes and quick mode
   (``page_setup``), tolerances, quiet logs;
+* :mod:`ragged_site.workloads`: the synthetic lengths, batches and request
+  streams the pages measure on; :mod:`ragged_site.corpus`: the real text
+  they train and serve on;
 * :mod:`ragged_site.measuring`: timings, the noise rule, compile counts,
   profiles, the work bound, backend comparisons: every figure a page prints;
 * :mod:`ragged_site.reference`: the attention every backend is checked

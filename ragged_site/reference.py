@@ -1,5 +1,7 @@
-"""The reference every backend is checked against: attention in float32,
-sequence by sequence, on SDPA's math backend."""
+"""The references the pages and tests check against: attention in float32,
+sequence by sequence, on SDPA's math backend; a greedy generation's logits
+recomputed without a cache (teacher forcing); the recurrence on each
+document alone, in float64."""
 
 import torch
 import torch.nn.functional as F
@@ -7,8 +9,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ragged_toolkit.attention.dense import bottom_right_causal
 from ragged_toolkit.attention.plan import plan_batch
+from ragged_toolkit.batches import offsets_from_lengths, token_index
+from ragged_toolkit.layouts import PackedLayout
+from ragged_toolkit.recurrent import reference_recurrence
 
-__all__ = ["reference_attention", "math_scores_bytes", "math_check_sequences"]
+__all__ = [
+    "reference_attention",
+    "math_scores_bytes",
+    "math_check_sequences",
+    "teacher_forced_logits",
+    "documents_reference",
+]
 
 
 def reference_attention(
@@ -62,3 +73,38 @@ def math_check_sequences(lengths, heads, layers=1, budget=2**30):
     while n > 1 and math_scores_bytes(lengths[:n], heads, layers) > budget:
         n -= 1
     return n
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, prompts, offsets, new_tokens, backend="loop"):
+    """The reference for a greedy generation: each prompt followed by the
+    tokens generated for it (``new_tokens``, (B, n_new)), run through the
+    model once, packed, with no cache. Returns the logits that chose each new
+    token, (B, n_new, vocab), in float32: a generation's own logits must
+    match them within the dtype's tolerance, however rounding breaks a near
+    tie (the next tokens are fed, not re-chosen)."""
+    lengths, n_new = offsets.diff(), new_tokens.shape[1]
+    pieces = [
+        torch.cat([prompts[int(a) : int(b)], t[:-1]])
+        for a, b, t in zip(offsets[:-1], offsets[1:], new_tokens)
+    ]
+    full = offsets_from_lengths(lengths + n_new - 1, prompts.device)
+    logits = model(
+        torch.cat(pieces), token_index(full)[1], PackedLayout.of(full, backend)
+    )  # (T, vocab)
+    rows = (
+        full[:-1, None] + lengths[:, None] - 1 + torch.arange(n_new, device=prompts.device)
+    )  # (B, n_new)
+    return logits[rows].float()
+
+
+def documents_reference(q, k, v, g, offsets, beta=None):
+    """The definition for a packed batch: :func:`~ragged_toolkit.recurrent.reference_recurrence` on
+    each document alone, in float64. q, k: (T, H, K); v: (T, H, V); g, beta:
+    (T, H); offsets: (B + 1,). Returns o (T, H, V) and the final states
+    (B, H, K, V), float64."""
+    runs = [
+        reference_recurrence(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b])
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
+    ]
+    return torch.cat([o for o, _ in runs]), torch.stack([state for _, state in runs])

@@ -4,43 +4,17 @@ A batch of ``B`` sequences is packed values ``(T, ...)`` plus offsets
 ``(B + 1,)``: sequence ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 """
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "STOP_RANKS",
-    "zipf_stop_probability",
-    "sentence_lengths",
     "offsets_from_lengths",
     "offsets_from_position_ids",
-    "ragged_batch",
     "token_index",
     "to_padded",
     "from_padded",
     "check_offsets",
 ]
-
-STOP_RANKS = (3, 386, 858)  # ".", "!" and "?" in the WikiText-2 vocabulary
-
-
-def zipf_stop_probability(alpha):
-    """Chance that a word drawn from Zipf(``alpha``) ends a sentence: that it is
-    ".", "!" or "?", which have ranks 3, 386 and 858 in WikiText-2."""
-    n = 10_000
-    ranks = np.arange(1, n + 1, dtype=np.float64)
-    # zeta(alpha): a partial sum plus the Euler-Maclaurin estimate of the tail
-    zeta = (ranks**-alpha).sum() + n ** (1 - alpha) / (alpha - 1) - 0.5 * n**-alpha
-    return float(sum(r**-alpha for r in STOP_RANKS) / zeta)
-
-
-def sentence_lengths(rng, batch, alpha=1.2, max_len=None):
-    """Lengths of ``batch`` sentences of Zipf(``alpha``) words, each ending at its
-    first stop word: one geometric draw per sentence. Returns (B,) int64."""
-    lengths = rng.geometric(zipf_stop_probability(alpha), size=batch)
-    if max_len is not None:
-        lengths = np.minimum(lengths, max_len)
-    return torch.from_numpy(lengths).long()
 
 
 def offsets_from_lengths(lengths, device=None):
@@ -56,14 +30,6 @@ def offsets_from_position_ids(position_ids):
     position_ids = position_ids.flatten()
     starts = (position_ids == 0).nonzero().flatten()
     return torch.cat([starts, starts.new_tensor([len(position_ids)])])
-
-
-def ragged_batch(rng, batch, dim, *, alpha=1.2, max_len=None, device="cpu", dtype=torch.float32):
-    """A random ragged batch: packed values (T, dim) and offsets (B + 1,)."""
-    lengths = sentence_lengths(rng, batch, alpha, max_len)
-    gen = torch.Generator(device).manual_seed(int(rng.integers(2**62)))
-    values = torch.randn(int(lengths.sum()), dim, generator=gen, device=device, dtype=dtype)
-    return values, offsets_from_lengths(lengths, device)
 
 
 def token_index(offsets, total=None):

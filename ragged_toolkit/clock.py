@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["synchronize", "Stopwatch", "stopwatch"]
+__all__ = ["synchronize", "stopwatch"]
 
 
 def synchronize():
@@ -20,7 +20,7 @@ def synchronize():
 
 
 @dataclass
-class Stopwatch:
+class _Stopwatch:
     """The seconds a ``with stopwatch()`` block took, once it has ended."""
 
     seconds: float = float("nan")
@@ -32,7 +32,7 @@ def stopwatch():
     before it stops: ``with stopwatch() as watch: ...``, then
     ``watch.seconds``. The one clock of the toolkit: every step a page or a
     server times goes through it."""
-    watch = Stopwatch()
+    watch = _Stopwatch()
     synchronize()
     start = time.perf_counter()
     try:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from .attention import default_backend, plan_batch
-from .batches import offsets_from_lengths, token_index
+from .batches import token_index
 from .device import default_dtype
 from .kv_cache import CachedStep, KVCache
 from .layouts import PackedLayout
 
-__all__ = ["prefill_packed", "decode_greedy", "generate_packed", "teacher_forced_logits"]
+__all__ = ["prefill_packed", "decode_greedy", "generate_packed"]
 
 
 def _call_model(model, tokens, positions, layout):
@@ -121,26 +121,3 @@ def generate_packed(
             step=step,
             return_logits=return_logits,
         )
-
-
-@torch.no_grad()
-def teacher_forced_logits(model, prompts, offsets, new_tokens, backend="loop"):
-    """The reference for a greedy generation: each prompt followed by the
-    tokens generated for it (``new_tokens``, (B, n_new)), run through the
-    model once, packed, with no cache. Returns the logits that chose each new
-    token, (B, n_new, vocab), in float32: a generation's own logits must
-    match them within the dtype's tolerance, however rounding breaks a near
-    tie (the next tokens are fed, not re-chosen)."""
-    lengths, n_new = offsets.diff(), new_tokens.shape[1]
-    pieces = [
-        torch.cat([prompts[int(a) : int(b)], t[:-1]])
-        for a, b, t in zip(offsets[:-1], offsets[1:], new_tokens)
-    ]
-    full = offsets_from_lengths(lengths + n_new - 1, prompts.device)
-    logits = model(
-        torch.cat(pieces), token_index(full)[1], PackedLayout.of(full, backend)
-    )  # (T, vocab)
-    rows = (
-        full[:-1, None] + lengths[:, None] - 1 + torch.arange(n_new, device=prompts.device)
-    )  # (B, n_new)
-    return logits[rows].float()

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-__all__ = ["GPTConfig", "apply_rope", "Attention", "FeedForward", "Block", "GPT"]
+__all__ = ["apply_rope", "GPTConfig", "Attention", "FeedForward", "Block", "GPT"]
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,9 @@ a log decay::
     both:          o_t = S_t^T q_t,  S (K, V), and S = 0 before a document's first token
 
 * the definition: :func:`recurrent_step` and :func:`reference_recurrence`,
-  token by token, one document at a time (:func:`documents_reference` for a
-  packed batch; :func:`token_loop` on the packed row);
+  token by token, one document at a time (:func:`token_loop` on a packed row);
 * the chunked form: :func:`causal_conv`, :func:`chunk_decay`,
-  :func:`delta_values`, :func:`carry_states`, put together by
+  ``_delta_values``, ``_carry_states``, put together by
   :func:`chunked_recurrence`, called by :func:`packed_recurrence` (values
   plus offsets) and :func:`padded_recurrence` (right padding);
 * the layers: :class:`ScalarDecayLayer` and :class:`GatedDeltaLayer`, packed,
@@ -38,13 +37,9 @@ from .batches import token_index
 __all__ = [
     "recurrent_step",
     "reference_recurrence",
-    "documents_reference",
     "token_loop",
     "causal_conv",
-    "same_document",
     "chunk_decay",
-    "delta_values",
-    "carry_states",
     "chunked_recurrence",
     "packed_recurrence",
     "padded_recurrence",
@@ -97,22 +92,11 @@ def reference_recurrence(q, k, v, g, beta=None):
     return (torch.stack(out) if out else v.new_zeros(v.shape)), state
 
 
-def documents_reference(q, k, v, g, offsets, beta=None):
-    """The definition for a packed batch: :func:`reference_recurrence` on
-    each document alone, in float64. q, k: (T, H, K); v: (T, H, V); g, beta:
-    (T, H); offsets: (B + 1,). Returns o (T, H, V) and the final states
-    (B, H, K, V), float64."""
-    runs = [
-        reference_recurrence(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b])
-        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
-    ]
-    return torch.cat([o for o, _ in runs]), torch.stack([state for _, state in runs])
-
-
 def token_loop(q, k, v, g, offsets, beta=None):
     """The recurrence on a packed row, one token at a time, the state zeroed
     at each document start: the plain way to pack it, in the inputs' dtype.
-    Shapes as :func:`documents_reference`; returns o (T, H, V)."""
+    q, k: (T, H, K); v: (T, H, V); g, beta: (T, H); offsets: (B + 1,).
+    Returns o (T, H, V)."""
     starts = (token_index(offsets, len(q))[1] == 0).tolist()
     state, out = q.new_zeros(q.shape[1], k.shape[2], v.shape[2]), []
     for t in range(len(q)):
@@ -163,7 +147,7 @@ def _chunks(t, chunk, value=0):
     return t.unflatten(1, (-1, chunk))
 
 
-def same_document(doc):
+def _same_document(doc):
     """doc: (..., C), the document of each token of a chunk. Returns (..., C, C),
     True where token j reaches token i: j <= i, and both in one document."""
     C = doc.shape[-1]
@@ -176,7 +160,7 @@ def chunk_decay(g, doc, pos):
 
     g: (R, N, H, C) log decays; doc, pos: (R, N, C) each token's document and
     position in it. Returns ``decay`` (R, N, H, C, C), exp(g_{j+1} + ... + g_i)
-    from token j to token i where :func:`same_document`, else 0; and ``carry``
+    from token j to token i where ``_same_document``, else 0; and ``carry``
     (R, N, H, C), exp(g_0 + ... + g_i), the decay of the state carried into
     the chunk, for the tokens whose document began before the chunk, else 0.
     """
@@ -184,14 +168,14 @@ def chunk_decay(g, doc, pos):
     steps = g[..., :, None].expand(*g.shape, C)  # (R, N, H, C, C): [i, j] = g_i
     steps = steps.masked_fill(~torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1), 0)
     between = steps.cumsum(-2)  # [i, j] = g_{j+1} + ... + g_i, no cancellation
-    decay = between.masked_fill(~same_document(doc)[:, :, None], -torch.inf).exp()
+    decay = between.masked_fill(~_same_document(doc)[:, :, None], -torch.inf).exp()
     began_before = pos > torch.arange(
         C, device=pos.device
     )  # (R, N, C): position in document > in chunk
     return decay, g.cumsum(-1).exp() * began_before[:, :, None]
 
 
-def delta_values(k, v, beta, decay, carry):
+def _delta_values(k, v, beta, decay, carry):
     """The delta rule made parallel inside a chunk (the WY form).
 
     Token i writes ``beta_i (v_i - k_i^T S_{i-1})``, where S_{i-1} is the
@@ -210,7 +194,7 @@ def delta_values(k, v, beta, decay, carry):
     return solved.split([v.shape[-1], k.shape[-1]], -1)
 
 
-def carry_states(scale, update, correction=None):
+def _carry_states(scale, update, correction=None):
     """The state carried from chunk to chunk, the only sequential step:
     S_{n+1} = scale_n S_n + update_n (- correction_n S_n for the delta rule),
     starting from zero. scale: (R, N, H, 1, 1); update: (R, N, H, K, V);
@@ -241,11 +225,11 @@ def chunked_recurrence(q, k, v, g, beta, doc, pos, ends, chunk=64):
     if beta is None:
         u, w = v, None  # scalar decay: every token writes v
     else:
-        u, w = delta_values(k, v, _chunks(_wide(beta), chunk).transpose(2, 3), decay, carry)
+        u, w = _delta_values(k, v, _chunks(_wide(beta), chunk).transpose(2, 3), decay, carry)
     # the state leaving a chunk is its last document's: decay[..., -1, :] and carry[..., -1] are zero
     # for the tokens of other documents, and for the carried state if that document began in the chunk
     to_end = decay[..., -1, :, None] * k  # (R, N, H, C, K): k_j decayed to the chunk's end
-    entering = carry_states(
+    entering = _carry_states(
         carry[..., -1, None, None], to_end.mT @ u, None if w is None else to_end.mT @ w
     )  # (R, N, H, K, V)
     writes = u if w is None else u - w @ entering  # (R, N, H, C, V)

@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from ragged_toolkit.attention import backend_support  # noqa: E402
-from ragged_toolkit.data import docstring_corpus  # noqa: E402
+from ragged_site.corpus import docstring_corpus
 from ragged_site.page import page_sizes  # noqa: E402
 
 MODES = ("full", "quick")

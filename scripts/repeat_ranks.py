@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from ragged_toolkit.data import (docstring_corpus, pack_documents, split_by_token_budget)  # noqa: E402
+from ragged_toolkit.data import pack_documents, split_by_token_budget
+from ragged_site.corpus import docstring_corpus
 from ragged_site.data_parallel_launch import (DataParallelJob, GradientRun, run_data_parallel)  # noqa: E402
 from ragged_toolkit.gpt import GPT, GPTConfig  # noqa: E402
 

@@ -25,14 +25,14 @@ from ragged_toolkit.serving.paged_attention import gathered_attention
 from ragged_toolkit.serving.prefix_cache import PrefixCache, PrefixStats, block_hash, retire_caching
 from ragged_site.serving.prefix_tree import MostSharedTree, cached_tree, tree_rows
 from ragged_site.serving.proof import TokenLogits, check_against_alone
-from ragged_toolkit.serving.requests import Request, fresh_requests
+from ragged_toolkit.serving.requests import Request
+from ragged_site.workloads import fresh_requests
 from ragged_site.serving.runs import (draw_trace, prompt_token_seconds, prove_every_run,
                                       skipping_bound, with_and_without)
 from ragged_toolkit.serving.schedulers import plan_continuous
 from ragged_toolkit.serving.server import StepRecord, ServingRun, serve, take_turns
-from ragged_toolkit.serving.shared_prefix_attention import (attention_lse, merge_by_lse,
-                                                            plan_shared_prefix, rows_read,
-                                                            shared_prefix_attention, shared_prefix_step)
+from ragged_toolkit.serving.shared_prefix_attention import attention_lse, merge_by_lse, plan_shared_prefix, shared_prefix_attention
+from ragged_site.serving.shared_prompts import rows_read, shared_prefix_step
 from ragged_site.serving.shared_prompts import (conversation_stream, greedy_answers,
                                                 reusable_tokens, system_prompt_stream)
 

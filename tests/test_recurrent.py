@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from ragged_toolkit import recurrent
-from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths, to_padded
+from ragged_toolkit.batches import offsets_from_lengths, to_padded
+from ragged_site.reference import documents_reference
+from ragged_site.workloads import sentence_lengths
 from ragged_site.page import tolerances
 
 CHUNK = 8
@@ -68,8 +70,8 @@ def _conv_across(mp):
 
 def _decay_across(mp):
     """Inside a chunk, a token reaches the earlier tokens of other documents."""
-    same = recurrent.same_document
-    mp.setattr(recurrent, "same_document", lambda doc: same(torch.zeros_like(doc)))
+    same = recurrent._same_document
+    mp.setattr(recurrent, "_same_document", lambda doc: same(torch.zeros_like(doc)))
 
 
 FAULTS = {"no_reset": _no_reset, "late_reset": _late_reset, "conv_across": _conv_across,
@@ -122,7 +124,7 @@ def recurrence_inputs(rule, lengths, seed=0, dtype=torch.float32):
 
 def per_document_reference(q, k, v, g, beta, offsets):
     """The definition: each document alone, token by token, float64."""
-    return recurrent.documents_reference(q, k, v, g, offsets, beta)
+    return documents_reference(q, k, v, g, offsets, beta)
 
 
 def layer_results(layer, x, offsets, weights, run):

@@ -19,8 +19,8 @@ from ragged_toolkit.serving import paged_attention, schedulers
 from ragged_site.page import tolerances
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
-from ragged_toolkit.serving.requests import (fresh_requests, next_tokens, poisson_arrivals,
-                                             Request, request_stream)
+from ragged_toolkit.serving.requests import next_tokens, Request
+from ragged_site.workloads import fresh_requests, poisson_arrivals, request_stream
 from ragged_site.figures import draw_paged_cache
 from ragged_toolkit.serving.engine import build_step, forward_step, step_logits
 from ragged_site.serving.proof import TokenLogits, check_against_alone, logits_after, logits_alone

@@ -10,6 +10,7 @@ import ast
 
 import pytest
 
+from sitebuild import REPO
 from toolkit_api import FILES, MODULES
 
 from gallery_layout import PACKAGES  # (on the path through sitebuild)
@@ -86,16 +87,66 @@ def test_the_private_check_finds_a_reach(tmp_path):
     assert private_reaches(module) == [(2, "from .plan import _lengths"), (6, "flex._compiled")]
 
 
+def public_definitions(name):
+    """The public functions and classes module ``name`` defines itself."""
+    return {n for n, v in vars(MODULES[name]).items() if not n.startswith("_")
+            and getattr(v, "__module__", name) == name and callable(v)}
+
+
+def names_used_elsewhere(name):
+    """Every name that the other modules of both packages import from module
+    ``name`` or read from it as an attribute."""
+    used = set()
+    for other, path in FILES.items():
+        if other == name:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                package = other if path.name == "__init__.py" else other.rpartition(".")[0]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                if target == name:
+                    used |= {a.name for a in node.names}
+            elif isinstance(node, ast.Attribute):
+                used.add(node.attr)
+    return used
+
+
 @pytest.mark.parametrize("name", sorted(FILES), ids=str)
-def test_every_module_names_its_public_api(name):
+def test_every_module_lists_what_it_supports(name):
+    """``__all__`` is the API a reader may call: every listed name exists
+    and has a docstring (the reference page shows it). In the library it
+    lists what is supported, not all that exists: a public function or class
+    left out of it must be one that another module uses (a shared helper);
+    one that nothing else uses is private (``_``). The harness lists all."""
     module = MODULES[name]
     assert hasattr(module, "__all__"), f"{name} has no __all__"
     missing = [n for n in module.__all__ if not hasattr(module, n)]
     assert not missing, f"{name}.__all__ names what it does not define: {missing}"
-    defined = {n for n, v in vars(module).items() if not n.startswith("_")
-               and getattr(v, "__module__", name) == name and callable(v)}
-    unlisted = sorted(defined - set(module.__all__))
-    assert not unlisted, f"{name} defines public functions or classes not in __all__: {unlisted} (list or rename _)"
+    undocumented = [n for n in module.__all__ if callable(getattr(module, n))
+                    and not (getattr(module, n).__doc__ or "").strip()]
+    assert not undocumented, f"{name}.__all__ lists names with no docstring: {undocumented}"
+    unlisted = public_definitions(name) - set(module.__all__)
+    if name.split(".")[0] != PACKAGES[0]:
+        assert not unlisted, f"{name} defines public functions or classes not in __all__: {sorted(unlisted)}"
+    else:
+        unused = sorted(unlisted - names_used_elsewhere(name))
+        assert not unused, (f"{name} defines public functions or classes that no other module uses and "
+                            f"__all__ does not list: {unused} (list them, or rename them _)")
+
+
+def test_pages_import_only_listed_names():
+    """A page shows what a reader may call: every name it imports from either
+    package is in that module's ``__all__``."""
+    found = []
+    for page in sorted((REPO / "tutorials").glob("*.py")):
+        for node in ast.walk(ast.parse(page.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in MODULES:
+                listed = set(MODULES[node.module].__all__)
+                found += [f"{page.name}: {node.module}.{a.name}" for a in node.names
+                          if a.name not in listed and f"{node.module}.{a.name}" not in MODULES]
+    assert not found, "pages import names their modules do not list: " + ", ".join(found)
 
 
 def test_a_plan_and_a_paged_step_are_built_once_and_only_read():

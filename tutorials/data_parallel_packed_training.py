@@ -76,7 +76,8 @@ print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micr
 # feed every figure below.
 
 import numpy as np
-from ragged_toolkit.data import docstring_corpus, pack_documents, split_by_token_budget
+from ragged_toolkit.data import pack_documents, split_by_token_budget
+from ragged_site.corpus import docstring_corpus
 
 documents, source = docstring_corpus(min_chars=200, limit=S.corpus_documents)
 lengths = np.array([len(d) for d in documents])

@@ -268,7 +268,8 @@ print(f"LlamaForCausalLM, {sum(p.numel() for p in base.parameters()) / 1e6:.2f} 
 #    :pyobject: group_by_length
 
 import numpy as np
-from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
+from ragged_toolkit.batches import offsets_from_lengths
+from ragged_site.workloads import sentence_lengths
 from ragged_toolkit.data import group_by_length
 
 

@@ -68,7 +68,7 @@ print(f"batch {S.batch}, embedding {S.embed}, heads {S.heads}")
 # of one distribution exceed with probability 0.1%.
 
 import numpy as np
-from ragged_toolkit.batches import STOP_RANKS, sentence_lengths, zipf_stop_probability
+from ragged_site.workloads import STOP_RANKS, sentence_lengths, zipf_stop_probability
 
 rng = np.random.default_rng(setup.seed)
 n_sentences = 5_000 if setup.quick else 20_000
@@ -117,7 +117,8 @@ assert cdf_gap < critical, "the geometric lengths do not match the word-by-word 
 
 import torch
 from ragged_toolkit.attention import default_backend, plan_batch
-from ragged_toolkit.batches import ragged_batch, to_padded
+from ragged_toolkit.batches import to_padded
+from ragged_site.workloads import ragged_batch
 from ragged_toolkit.layers import MultiHeadAttention
 from ragged_site.measuring.tables import print_timings
 from ragged_site.measuring.timing import measure

@@ -152,9 +152,8 @@ print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.
 #    :pyobject: split_by_token_budget
 
 import numpy as np
-from ragged_toolkit.data import (
-    concat_batches, docstring_corpus, pack_documents, split_by_token_budget, split_carrying_documents,
-)
+from ragged_toolkit.data import concat_batches, pack_documents, split_by_token_budget, split_carrying_documents
+from ragged_site.corpus import docstring_corpus
 
 docs, source = docstring_corpus(min_chars=2, limit=S.corpus_documents)
 rng = np.random.default_rng(setup.seed)

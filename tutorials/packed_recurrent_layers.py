@@ -106,7 +106,7 @@ C, H, D = S.chunk, S.heads, S.head_dim
 # a document that starts inside a chunk starts from zero.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
-#    :pyobject: same_document
+#    :pyobject: _same_document
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: chunk_decay
@@ -161,13 +161,13 @@ plt.show()
 # document since it carries the same cut decays.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
-#    :pyobject: delta_values
+#    :pyobject: _delta_values
 #
 # Across chunks the state is carried forward, the one sequential loop, a
 # step per chunk; the state leaving a chunk is its last document's.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
-#    :pyobject: carry_states
+#    :pyobject: _carry_states
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: chunked_recurrence
@@ -188,9 +188,10 @@ plt.show()
 # largest difference over the reference's largest magnitude; tolerances
 # (``tolerances(dtype)``): ``1e-4`` in float32, ``4e-2`` in bfloat16.
 
-from ragged_toolkit.batches import sentence_lengths
+from ragged_site.workloads import sentence_lengths
 from ragged_site.page import tolerances
-from ragged_toolkit.recurrent import documents_reference, packed_recurrence
+from ragged_toolkit.recurrent import packed_recurrence
+from ragged_site.reference import documents_reference
 
 
 def results(run, leaves, seed=1):
@@ -469,7 +470,8 @@ for name, times in SPEED.items():
 #
 # First, the proof that both give the first step's loss and gradients:
 
-from ragged_toolkit.data import docstring_corpus, pack_documents, split_by_token_budget
+from ragged_toolkit.data import pack_documents, split_by_token_budget
+from ragged_site.corpus import docstring_corpus
 from ragged_toolkit.gpt import GPTConfig
 from ragged_toolkit.hybrid import HybridGPT, hybrid_loss
 

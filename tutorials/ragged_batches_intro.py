@@ -106,7 +106,7 @@ plt.show()
 # (:doc:`measuring_ragged_batches`).
 
 import numpy as np
-from ragged_toolkit.batches import sentence_lengths, zipf_stop_probability
+from ragged_site.workloads import sentence_lengths, zipf_stop_probability
 
 rng = np.random.default_rng(setup.seed)
 lengths = sentence_lengths(rng, S.batch)

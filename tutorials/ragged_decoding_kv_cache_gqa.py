@@ -132,7 +132,8 @@ plt.show()
 # n_kv_heads`` query heads share each key/value head).
 
 import numpy as np
-from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
+from ragged_toolkit.batches import offsets_from_lengths
+from ragged_site.workloads import sentence_lengths
 from ragged_toolkit.gpt import GPT, GPTConfig
 
 prompt_lengths = sentence_lengths(np.random.default_rng(setup.seed), S.prompts, S.zipf_alpha,
@@ -192,7 +193,7 @@ for name, cfg in CONFIGS.items():
 # (*teacher forcing*: the next tokens are fed, not re-chosen, so a near tie
 # that rounding breaks differently cannot derail the comparison):
 #
-# .. literalinclude:: ../ragged_toolkit/decoding.py
+# .. literalinclude:: ../ragged_site/reference.py
 #    :pyobject: teacher_forced_logits
 #
 # Both kinds of step are checked, for every step and every sequence, with
@@ -200,7 +201,8 @@ for name, cfg in CONFIGS.items():
 # bookkeeping (every backend's kernel is checked against the float32
 # reference on :doc:`which_attention_path`).
 
-from ragged_toolkit.decoding import generate_packed, teacher_forced_logits
+from ragged_toolkit.decoding import generate_packed
+from ragged_site.reference import teacher_forced_logits
 from ragged_site.page import tolerances
 
 for fixed_shape in (False, True):

@@ -115,8 +115,8 @@ print(f"block table of requests 0 and 2: {table.tolist()}\nthe rows of their key
 # of its weights as the proof's reference.
 
 import numpy as np
-from ragged_toolkit.data import docstring_corpus
-from ragged_toolkit.serving.requests import request_stream
+from ragged_site.corpus import docstring_corpus
+from ragged_site.workloads import request_stream
 
 docs, source = docstring_corpus(min_chars=2)
 stream = request_stream(docs, S.requests, np.random.default_rng(setup.seed), prompt_max=S.prompt_max,
@@ -154,7 +154,7 @@ print(f"{sum(w.numel() for w in model.parameters()) / 1e6:.2f} M parameters, unt
 # newcomer's prompt chunk:
 
 from ragged_toolkit.serving.engine import build_step, forward_step
-from ragged_toolkit.serving.requests import fresh_requests
+from ragged_site.workloads import fresh_requests
 
 blocks_per_slot = -(-(S.prompt_max + S.out_max) // S.block)  # a full-length request's blocks
 bench_cache = PagedKVCache(cfg, S.slots * blocks_per_slot, S.block, DEVICE, DTYPE)
@@ -184,7 +184,7 @@ print(f"one step, {len(tokens)} tokens: {len(decoding)} decode tokens, then a pr
 #    :pyobject: gathered_attention
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
-#    :pyobject: paged_block_mask
+#    :pyobject: _paged_block_mask
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: varlen_paged_attention
@@ -366,7 +366,7 @@ plt.show()
 # has finished. Beside them, throughput: every run a point, the median a bar.
 
 from ragged_site.serving.metrics import draw_throughput_and_latency, latency_ms
-from ragged_toolkit.serving.requests import poisson_arrivals
+from ragged_site.workloads import poisson_arrivals
 
 rate = LOAD * R / out_lengths.mean()  # requests/s
 arriving = fresh_requests(stream, poisson_arrivals(np.random.default_rng(setup.seed + 1), S.requests, rate))

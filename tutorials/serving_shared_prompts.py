@@ -105,7 +105,7 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 # earlier request's blocks hold: what a cache that never evicts could find.
 
 import numpy as np
-from ragged_toolkit.data import docstring_corpus
+from ragged_site.corpus import docstring_corpus
 from ragged_site.serving.shared_prompts import (conversation_stream, greedy_answers,
                                                 reusable_tokens, system_prompt_stream)
 
@@ -295,7 +295,7 @@ print(f"the token count {'overstates' if ratio > W else 'understates'} the time 
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE
-from ragged_toolkit.serving.requests import fresh_requests, poisson_arrivals
+from ragged_site.workloads import fresh_requests, poisson_arrivals
 from ragged_site.serving.runs import busy_seconds, draw_trace
 
 rate = LOAD * S.requests / np.median([busy_seconds(run) for run in offline.runs["without"]])  # requests/s
@@ -435,8 +435,8 @@ print(f"{len(every)} runs (as many as the time allowed), {checked} requests: lar
 
 from ragged_site.measuring.timing import measure
 from ragged_toolkit.serving.paged_attention import gathered_attention
-from ragged_toolkit.serving.shared_prefix_attention import (plan_shared_prefix, rows_read,
-                                                            shared_prefix_attention, shared_prefix_step)
+from ragged_toolkit.serving.shared_prefix_attention import plan_shared_prefix, shared_prefix_attention
+from ragged_site.serving.shared_prompts import rows_read, shared_prefix_step
 
 cases = {}
 for n_req, prefix, suffix in S.shared_cases:

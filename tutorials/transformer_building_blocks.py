@@ -121,9 +121,8 @@ print(f"batch {S.batch}, embedding {S.embed}, heads {S.heads}")
 
 import numpy as np
 import torch
-from ragged_toolkit.batches import (
-    from_padded, offsets_from_lengths, offsets_from_position_ids, ragged_batch, to_padded, token_index,
-)
+from ragged_toolkit.batches import from_padded, offsets_from_lengths, offsets_from_position_ids, to_padded, token_index
+from ragged_site.workloads import ragged_batch
 
 offsets = offsets_from_lengths([3, 1, 4])
 seq, position_ids = token_index(offsets)
@@ -240,10 +239,10 @@ except ValueError as err:
 # gathers each group, attends, and scatters the real rows back:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/padded.py
-#    :pyobject: bucket_plan
+#    :pyobject: _bucket_plan
 #
 # .. literalinclude:: ../ragged_toolkit/attention/padded.py
-#    :pyobject: attend_in_groups
+#    :pyobject: _attend_in_groups
 #
 # **FlexAttention** sees the whole batch as one long sequence and a *document
 # mask* built from the offsets: a query sees the keys of its own sequence.
@@ -264,7 +263,7 @@ except ValueError as err:
 # that materializes every score (``compiled_flex_attention``). The mask of
 # a batch of this page's size, block by block:
 
-from ragged_toolkit.batches import sentence_lengths
+from ragged_site.workloads import sentence_lengths
 from ragged_site.figures import draw_block_mask
 
 lengths = sentence_lengths(np.random.default_rng(setup.seed), S.batch, ZIPF_ALPHA)

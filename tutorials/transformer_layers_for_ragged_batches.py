@@ -182,7 +182,8 @@ def plan_transformer(src_offsets, tgt_offsets, encoder="loop", decoder="loop", c
 # backend (it runs float32 everywhere), ``torch.nn``'s "fast path" off.
 
 import numpy as np
-from ragged_toolkit.batches import from_padded, ragged_batch, to_padded
+from ragged_toolkit.batches import from_padded, to_padded
+from ragged_site.workloads import ragged_batch
 from ragged_site.page import tolerances
 
 torch.backends.mha.set_fastpath_enabled(False)
@@ -434,7 +435,8 @@ for mode in ("forward", "forward+backward"):
 # (``torch.nn`` only), 1 starts the target, 2 ends it, the symbols are
 # ``3 .. VOCAB - 1``; the decoder reads ``[BOS] + source``, predicts ``source + [EOS]``.
 
-from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths, token_index
+from ragged_toolkit.batches import offsets_from_lengths, token_index
+from ragged_site.workloads import sentence_lengths
 
 PAD, BOS, EOS, N_SYMBOLS = 0, 1, 2, 16
 VOCAB = 3 + N_SYMBOLS

@@ -103,7 +103,8 @@ print(f"{where}; batch {S.batch}, {S.heads} heads of {S.head_dim}, GQA with {KV_
 # (quick mode profiles nothing, so it shows none).
 
 import numpy as np
-from ragged_toolkit.batches import offsets_from_lengths, sentence_lengths
+from ragged_toolkit.batches import offsets_from_lengths
+from ragged_site.workloads import sentence_lengths
 from ragged_site.measuring.compare import compare_backends
 
 lengths = sentence_lengths(np.random.default_rng(setup.seed), S.batch, S.zipf_alpha)

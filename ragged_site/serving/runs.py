@@ -20,7 +20,7 @@ from ragged_site.measuring.timing import Timing
 from ragged_site.serving.metrics import latency_ms, ms_per_token
 from ragged_toolkit.serving.prefix_cache import PrefixCache, PrefixStats, retire_caching
 from ragged_site.serving.proof import check_against_alone
-from ragged_toolkit.serving.requests import fresh_requests
+from ragged_site.workloads import fresh_requests
 from ragged_toolkit.serving.schedulers import retire_finished
 from ragged_toolkit.serving.server import serve, take_turns
 

@@ -1,7 +1,10 @@
 """Requests that share their beginnings, as real traffic does: a few system
 prompts each in front of many user messages, and conversations whose every
 turn resends the turns before it; and how much of a stream a prefix cache
-could find (:func:`reusable_tokens`)."""
+could find (:func:`reusable_tokens`); a decoding step of requests that share
+a prefix, on random keys, to check and time shared-prefix attention
+(:func:`shared_prefix_step`), and the key/value rows it reads
+(:func:`rows_read`)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,20 @@ import torch
 
 from ragged_toolkit.batches import offsets_from_lengths
 from ragged_toolkit.decoding import generate_packed
-from ragged_toolkit.serving.requests import Request, output_lengths
+from ragged_toolkit.serving.engine import build_step
+from ragged_toolkit.serving.prefix_cache import PrefixCache
+from ragged_toolkit.serving.requests import Request
 
-__all__ = ["system_prompt_stream", "greedy_answers", "conversation_stream", "reusable_tokens"]
+from ..workloads import output_lengths
+
+__all__ = [
+    "system_prompt_stream",
+    "greedy_answers",
+    "conversation_stream",
+    "reusable_tokens",
+    "rows_read",
+    "shared_prefix_step",
+]
 
 
 def _openings(documents, rng, n, longest, shortest=1):
@@ -34,7 +48,7 @@ def system_prompt_stream(documents, n, rng, *, systems, system_len, user_max, ou
     prompts (the first ``system_len`` tokens of a long document, drawn with
     equal chances) followed by a user message (the opening, at most
     ``user_max`` tokens, of another document); output lengths from
-    :func:`~ragged_toolkit.serving.requests.output_lengths`."""
+    :func:`~ragged_site.workloads.output_lengths`."""
     system, rest = _openings(documents, rng, systems, system_len, shortest=system_len)
     users, _ = _openings(rest, rng, n, user_max)
     which, outs = rng.integers(0, systems, size=n), output_lengths(rng, n, out_median, out_max)
@@ -90,3 +104,43 @@ def reusable_tokens(requests, block_size):
         for i in range(len(history) // block_size):  # what this request leaves cached
             seen.add(tuple(history[: (i + 1) * block_size]))
     return found
+
+
+def rows_read(prefix, suffixes, shared):
+    """Key/value rows a decoding step's attention reads for requests that
+    share a ``prefix`` of rows and each have their own ``suffixes`` (Q,):
+    once the prefix and every suffix (``shared``), or each request's whole
+    rows (gathered). Their ratio is the work bound of sharing: the scores
+    computed are the same, the keys read are not."""
+    suffixes = torch.as_tensor(suffixes)
+    return float(prefix + suffixes.sum()) if shared else float((prefix + suffixes).sum())
+
+
+def shared_prefix_step(cfg, prefix, suffixes, block_size, device, dtype, generator=None):
+    """A decoding step of ``len(suffixes)`` requests (ids 0, 1, ...) whose
+    prompts share their first ``prefix`` tokens, request ``i`` then
+    ``suffixes[i]`` tokens of its own, admitted one after another into a
+    :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache` (so that they
+    share the prefix's full blocks), each feeding its last prompt token.
+    The cache's keys and values are random (standard normal, from
+    ``generator``, on the cache's device), as a model would have written them. Returns the cache
+    and the step's :class:`~ragged_toolkit.serving.paged_attention.PagedLayout`
+    (its ``kv_lengths``: each request's prompt length)."""
+    n_blocks = sum(-(-(prefix + s) // block_size) for s in suffixes) + 1
+    cache = PrefixCache(cfg, n_blocks, block_size, device, dtype)
+    cache.k.normal_(generator=generator), cache.v.normal_(generator=generator)
+    step = []
+    for i, suffix in enumerate(suffixes):
+        req = Request(
+            i, list(range(prefix)) + [-1 - i] * suffix, 1
+        )  # its own tokens: none of the prefix's
+        req.computed = cache.take_prefix(i, req.prompt)
+        if not cache.reserve(i, len(req.prompt)):
+            raise RuntimeError(
+                f"{n_blocks} blocks are too few for request {i}"
+            )  # cannot happen: one each
+        req.computed = len(req.prompt) - 1  # all but the token the step feeds
+        cache.note_computed(req)
+        step.append((req, 1))
+    _, _, layout = build_step(cache, step, device)
+    return cache, layout

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["bottom_right_causal", "shares_heads", "dense_attention", "many_shapes_kernels"]
+__all__ = ["dense_attention"]
 
 #: SDPA's kernel order for a backend that calls it on a new shape for
 #: nearly every sequence length (``loop``, ``bucketed``): cuDNN attention,

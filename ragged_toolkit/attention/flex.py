@@ -9,21 +9,13 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from ..batches import offsets_from_lengths, token_index
 from .dense import shares_heads
 
-__all__ = [
-    "FLEX_BLOCK",
-    "FLEX_RECOMPILE_LIMIT",
-    "compiled_flex_attention",
-    "flex_rows",
-    "document_block_mask",
-    "prepare_flex",
-    "flex_backend",
-]
+__all__ = ["FLEX_BLOCK", "compiled_flex_attention", "document_block_mask"]
 
 #: Rows per FlexAttention block: the padded sizes are multiples of it.
 FLEX_BLOCK = 128
 #: The most graphs dynamo may compile for :func:`compiled_flex_attention`
 #: (every head configuration, dtype, grad mode and padded size together):
-#: on CPU, where shapes are static, the sizes of :func:`flex_rows` up to
+#: on CPU, where shapes are static, the sizes of ``flex_rows`` up to
 #: 8,192 tokens for a few configurations; on CUDA, where they are dynamic,
 #: far fewer.
 FLEX_RECOMPILE_LIMIT = 64
@@ -36,7 +28,7 @@ _compiled = torch.compile(flex_attention, dynamic=True if torch.cuda.is_availabl
 
 def compiled_flex_attention(q, k, v, **kwargs):
     """``flex_attention(q, k, v, **kwargs)`` compiled, q (N, H, L_q, D), k and v
-    (N, H_kv, L_kv, D). Past :data:`FLEX_RECOMPILE_LIMIT` graphs it raises,
+    (N, H_kv, L_kv, D). Past ``FLEX_RECOMPILE_LIMIT`` graphs it raises,
     naming the cause: it never falls back to the unfused ``flex_attention``,
     which materializes the whole score matrix (dynamo's own recompile limit,
     which would do that silently, is raised to it and made to fail). Inside
@@ -73,7 +65,7 @@ def flex_rows(n):
 
 
 def document_block_mask(plan):
-    """The ``BlockMask`` of a packed batch padded to :func:`flex_rows` rows: a
+    """The ``BlockMask`` of a packed batch padded to ``flex_rows`` rows: a
     query sees the keys of its own sequence that are in use (and, causal,
     up to its position, aligned bottom-right). Padding query rows form
     document -2, which sees one padding key; the other padding keys are

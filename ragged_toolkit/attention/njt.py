@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-__all__ = ["as_nested", "prepare_njt", "sdpa_njt_backend"]
+__all__ = ["as_nested"]
 
 
 def as_nested(x, offsets, max_len):

@@ -8,21 +8,13 @@ import torch.nn.functional as F
 
 from .dense import dense_attention, many_shapes_kernels, shares_heads
 
-__all__ = [
-    "BUCKETS",
-    "bucket_plan",
-    "attend_in_groups",
-    "prepare_bucketed",
-    "prepare_padded",
-    "bucketed_backend",
-    "padded_backend",
-]
+__all__ = []
 
 #: How many groups of similar length ``bucketed`` pads the sequences in.
 BUCKETS = 4
 
 
-def bucket_plan(plan, buckets):
+def _bucket_plan(plan, buckets):
     """Sequences sorted by length and cut into ``buckets`` groups; for each,
     the indices that gather its rows into a padded block (padding slots read
     row 0 and are masked or dropped), its mask, and the slots that hold real
@@ -58,13 +50,13 @@ def bucket_plan(plan, buckets):
 
 
 def prepare_bucketed(plan):
-    """What ``bucketed`` builds once per batch: :func:`bucket_plan` in
-    :data:`BUCKETS` groups."""
-    return bucket_plan(plan, BUCKETS)
+    """What ``bucketed`` builds once per batch: ``_bucket_plan`` in
+    ``BUCKETS`` groups."""
+    return _bucket_plan(plan, BUCKETS)
 
 
-def attend_in_groups(q, k, v, groups, inverse, is_causal, scale=None):
-    """One dense SDPA call per padded group of :func:`bucket_plan`: q (T_q, H,
+def _attend_in_groups(q, k, v, groups, inverse, is_causal, scale=None):
+    """One dense SDPA call per padded group of ``_bucket_plan``: q (T_q, H,
     D), k and v (T_kv, H_kv, D) -> (T_q, H, D)."""
     out = []
     for q_idx, kv_idx, mask, real_slots in groups:
@@ -83,7 +75,7 @@ def bucketed_backend(q, k, v, plan, scale=None):
     (``many_shapes_kernels``); the ``padded`` baseline keeps SDPA's own
     order, the kernel a practitioner gets."""
     with many_shapes_kernels(q.device):
-        return attend_in_groups(q, k, v, *plan.prepared, plan.is_causal, scale)
+        return _attend_in_groups(q, k, v, *plan.prepared, plan.is_causal, scale)
 
 
 def prepare_padded(plan):
@@ -93,7 +85,7 @@ def prepare_padded(plan):
     keys in use, (B, 1, Lq or 1, n); any other batch one padded group."""
     lq, rows = plan.q_lengths[0], plan.kv_rows[0]
     if set(plan.q_lengths) != {lq} or set(plan.kv_rows) != {rows}:
-        return "padded", bucket_plan(plan, 1)
+        return "padded", _bucket_plan(plan, 1)
     device, n = plan.q_offsets.device, max(plan.kv_lengths)
     used = torch.tensor(plan.kv_lengths) if plan.kv_used is None else plan.kv_used
     used = used.to(device)[:, None, None, None]
@@ -104,11 +96,11 @@ def prepare_padded(plan):
 
 def padded_backend(q, k, v, plan, scale=None):
     """Every sequence padded to the longest one, one SDPA call: the baseline.
-    A rectangle (:func:`prepare_padded`) is viewed as one, with no copy, and
+    A rectangle (``prepare_padded``) is viewed as one, with no copy, and
     the keys not in use are masked."""
     kind, prepared = plan.prepared
     if kind == "padded":  # one group, every sequence as long as the longest
-        return attend_in_groups(q, k, v, *prepared, plan.is_causal, scale)
+        return _attend_in_groups(q, k, v, *prepared, plan.is_causal, scale)
     mask, n = prepared
     B, lq, rows = len(plan.q_lengths), plan.q_lengths[0], plan.kv_rows[0]
     qb = q.view(B, lq, *q.shape[1:]).transpose(1, 2)  # (B, H, Lq, D)

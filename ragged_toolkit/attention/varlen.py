@@ -10,14 +10,7 @@ import inspect
 
 import torch
 
-__all__ = [
-    "VARLEN_KEYWORDS",
-    "VarlenUnavailable",
-    "varlen_kwargs",
-    "varlen_missing",
-    "prepare_varlen",
-    "varlen_backend",
-]
+__all__ = ["VARLEN_KEYWORDS", "VarlenUnavailable", "varlen_kwargs", "varlen_missing"]
 
 try:
     from torch.nn.attention.varlen import varlen_attn

@@ -21,11 +21,9 @@ from ..kv_cache import PagedKVCache, paged_rows
 __all__ = [
     "PagedLayout",
     "gathered_attention",
-    "paged_block_mask",
     "flex_paged_attention",
     "varlen_paged_attention",
     "PAGED_PATHS",
-    "prepare_paged",
     "paged_varlen_support",
 ]
 
@@ -38,7 +36,7 @@ class PagedLayout:
     (T,); each sequence's keys in use ``kv_lengths`` (B,) and
     ``block_table`` (B, max_blocks), and the longest of each. ``path`` says
     how attention reads the keys (:data:`PAGED_PATHS`); ``prepared`` is what
-    that path builds once per step, for every layer (:func:`prepare_paged`).
+    that path builds once per step, for every layer (``prepare_paged``).
     Frozen: built once per step, by
     :func:`~ragged_toolkit.serving.engine.build_step`, and only read after."""
 
@@ -68,9 +66,9 @@ def gathered_attention(q, step, layer):
     return ragged_attention(q, k, v, plan)
 
 
-def paged_block_mask(step):
+def _paged_block_mask(step):
     """A FlexAttention ``BlockMask`` of the new queries (padded to
-    :func:`~ragged_toolkit.attention.flex.flex_rows`) against every row of
+    ``flex_rows``) against every row of
     the cache: a query sees a row that its sequence's block table names, at
     a position up to its own."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -94,7 +92,7 @@ def paged_block_mask(step):
 
 
 def flex_paged_attention(q, step, layer):
-    """FlexAttention reading the cache in place with :func:`paged_block_mask`,
+    """FlexAttention reading the cache in place with ``_paged_block_mask``,
     the new queries as one padded sequence: q (T, H, D) -> (T, H, D)."""
     mask = step.prepared
     qf = F.pad(q, (0, 0, 0, 0, 0, mask.seq_lengths[0] - len(q))).transpose(0, 1)[None]
@@ -146,14 +144,14 @@ PAGED_PATHS = {
 def prepare_paged(step, backend=None):
     """What ``step.path`` builds once per step, for every layer: for
     ``gathered``, the cache rows of every key in use and the batch's plan on
-    ``backend`` (``plan_batch``); for ``flex``, :func:`paged_block_mask`;
+    ``backend`` (``plan_batch``); for ``flex``, ``_paged_block_mask``;
     for ``varlen``, nothing."""
     if step.path == "gathered":
         rows = paged_rows(step.block_table, step.kv_lengths, step.cache.block_size)
         kv_offsets = offsets_from_lengths(step.kv_lengths, rows.device)
         return rows, plan_batch(step.q_offsets, kv_offsets, backend=backend, is_causal=True)
     if step.path == "flex":
-        return paged_block_mask(step)
+        return _paged_block_mask(step)
     if step.path == "varlen":
         return None
     raise ValueError(f"unknown path {step.path!r}; choose one of {sorted(PAGED_PATHS)}")

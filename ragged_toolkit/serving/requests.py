@@ -1,22 +1,13 @@
 """The requests a server is sent: prompts (token ids) from real documents,
 long-tailed output lengths, arrivals on a clock; and the check that refuses,
-by name, a request the server cannot serve (:func:`check_request`)."""
+by name, a request the server cannot serve (``check_request``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 
-__all__ = [
-    "Request",
-    "next_tokens",
-    "output_lengths",
-    "request_stream",
-    "poisson_arrivals",
-    "fresh_requests",
-    "check_request",
-]
+__all__ = ["Request"]
 
 
 @dataclass
@@ -58,40 +49,6 @@ def next_tokens(req, start, n):
     return (
         req.prompt[start : start + n] + req.generated[max(start - cut, 0) : max(start + n - cut, 0)]
     )
-
-
-def output_lengths(rng, n, median, longest, sigma=1.0):
-    """``n`` output lengths from a log-normal distribution (long-tailed, as
-    chat outputs are) of the given ``median``, cut to ``[1, longest]``: (n,)."""
-    drawn = rng.lognormal(np.log(median), sigma, size=n)
-    return np.clip(np.round(drawn), 1, longest).astype(int)
-
-
-def request_stream(documents, n, rng, *, prompt_max, out_median, out_max):
-    """``n`` requests, all waiting at time 0: prompts are the openings, at
-    most ``prompt_max`` tokens, of distinct documents drawn from
-    ``documents`` (``bytes``, a token per byte); :func:`output_lengths`."""
-    if n > len(documents):
-        raise ValueError(f"{n} requests need {n} documents; the corpus has {len(documents)}")
-    chosen = rng.choice(len(documents), size=n, replace=False)
-    outs = output_lengths(rng, n, out_median, out_max)
-    return [
-        Request(i, list(documents[d][:prompt_max]), int(o))
-        for i, (d, o) in enumerate(zip(chosen, outs))
-    ]
-
-
-def poisson_arrivals(rng, n, rate):
-    """Arrival times (n,), in seconds, of ``n`` requests at ``rate``
-    requests/s on average: a Poisson process, its gaps exponential."""
-    return np.cumsum(rng.exponential(1 / rate, size=n))
-
-
-def fresh_requests(requests, arrivals=None):
-    """Copies of ``requests`` with nothing served, arriving at ``arrivals``
-    (seconds, one each; default: as they were)."""
-    arrivals = [r.arrival for r in requests] if arrivals is None else arrivals
-    return [Request(r.rid, r.prompt, r.n_out, float(a)) for r, a in zip(requests, arrivals)]
 
 
 def check_request(request, cfg, cache):

@@ -1,6 +1,6 @@
 """The simulated server: a scheduler and the engine stepping over a stream
 of requests, on a clock that advances by each step's measured time, each
-request checked as it arrives (:func:`~.requests.check_request`); several
+request checked as it arrives (``check_request``); several
 servers taking turns step by step, so that a busy machine weighs on them
 alike."""
 
@@ -89,7 +89,7 @@ def serve(
     ``on_token(request, logits)``: called with each token's logits
     (:func:`~.engine.forward_step`).
 
-    A request the server cannot serve (:func:`~.requests.check_request`) is
+    A request the server cannot serve (``check_request``) is
     refused by name: without ``on_refused``, every request is checked before
     the first step and the first refused raises its ``ValueError``; with
     ``on_refused(request, error)``, each is checked when it arrives, and a

@@ -3,8 +3,7 @@ step whose block tables begin with the same cached blocks have their
 queries scored against that prefix's keys in one call, read once, and each
 request against its own suffix; the two parts are merged by log-sum-exp,
 exactly (FlashInfer's cascade attention; attention-gym's
-``shared_prefix_split_attention``). :func:`shared_prefix_step` builds such
-a step on random keys, to check and time it."""
+``shared_prefix_split_attention``)."""
 
 from __future__ import annotations
 
@@ -12,18 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import build_step
-from .prefix_cache import PrefixCache
-from .requests import Request
-
 __all__ = [
     "attention_lse",
     "merge_by_lse",
     "SharedPrefixPlan",
     "plan_shared_prefix",
     "shared_prefix_attention",
-    "rows_read",
-    "shared_prefix_step",
 ]
 
 
@@ -124,43 +117,3 @@ def shared_prefix_attention(q, cache, layer, plan, scale=None):
         scale=scale,
     )
     return merge_by_lse(out_p, lse_p, out_s, lse_s).reshape(n, heads, dim)
-
-
-def rows_read(prefix, suffixes, shared):
-    """Key/value rows a decoding step's attention reads for requests that
-    share a ``prefix`` of rows and each have their own ``suffixes`` (Q,):
-    once the prefix and every suffix (``shared``), or each request's whole
-    rows (gathered). Their ratio is the work bound of sharing: the scores
-    computed are the same, the keys read are not."""
-    suffixes = torch.as_tensor(suffixes)
-    return float(prefix + suffixes.sum()) if shared else float((prefix + suffixes).sum())
-
-
-def shared_prefix_step(cfg, prefix, suffixes, block_size, device, dtype, generator=None):
-    """A decoding step of ``len(suffixes)`` requests (ids 0, 1, ...) whose
-    prompts share their first ``prefix`` tokens, request ``i`` then
-    ``suffixes[i]`` tokens of its own, admitted one after another into a
-    :class:`~ragged_toolkit.serving.prefix_cache.PrefixCache` (so that they
-    share the prefix's full blocks), each feeding its last prompt token.
-    The cache's keys and values are random (standard normal, from
-    ``generator``, on the cache's device), as a model would have written them. Returns the cache
-    and the step's :class:`~ragged_toolkit.serving.paged_attention.PagedLayout`
-    (its ``kv_lengths``: each request's prompt length)."""
-    n_blocks = sum(-(-(prefix + s) // block_size) for s in suffixes) + 1
-    cache = PrefixCache(cfg, n_blocks, block_size, device, dtype)
-    cache.k.normal_(generator=generator), cache.v.normal_(generator=generator)
-    step = []
-    for i, suffix in enumerate(suffixes):
-        req = Request(
-            i, list(range(prefix)) + [-1 - i] * suffix, 1
-        )  # its own tokens: none of the prefix's
-        req.computed = cache.take_prefix(i, req.prompt)
-        if not cache.reserve(i, len(req.prompt)):
-            raise RuntimeError(
-                f"{n_blocks} blocks are too few for request {i}"
-            )  # cannot happen: one each
-        req.computed = len(req.prompt) - 1  # all but the token the step feeds
-        cache.note_computed(req)
-        step.append((req, 1))
-    _, _, layout = build_step(cache, step, device)
-    return cache, layout

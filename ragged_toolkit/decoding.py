@@ -24,15 +24,21 @@ def _call_model(model, tokens, positions, layout):
 
 
 @torch.no_grad()
-def prefill_packed(model, prompts, offsets, cache, backend=None):
+def prefill_packed(model, prompts, offsets, cache, backend=None, *, flex=None):
     """Every prompt at once, packed (T,) with offsets (B + 1,): writes each
     token's keys and values into its sequence's rows of ``cache`` and returns
     the logits of each prompt's last token, (B, vocab). Call it under
-    autocast for a lower precision."""
+    autocast for a lower precision. ``flex``: the caller's
+    :class:`~ragged_toolkit.attention.flex.FlexKernel`, for ``backend="flex"``."""
     backend = default_backend(prompts.device, cache.k.dtype) if backend is None else backend
     seq, pos = token_index(offsets)
     plan = plan_batch(
-        offsets, cache.row_offsets, backend=backend, is_causal=True, kv_used=offsets.diff()
+        offsets,
+        cache.row_offsets,
+        backend=backend,
+        is_causal=True,
+        kv_used=offsets.diff(),
+        flex=flex,
     )
     layout = PackedLayout(plan, cache, seq * cache.capacity + pos)
     return model(prompts, pos, layout)[offsets[1:] - 1]
@@ -48,6 +54,7 @@ def decode_greedy(
     *,
     fixed_shape=True,
     backend=None,
+    flex=None,
     slots=None,
     start=None,
     step=None,
@@ -59,7 +66,8 @@ def decode_greedy(
     ``CachedStep`` (``slots`` (B,) is where the first new token's keys
     go, default its position; ``start`` the first slot in use, for left
     padding); else a ``PackedLayout`` step through
-    ``ragged_attention`` with ``backend``, over each sequence's rows in use.
+    ``ragged_attention`` with ``backend`` (and ``flex``, its kernel, for
+    ``flex``), over each sequence's rows in use.
     ``step(model, tokens, positions, layout)`` runs the model (default: a
     plain call; a compiled one, ``torch.compile(step, dynamic=False)``, serves
     every fixed-shape step with one graph).
@@ -79,7 +87,12 @@ def decode_greedy(
             layout = CachedStep(cache, slots + i, start)
         else:  # each token's row, and the keys its sequence then has
             plan = plan_batch(
-                one_each, cache.row_offsets, backend=backend, is_causal=True, kv_used=slots + i + 1
+                one_each,
+                cache.row_offsets,
+                backend=backend,
+                is_causal=True,
+                kv_used=slots + i + 1,
+                flex=flex,
             )
             layout = PackedLayout(plan, cache, cache.row_offsets[:-1] + slots + i)
         logits = step(model, out[-1], positions + i, layout)
@@ -95,12 +108,14 @@ def generate_packed(
     backend=None,
     *,
     fixed_shape=False,
+    flex=None,
     step=None,
     dtype=None,
     return_logits=False,
 ):
     """Greedy generation for packed prompts (T,) with offsets (B + 1,):
-    :func:`prefill_packed` with ``backend``, then :func:`decode_greedy` with
+    :func:`prefill_packed` with ``backend`` (``flex``: its kernel, for
+    ``flex``), then :func:`decode_greedy` with
     the same backend or, ``fixed_shape=True``, with ``CachedStep`` steps.
     ``dtype`` (default: ``default_dtype`` of the prompts' device) other than
     float32 runs under autocast. Returns the new tokens, (B, n_new) (and with
@@ -109,7 +124,7 @@ def generate_packed(
     lengths = offsets.diff()
     cache = KVCache(model.cfg, len(lengths), int(lengths.max()) + n_new, prompts.device, dtype)
     with torch.autocast(prompts.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = prefill_packed(model, prompts, offsets, cache, backend)
+        logits = prefill_packed(model, prompts, offsets, cache, backend, flex=flex)
         return decode_greedy(
             model,
             logits,
@@ -118,6 +133,7 @@ def generate_packed(
             n_new,
             fixed_shape=fixed_shape,
             backend=backend,
+            flex=flex,
             step=step,
             return_logits=return_logits,
         )

@@ -41,12 +41,13 @@ class PackedLayout:
     rows: torch.Tensor | None = None  # (T,)
 
     @classmethod
-    def of(cls, offsets, backend=None, dtype=torch.float32):
+    def of(cls, offsets, backend=None, dtype=torch.float32, *, flex=None):
         """The layout of a packed batch with ``offsets`` (B + 1,), causal, on
         ``backend`` (default: ``default_backend`` for ``dtype`` on the
-        offsets' device): its plan built here, once."""
+        offsets' device; ``flex``: the caller's ``FlexKernel``, for
+        ``flex``): its plan built here, once."""
         backend = default_backend(offsets.device, dtype) if backend is None else backend
-        return cls(plan_batch(offsets, backend=backend, is_causal=True))
+        return cls(plan_batch(offsets, backend=backend, is_causal=True, flex=flex))
 
     def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D)
         if self.cache is not None:

@@ -382,19 +382,16 @@ class _Host:
 def fake_cuda():
     """``FakeTensorMode`` with CUDA as the lent machine has it (compute
     capability 9.0), the host reads of a plan answered from real values
-    (:class:`_Host`), and FlexAttention compiled as on CUDA
-    (``dynamic=True``) but to ``aot_eager``: inductor's lowering asks the
-    driver for the GPU's properties. Yields the :class:`_Host`."""
+    (:class:`_Host`). Yields the :class:`_Host`. The plans' FlexAttention
+    kernel is the audit's own (:func:`fake_flex_kernel`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-    from torch.nn.attention.flex_attention import flex_attention
 
     from ragged_toolkit.attention import flex, plan
 
     host = _Host(None, unset_fake_temporarily)
     patches = [(plan, "_lengths", host.lengths(plan._lengths)),
                (plan, "offsets_from_lengths", host.offsets_from_lengths),
-               (flex, "offsets_from_lengths", host.offsets_from_lengths), (flex, "token_index", host.token_index),
-               (flex, "_compiled", torch.compile(flex_attention, dynamic=True, backend="aot_eager"))]
+               (flex, "offsets_from_lengths", host.offsets_from_lengths), (flex, "token_index", host.token_index)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, value in patches:
         setattr(module, name, value)
@@ -407,6 +404,16 @@ def fake_cuda():
         for module, name, value in saved:
             setattr(module, name, value)
         torch._dynamo.reset()
+
+
+def fake_flex_kernel():
+    """FlexAttention compiled as on CUDA (``dynamic=True``) but to
+    ``aot_eager``: inductor's lowering asks the driver for the GPU's
+    properties. The library's public seam: ``FlexKernel``'s
+    ``compile_backend``."""
+    from ragged_toolkit.attention.flex import FlexKernel
+
+    return FlexKernel(dynamic=True, compile_backend="aot_eager")
 
 
 def _model_on_fake_cuda(cfg):
@@ -457,6 +464,7 @@ def fake_forward(model: dict, backends=BACKENDS) -> tuple[list[str], list[str]]:
     for backend in backends:
         try:
             with fake_cuda() as host:
+                flex = fake_flex_kernel()
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                 net = _model_on_fake_cuda(cfg)
                 # two packed batches of different sizes: one graph for both, with dynamic shapes
@@ -466,7 +474,7 @@ def fake_forward(model: dict, backends=BACKENDS) -> tuple[list[str], list[str]]:
                     positions = torch.cat([torch.arange(k, device="cuda") for k in batch])
                     offsets = host.offsets_from_lengths(batch, "cuda")
                     with torch.no_grad(), _flash_only(backend):
-                        layout = PackedLayout(plan_batch(offsets, backend=backend, is_causal=True))
+                        layout = PackedLayout(plan_batch(offsets, backend=backend, is_causal=True, flex=flex))
                         _expect(net(tokens, positions, layout), (n, cfg.vocab_size), f"packed forward of {batch}")
                 forward_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
                 # decode: one new token per sequence after its prompt
@@ -481,7 +489,7 @@ def fake_forward(model: dict, backends=BACKENDS) -> tuple[list[str], list[str]]:
                     one_each = host.tensor(list(range(b + 1)))
                     used = host.tensor([k + 1 for k in lengths])
                     decode_plan = plan_batch(one_each, cache.row_offsets, backend=backend, is_causal=True,
-                                             kv_used=used)
+                                             kv_used=used, flex=flex)
                     rows = cache.row_offsets[:-1] + slots
                     with _flash_only(backend):
                         step = net(new, slots, PackedLayout(decode_plan, cache, rows))

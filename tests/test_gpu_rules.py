@@ -141,40 +141,50 @@ def test_compare_backends_names_a_backend_that_raises_instead_of_dropping_it(mon
 # --- FlexAttention: compiled per head configuration, never unfused ------------------
 
 def test_flex_compiles_every_head_configuration_and_never_runs_unfused():
-    torch._dynamo.reset()
+    """A kernel the caller owns: one configuration at 9 padded sizes (past
+    dynamo's recompile limit of 8 for one function, where a shared
+    ``torch.compile(flex_attention)`` runs unfused) and three more
+    configurations, each batch twice: 12 graphs, none compiled twice, none
+    run unfused."""
     rng = np.random.default_rng(0)
     configs = [(2, 1, 8), (4, 2, 8), (4, 4, 16), (8, 2, 16)]  # heads, key/value heads, head size
+    batches = [(configs[0], size) for size in range(1, 10)] + [(c, 1) for c in configs[1:]]
+    kernel = tk.FlexKernel()
     with tk.compile_counter() as count, warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
-        for i in range(24):  # 24 batches: 4 configurations x 3 padded sizes, twice
-            heads, kv_heads, dim = configs[i % 4]
-            size = (i // 4) % 3  # 1, 2 or 3 blocks of 128 rows
-            lengths = torch.as_tensor(rng.integers(1, 30, size=40))
-            lengths = lengths[lengths.cumsum(0) <= 128 * size + 100][:40]
+        for i, ((heads, kv_heads, dim), size) in enumerate(batches * 2):  # size: blocks of 128 rows
+            lengths = torch.as_tensor(rng.integers(1, 30, size=200))
+            lengths = lengths[lengths.cumsum(0) <= 128 * size - 20][-(8 * size):]
             offsets = tk.offsets_from_lengths(lengths)
             g = torch.Generator().manual_seed(i)
             q = torch.randn(int(offsets[-1]), heads, dim, generator=g)
             k, v = (torch.randn(int(offsets[-1]), kv_heads, dim, generator=g) for _ in range(2))
-            out = tk.ragged_attention(q, k, v, tk.plan_batch(offsets, is_causal=True, backend="flex"))
+            plan = tk.plan_batch(offsets, is_causal=True, backend="flex", flex=kernel)
+            out = tk.ragged_attention(q, k, v, plan)
             torch.testing.assert_close(out, tk.reference_attention(q, k, v, offsets, is_causal=True),
                                        atol=1e-5, rtol=1e-4)
     unfused = [str(w.message).splitlines()[0] for w in caught if "without torch.compile" in str(w.message)]
     assert not unfused and not count.fallbacks, (unfused or count.fallbacks)[:2]
-    assert 8 < count.graphs <= tk.FLEX_RECOMPILE_LIMIT, \
-        f"{count.graphs} graphs: the test meant to pass dynamo's default limit of 8, within the toolkit's"
+    assert len(kernel.graphs) == len(batches) == count.graphs, (len(kernel.graphs), count.graphs)
 
 
-def test_flex_past_its_bound_fails_naming_the_cause(monkeypatch):
-    torch._dynamo.reset()
-    monkeypatch.setattr(FLEX, "FLEX_RECOMPILE_LIMIT", 1)
+def test_flex_past_its_bound_fails_naming_the_cause():
+    kernel = tk.FlexKernel(max_graphs=1)
     q = torch.randn(1, 2, 128, 8)
     with torch.no_grad():
-        FLEX.compiled_flex_attention(q, q, q)
+        kernel(q, q, q, block_mask=None)
+        kernel(q, q, q, block_mask=None)  # the same configuration: no new graph
         with pytest.raises(RuntimeError, match=r"1 graphs already compiled; 2 heads, 2 key/value heads, head "
                                                r"size 8, torch.float32, 256 query rows would compile one more"):
             q2 = torch.randn(1, 2, 256, 8)
-            FLEX.compiled_flex_attention(q2, q2, q2)
-    torch._dynamo.reset()
+            kernel(q2, q2, q2, block_mask=None)
+
+
+def test_flex_outside_a_compile_needs_the_callers_kernel():
+    offsets = tk.offsets_from_lengths([3, 5])
+    q = torch.randn(8, 2, 8)
+    with pytest.raises(ValueError, match=r"build one \(flex = FlexKernel\(\)\).*plan_batch\(\.\.\., backend='flex', flex=flex\)"):
+        tk.ragged_attention(q, q, q, tk.plan_batch(offsets, is_causal=True, backend="flex"))
 
 
 # --- greedy generations against teacher forcing ------------------------------------

@@ -88,6 +88,7 @@ def test_flex_compiles_a_few_graphs_for_many_batch_shapes_and_never_falls_back()
             token_counts.add(n)
             batches.append(lengths)
     before = counters["stats"]["unique_graphs"]
+    kernel = tk.FlexKernel()
     g = torch.Generator().manual_seed(0)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
@@ -95,7 +96,7 @@ def test_flex_compiles_a_few_graphs_for_many_batch_shapes_and_never_falls_back()
             offsets = tk.offsets_from_lengths(lengths)
             q = torch.randn(int(offsets[-1]), 4, 16, generator=g)
             k, v = (torch.randn(int(offsets[-1]), 2, 16, generator=g) for _ in range(2))
-            out = tk.ragged_attention(q, k, v, tk.plan_batch(offsets, is_causal=True, backend="flex"))
+            out = tk.ragged_attention(q, k, v, tk.plan_batch(offsets, is_causal=True, backend="flex", flex=kernel))
             torch.testing.assert_close(
                 out, tk.reference_attention(q, k, v, offsets, is_causal=True),
                 atol=1e-5, rtol=1e-4)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from toolkit_api import MODULES
+from ragged_toolkit.attention.flex import FlexKernel
 from ragged_toolkit.batches import offsets_from_lengths, token_index
 from ragged_toolkit.serving import paged_attention, schedulers
 from ragged_site.page import tolerances
@@ -308,7 +309,8 @@ def test_bfloat16_logits_stay_within_the_stated_tolerance(model, stream):
 
 
 def test_flex_reads_the_paged_cache_as_the_gathered_path_does(model, stream):
-    runs = [serve_all(model, stream[:6], continuous(), n_blocks=64, block_size=16, path=path)
+    flex = FlexKernel()
+    runs = [serve_all(model, stream[:6], continuous(), n_blocks=64, block_size=16, path=path, flex=flex)
             for path in ("gathered", "flex")]
     (gathered, gathered_logits), (flex, flex_logits) = runs
     for a, b in zip(gathered.requests, flex.requests):

@@ -191,7 +191,7 @@ def _check(label, out, grads, expected, expected_grads, q):
 SEEDS = (11, 12)
 
 
-def _compare_backends(case, seed, backends=tk.BACKENDS):
+def _compare_backends(case, seed, backends=tk.BACKENDS, flex=None):
     """Run ``case`` on each of ``backends`` that can take it here; the names
     of those that ran."""
     _, ratio, causal, scale = case
@@ -207,7 +207,7 @@ def _compare_backends(case, seed, backends=tk.BACKENDS):
         if not with_grad and tk.backend_support(name, "cpu", torch.float32, needs_grad=False, **support):
             continue  # cannot take this job here at all (varlen without CUDA, ...)
 
-        plan = tk.plan_batch(qo, ko, backend=name, is_causal=causal, kv_used=kv_used)
+        plan = tk.plan_batch(qo, ko, backend=name, is_causal=causal, kv_used=kv_used, flex=flex)
 
         def attend(q, k, v, plan=plan):
             return tk.ragged_attention(q, k, v, plan, scale=scale)
@@ -220,21 +220,24 @@ def _compare_backends(case, seed, backends=tk.BACKENDS):
     return ran
 
 
+def _eager_flex(q, k, v, **kwargs):
+    return FLEX.flex_attention(q, k, v, **kwargs)
+
+
 @pytest.fixture
-def eager_flex(monkeypatch):
-    """FlexAttention without compiling it: on CPU a compile takes seconds per
+def eager_flex():
+    """A flex kernel that does not compile: on CPU a compile takes seconds per
     token count, and what the grid checks is the toolkit's document mask,
     not inductor's kernel (``test_compiled_flex_attention`` runs that)."""
-    monkeypatch.setattr(FLEX, "compiled_flex_attention", FLEX.flex_attention)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*flex_attention called without torch.compile")
-        yield
+        yield _eager_flex
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_every_backend_matches_the_float64_reference(case, seed, eager_flex):
-    ran = _compare_backends(case, seed)
+    ran = _compare_backends(case, seed, flex=eager_flex)
     # on CPU tensors: every backend but varlen, where the job allows
     _, ratio, causal, _ = case
     assert PORTABLE | {"flex"} <= set(ran), f"ran only {ran}"
@@ -243,8 +246,9 @@ def test_every_backend_matches_the_float64_reference(case, seed, eager_flex):
 
 def test_compiled_flex_attention():
     # one compile: GQA, a cache with spare rows, causal, an empty sequence
-    assert _compare_backends(("empty", 2, True, None), SEEDS[0], backends=("flex",)) == ["flex"]
-    assert FLEX.compiled_flex_attention is tk.compiled_flex_attention  # not the eager stand-in
+    kernel = tk.FlexKernel()
+    assert _compare_backends(("empty", 2, True, None), SEEDS[0], backends=("flex",), flex=kernel) == ["flex"]
+    assert len(kernel.graphs) == 1, kernel.graphs  # compiled in the kernel itself (no backward on CPU)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -81,6 +81,39 @@ def test_no_module_reaches_into_another_modules_private_names(name):
         "; ".join(f"line {line}: {what}" for line, what in found)
 
 
+def compile_state(path):
+    """Where a module keeps or changes compile state that is not its caller's:
+    ``torch.compile`` called at module level (a graph cache for the whole
+    process), any use of ``torch._dynamo.config``, and ``torch._dynamo.reset``
+    (it wipes every caller's graphs). ``(line, what)`` each."""
+    tree = ast.parse(path.read_text())
+    found = []
+    in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                    for n in ast.walk(f) if n is not f}
+    for node in ast.walk(tree):
+        text = ast.unparse(node) if isinstance(node, (ast.Attribute, ast.Call)) else ""
+        if isinstance(node, ast.Call) and text.startswith("torch.compile(") and id(node) not in in_functions:
+            found.append((node.lineno, "torch.compile at module level"))
+        if isinstance(node, ast.Attribute) and text in ("torch._dynamo.config", "torch._dynamo.reset"):
+            found.append((node.lineno, text))
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in FILES if n.split(".")[0] == PACKAGES[0]), ids=str)
+def test_no_library_module_keeps_or_changes_compile_state(name):
+    found = compile_state(FILES[name])
+    assert not found, f"{FILES[name].name}: " + ", ".join(f"line {line}: {what}" for line, what in found)
+
+
+def test_the_compile_state_check_finds_each_kind(tmp_path):
+    module = tmp_path / "compiled.py"
+    module.write_text("import torch\n\n_fast = torch.compile(f)\n\n\ndef g(x):\n"
+                      "    with torch._dynamo.config.patch(recompile_limit=64):\n        torch._dynamo.reset()\n"
+                      "    return torch.compile(f)(x)\n")
+    assert compile_state(module) == [(3, "torch.compile at module level"), (7, "torch._dynamo.config"),
+                                     (8, "torch._dynamo.reset")]
+
+
 def test_the_private_check_finds_a_reach(tmp_path):
     module = tmp_path / "reach.py"
     module.write_text("from . import flex\nfrom .plan import _lengths\n\n\ndef f():\n    return flex._compiled\n")

@@ -258,16 +258,20 @@ except ValueError as err:
 # .. literalinclude:: ../ragged_toolkit/attention/flex.py
 #    :pyobject: flex_backend
 #
-# The compiled graphs are bounded: past ``FLEX_RECOMPILE_LIMIT`` the call
-# fails, naming the cause, instead of falling back to an unfused kernel
-# that materializes every score (``compiled_flex_attention``). The mask of
-# a batch of this page's size, block by block:
+# The compiled kernel is the caller's. ``FlexKernel`` compiles
+# ``flex_attention`` once per configuration and padded size, and the plan
+# carries it. Past its ``max_graphs`` a call fails, naming the cause. It
+# never falls back to the unfused kernel, which materializes every score.
+# The mask of a batch of this page's size, block by block:
 
 from ragged_site.workloads import sentence_lengths
 from ragged_site.figures import draw_block_mask
+from ragged_toolkit.attention.flex import FlexKernel
+
+FLEX = FlexKernel()  # the page's compiled FlexAttention, passed to every plan
 
 lengths = sentence_lengths(np.random.default_rng(setup.seed), S.batch, ZIPF_ALPHA)
-flex_plan = plan_batch(offsets_from_lengths(lengths), backend="flex", is_causal=True)  # on the CPU
+flex_plan = plan_batch(offsets_from_lengths(lengths), backend="flex", is_causal=True, flex=FLEX)
 fig, skipped = draw_block_mask(flex_plan.prepared)
 plt.show()
 print(f"{S.batch} sequences, {int(lengths.sum())} tokens: {skipped:.0%} of the blocks skipped")
@@ -323,7 +327,7 @@ for name in BACKENDS:
         print(f"{name:9s} not available: {why}")
         continue
     with torch.no_grad():
-        out_e = ragged_attention(q_e, k_e, v_e, plan_batch(offsets_e, backend=name, is_causal=True))
+        out_e = ragged_attention(q_e, k_e, v_e, plan_batch(offsets_e, backend=name, is_causal=True, flex=FLEX))
     assert out_e.isfinite().all(), f"{name} returned NaN or inf"
     torch.testing.assert_close(out_e.float(), reference_e, **tolerances(DTYPE))
     gap = (out_e.float() - reference_e).abs().max().item()
@@ -438,10 +442,10 @@ q_a = x.unflatten(-1, (S.heads, -1))  # queries from the batch; keys and values 
 k_a, v_a = (torch.randn(x.shape, generator=gen, device=DEVICE).to(DTYPE).unflatten(-1, (S.heads, -1))
             for _ in range(2))
 print("forward:")
-FORWARD_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, min_run_time=S.run_time,
+FORWARD_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, flex=FLEX, min_run_time=S.run_time,
                                           profile=not setup.quick), DEFAULT, "forward backend")
 print("forward and backward:")
-TRAINING_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, backward=True,
+TRAINING_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, backward=True, flex=FLEX,
                                            min_run_time=S.run_time, profile=not setup.quick),
                           DEFAULT, "training backend")
 
@@ -469,8 +473,8 @@ from ragged_site.measuring.timing import measure
 ref_mha_lp = ref_mha.to(DTYPE)
 grad_out = torch.randn_like(x)
 grad_padded = to_padded(grad_out, offsets)[0]
-forward_plan = plan_batch(offsets, backend=FORWARD_BACKEND, is_causal=True)
-training_plan = plan_batch(offsets, backend=TRAINING_BACKEND, is_causal=True)
+forward_plan = plan_batch(offsets, backend=FORWARD_BACKEND, is_causal=True, flex=FLEX)
+training_plan = plan_batch(offsets, backend=TRAINING_BACKEND, is_causal=True, flex=FLEX)
 with torch.no_grad():
     forward = measure({"padded": lambda: mha(x_padded, is_causal=True), "ragged": lambda: mha(x, forward_plan),
                        "original baseline": lambda: ref_mha_lp(x_padded, x_padded, x_padded, need_weights=False,
@@ -519,8 +523,8 @@ print("cross-attention matches nn.MultiheadAttention on every real query")
 with torch.no_grad():
     cross_backend = choose(compare_backends(
         *(t.unflatten(-1, (S.heads, -1)) for t in (x_q, x_kv, x_kv)), offsets_q, offsets_kv,
-        min_run_time=S.run_time / 2, profile=not setup.quick), DEFAULT, "cross-attention backend")
-    cross_plan = plan_batch(offsets_q, offsets_kv, backend=cross_backend)
+        min_run_time=S.run_time / 2, profile=not setup.quick, flex=FLEX), DEFAULT, "cross-attention backend")
+    cross_plan = plan_batch(offsets_q, offsets_kv, backend=cross_backend, flex=FLEX)
     cross_times = measure({"padded": lambda: cross(q_padded, context=kv_padded, key_valid=kv_valid),
                            "ragged": lambda: cross(x_q, cross_plan, context=x_kv)},
                           min_run_time=S.run_time, profile=not setup.quick)
@@ -546,7 +550,7 @@ with torch.no_grad():
     print(f"nn.MultiheadAttention, eval: NaN rows per sequence {out_nn.isnan().all(-1).sum(-1).tolist()}")
     for name in BACKENDS:
         if backend_support(name, DEVICE, DTYPE, is_causal=True, head_dim=S.embed // S.heads) is None:
-            out = mha(x_empty, plan_batch(offsets_empty, backend=name, is_causal=True))
+            out = mha(x_empty, plan_batch(offsets_empty, backend=name, is_causal=True, flex=FLEX))
             assert out.shape == (8, S.embed) and out.isfinite().all(), name
     print("ragged layer: 8 rows (5 + 0 + 3), all finite, on every backend that runs here")
 

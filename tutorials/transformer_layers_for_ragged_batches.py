@@ -163,12 +163,12 @@ class Transformer(nn.Module):
         return self.decoder(tgt, plans["decoder"], memory, plans["cross"])
 
 
-def plan_transformer(src_offsets, tgt_offsets, encoder="loop", decoder="loop", cross="loop"):
+def plan_transformer(src_offsets, tgt_offsets, encoder="loop", decoder="loop", cross="loop", flex=None):
     """A batch's plans by job, each on its backend: the encoder's, the decoder's (causal), and
-    cross-attention's, from the targets to the sources."""
-    return {"encoder": plan_batch(src_offsets, backend=encoder),
-            "decoder": plan_batch(tgt_offsets, backend=decoder, is_causal=True),
-            "cross": plan_batch(tgt_offsets, src_offsets, backend=cross)}
+    cross-attention's, from the targets to the sources; ``flex``: the kernel of a flex plan."""
+    return {"encoder": plan_batch(src_offsets, backend=encoder, flex=flex),
+            "decoder": plan_batch(tgt_offsets, backend=decoder, is_causal=True, flex=flex),
+            "cross": plan_batch(tgt_offsets, src_offsets, backend=cross, flex=flex)}
 
 
 # %%
@@ -315,6 +315,9 @@ print("dropout 0.3: in eval mode as nn.Transformer, in training mode at work")
 
 from ragged_toolkit.attention import default_backend
 from ragged_site.measuring.compare import compare_backends
+from ragged_toolkit.attention.flex import FlexKernel
+
+FLEX = FlexKernel()  # the page's compiled FlexAttention, for every flex plan
 from ragged_site.measuring.noise import choose
 from ragged_site.measuring.timing import measure
 
@@ -337,7 +340,7 @@ for job, spec in jobs.items():
     print(f"{job} attention, forward and backward:")
     q, kv = (spec[t].unflatten(-1, (BENCH["nhead"], -1)) for t in ("q", "kv"))
     timings = compare_backends(q, kv, kv, spec["q_offsets"], spec["kv_offsets"], is_causal=spec["is_causal"],
-                               backward=True, min_run_time=S.run_time / 2)
+                               backward=True, min_run_time=S.run_time / 2, flex=FLEX)
     chosen[job] = choose(timings, default_backend(DEVICE, DTYPE, q.shape[-1]), f"{job} attention")
 
 # %%
@@ -373,7 +376,7 @@ torch.manual_seed(setup.seed)
 kw, layers = dict(dim_feedforward=BENCH["dim_ff"], dropout=0.0), BENCH["layers"]
 nn_full = make_nn_transformer(BENCH["d_model"], BENCH["nhead"], layers, layers, **kw).to(DEVICE)
 rg_full = load_from_nn(Transformer(BENCH["d_model"], BENCH["nhead"], layers, layers, **kw), nn_full)
-rg_full, plans = rg_full.to(DEVICE, DTYPE), plan_transformer(src_off, tgt_off, **chosen)
+rg_full, plans = rg_full.to(DEVICE, DTYPE), plan_transformer(src_off, tgt_off, **chosen, flex=FLEX)
 checked = check_layers(nn_full, rg_full, plans, src_off, tgt_off, lambda: nn_transformer(
     nn_full, tgt_pad.float(), tgt_valid, src_pad.float(), src_valid, mask_tgt_padding=False))
 print(f"benchmark transformer, {checked} layers in {DTYPE}: each gives nn.Transformer's float32 output")
@@ -460,7 +463,7 @@ class Seq2Seq(nn.Module):
 
     def __init__(self, d_model, nhead, layers, dim_ff, backends=None):
         super().__init__()
-        self.backends = backends
+        self.backends, self.flex = backends, FlexKernel()  # the model's own compiled FlexAttention
         self.embed = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(S.max_len, d_model)
         make = make_nn_transformer if backends is None else Transformer
@@ -469,7 +472,7 @@ class Seq2Seq(nn.Module):
 
     def forward(self, b):  # a batch of copy_batch -> logits and targets, flat
         if self.backends is not None:
-            plans = plan_transformer(b["src_offsets"], b["tgt_offsets"], **self.backends)  # once, for all layers
+            plans = plan_transformer(b["src_offsets"], b["tgt_offsets"], **self.backends, flex=self.flex)  # once, for all layers
             h = self.core(self.embed(b["src"]) + self.pos(token_index(b["src_offsets"])[1]),
                           self.embed(b["tgt_in"]) + self.pos(token_index(b["tgt_offsets"])[1]), plans)
             return self.head(h), b["tgt_out"]

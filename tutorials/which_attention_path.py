@@ -106,7 +106,9 @@ import numpy as np
 from ragged_toolkit.batches import offsets_from_lengths
 from ragged_site.workloads import sentence_lengths
 from ragged_site.measuring.compare import compare_backends
+from ragged_toolkit.attention.flex import FLEX_BLOCK, FlexKernel
 
+FLEX = FlexKernel()  # the page's compiled FlexAttention, passed to every flex call
 lengths = sentence_lengths(np.random.default_rng(setup.seed), S.batch, S.zipf_alpha)
 offsets = offsets_from_lengths(lengths, DEVICE)
 T = int(lengths.sum())
@@ -137,7 +139,7 @@ JOBS = {  # job -> the tensors and offsets compare_backends gets, and its keywor
 table = {}  # job -> path -> its Timing, or why it cannot take the job here
 for job, (tensors, keywords) in JOBS.items():
     print(f"{job}:")
-    table[job] = compare_backends(*tensors, **keywords, min_run_time=S.run_time, profile=not setup.quick)
+    table[job] = compare_backends(*tensors, **keywords, flex=FLEX, min_run_time=S.run_time, profile=not setup.quick)
 
 # %%
 # varlen_attn in this release
@@ -183,7 +185,6 @@ print(f"varlen_attn on this device: {why_not or 'runs'}")
 # in place, every listed block is *partial* (the mask function runs inside
 # the kernel), and a step only recounts each sequence's key blocks.
 
-from ragged_toolkit.attention.flex import FLEX_BLOCK, compiled_flex_attention
 from torch.nn.attention.flex_attention import BlockMask
 
 k_rect, v_rect = (t.view(S.batch, capacity, S.heads, S.head_dim).transpose(1, 2)
@@ -206,7 +207,7 @@ decoding_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices.contiguous(),
 def flex_refreshed():  # a decoding step: the mask's lengths refreshed, nothing rebuilt
     in_use.copy_(used)
     kv_num_blocks.copy_((-(-used // FLEX_BLOCK)).view(-1, 1, 1))
-    return compiled_flex_attention(q_one[:, :, None], k_rect, v_rect, block_mask=decoding_mask)
+    return FLEX(q_one[:, :, None], k_rect, v_rect, block_mask=decoding_mask)
 
 
 # %%
@@ -346,7 +347,7 @@ work = [(r, r.pending()) for r in requests]  # (request, tokens it feeds)
 def paged_call(path, backend=None):
     """The step's attention through ``path``, its layout built once, as
     every layer of the step shares it: the call, and its output as float32."""
-    _, _, layout = build_step(cache, work, DEVICE, path, backend)  # tokens, positions, layout
+    _, _, layout = build_step(cache, work, DEVICE, path, backend, flex=FLEX)  # tokens, positions, layout
     q_step = q[:int(layout.q_offsets[-1])]  # (T_step, H, D)
     return lambda: PAGED_PATHS[path](q_step, layout, 0), lambda out: out.float()
 

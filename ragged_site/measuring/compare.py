@@ -6,6 +6,7 @@ all measured together."""
 import torch
 
 from ragged_toolkit.attention import BACKENDS, backend_support, plan_batch, ragged_attention
+from ragged_toolkit.attention.flex import FlexKernel
 from ragged_site.reference import reference_attention
 from ragged_site.page import tolerances
 from ragged_site.measuring.tables import print_timings
@@ -28,19 +29,23 @@ def compare_backends(
     min_run_time=0.5,
     profile=True,
     plan_per_call=False,
+    flex=None,
 ):
     """Check and time one attention job on each backend, each with its plan
     built once, before timing (``plan_batch``: the per-batch bookkeeping is
     not in the timed call); ``profile``: also profile one call of each for
     its peak memory and kernels (``measure``'s ``profile``);
     ``plan_per_call``: build the plan inside every timed call instead, as a
-    decoding step does (its lengths change at every step). Returns name ->
+    decoding step does (its lengths change at every step); ``flex``: the
+    page's :class:`~ragged_toolkit.attention.flex.FlexKernel` (default: one
+    built for this comparison, its graphs dropped after). Returns name ->
     :class:`~ragged_site.measuring.timing.Timing`, or name -> the reason
     :func:`~ragged_toolkit.attention.backend_support` gives for not running it; prints one line per
     backend. A backend that should run and raises, or disagrees with the
     reference, raises, naming it: no silent fallback."""
     gqa = q.shape[1] != k.shape[1]
     kw = dict(is_causal=is_causal, kv_used=kv_used)
+    plan_kw = dict(kw, flex=FlexKernel() if flex is None else flex)
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
     # the reference, and its gradients, in float32 from float32 copies
     q32, k32, v32 = (t.detach().float().requires_grad_(backward) for t in (q, k, v))
@@ -71,7 +76,7 @@ def compare_backends(
             return out, grads
 
         try:
-            plan = plan_batch(q_offsets, kv_offsets, backend=name, **kw)
+            plan = plan_batch(q_offsets, kv_offsets, backend=name, **plan_kw)
             out, grads = run(plan)
         except Exception as err:
             raise RuntimeError(
@@ -90,7 +95,7 @@ def compare_backends(
         runs[name] = lambda run=run, plan=plan: run(plan)
         if plan_per_call:
             runs[name] = lambda run=run, name=name: run(
-                plan_batch(q_offsets, kv_offsets, backend=name, **kw)
+                plan_batch(q_offsets, kv_offsets, backend=name, **plan_kw)
             )
     results.update(measure(runs, min_run_time=min_run_time, profile=profile))
     results = {name: results[name] for name in backends}

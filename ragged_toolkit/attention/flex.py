@@ -1,6 +1,9 @@
 """The ``flex`` backend: FlexAttention over the whole packed batch as one long
-sequence, with a document mask built from the offsets, compiled a bounded
-number of times and never run unfused."""
+sequence, with a document mask built from the offsets, run by a compiled
+kernel that its caller builds and owns (:class:`FlexKernel`), never
+unfused."""
+
+import types
 
 import torch
 import torch.nn.functional as F
@@ -9,49 +12,94 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from ..batches import offsets_from_lengths, token_index
 from .dense import shares_heads
 
-__all__ = ["FLEX_BLOCK", "compiled_flex_attention", "document_block_mask"]
+__all__ = ["FLEX_BLOCK", "FlexKernel", "document_block_mask"]
 
 #: Rows per FlexAttention block: the padded sizes are multiples of it.
 FLEX_BLOCK = 128
-#: The most graphs dynamo may compile for :func:`compiled_flex_attention`
-#: (every head configuration, dtype, grad mode and padded size together):
-#: on CPU, where shapes are static, the sizes of ``flex_rows`` up to
-#: 8,192 tokens for a few configurations; on CUDA, where they are dynamic,
-#: far fewer.
-FLEX_RECOMPILE_LIMIT = 64
-
-# Static shapes on CPU (there dynamic shapes fail to compile the document
-# mask on 2.13: a C++ compile error), dynamic shapes on CUDA: one graph per
-# head configuration, whatever the batch's size.
-_compiled = torch.compile(flex_attention, dynamic=True if torch.cuda.is_available() else False)
 
 
-def compiled_flex_attention(q, k, v, **kwargs):
-    """``flex_attention(q, k, v, **kwargs)`` compiled, q (N, H, L_q, D), k and v
-    (N, H_kv, L_kv, D). Past ``FLEX_RECOMPILE_LIMIT`` graphs it raises,
-    naming the cause: it never falls back to the unfused ``flex_attention``,
-    which materializes the whole score matrix (dynamo's own recompile limit,
-    which would do that silently, is raised to it and made to fail). Inside
-    a model being compiled, ``flex_attention`` is compiled with the model."""
-    if (
-        torch.compiler.is_compiling()
-    ):  # (views as whole tensors: inductor's CPU lowering needs them)
-        return flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), **kwargs)
-    limits = dict(
-        recompile_limit=FLEX_RECOMPILE_LIMIT,
-        fail_on_recompile_limit_hit=True,
-        accumulated_recompile_limit=max(FLEX_RECOMPILE_LIMIT, 256),
-    )
-    try:
-        with torch._dynamo.config.patch(**limits):
-            return _compiled(q, k, v, **kwargs)
-    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
-        raise RuntimeError(
-            f"compiled_flex_attention: {FLEX_RECOMPILE_LIMIT} graphs already compiled; {q.shape[1]} heads, "
-            f"{k.shape[1]} key/value heads, head size {q.shape[-1]}, {q.dtype}, {q.shape[-2]} query rows "
-            "would compile one more. Pad the token counts to a few sizes (flex_rows) instead of "
-            "compiling for every count."
-        ) from err
+def _flex_call(q, k, v, block_mask, scale, enable_gqa):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _own_function(fn):
+    """A copy of ``fn`` with a code object of its own: dynamo keeps its
+    graphs, and counts its recompile limit, per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+
+
+def in_graph_flex_attention(q, k, v, *, block_mask, scale=None, enable_gqa=False):
+    """``flex_attention`` inside a region being compiled (the model's graph
+    compiles it), its inputs as whole tensors: inductor's CPU lowering
+    needs them."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+class FlexKernel:
+    """``flex_attention`` compiled for one caller. Build it once, where you
+    build the model or the server (``flex = FlexKernel()``), and pass it to
+    every plan (``plan_batch(..., backend="flex", flex=flex)``) and paged
+    step (``build_step(..., flex=flex)``). It holds its compiled graphs;
+    no module of the library does.
+
+    It compiles a graph per configuration: device, dtype, head counts and
+    sizes, grad mode, scale and, with static shapes, the padded lengths
+    (``flex_rows`` keeps those to a few). ``dynamic``: None (the default)
+    compiles static shapes on CPU (there dynamic shapes fail to compile the
+    document mask on 2.13: a C++ compile error) and dynamic shapes on CUDA,
+    one graph per configuration whatever the lengths. Each configuration
+    is compiled from a function of its own: dynamo counts its recompile
+    limit (8 by default) per function, and past it would run the unfused
+    ``flex_attention``, which materializes every score. Past
+    ``max_graphs`` configurations a call raises, naming the cause, instead
+    of compiling without end. ``compile_backend``: ``torch.compile``'s
+    backend (``"aot_eager"`` traces without generating kernels: for
+    debugging). Inside a model being compiled,
+    ``flex_attention`` is compiled with the model and the kernel is not
+    used."""
+
+    def __init__(self, *, dynamic=None, max_graphs=64, compile_backend="inductor"):
+        self.dynamic, self.max_graphs, self.compile_backend = dynamic, max_graphs, compile_backend
+        self.graphs = {}  # configuration -> its compiled flex_attention
+
+    def __call__(self, q, k, v, *, block_mask, scale=None, enable_gqa=False):
+        """``flex_attention(q, k, v, block_mask=..., scale=...,
+        enable_gqa=...)``, compiled: q (N, H, L_q, D), k and v (N, H_kv,
+        L_kv, D) -> (N, H, L_q, D)."""
+        if torch.compiler.is_compiling():  # inside a compiled model: its graph compiles it
+            return in_graph_flex_attention(
+                q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+            )
+        dynamic = q.device.type == "cuda" if self.dynamic is None else self.dynamic
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        lengths = None if dynamic else (q.shape[-2], k.shape[-2])
+        key = (
+            q.device.type,
+            q.dtype,
+            q.shape[1],
+            k.shape[1],
+            q.shape[-1],
+            v.shape[-1],
+            needs_grad,
+            scale,
+            enable_gqa,
+            lengths,
+        )
+        if key not in self.graphs:
+            if len(self.graphs) >= self.max_graphs:
+                raise RuntimeError(
+                    f"FlexKernel: {self.max_graphs} graphs already compiled; {q.shape[1]} heads, "
+                    f"{k.shape[1]} key/value heads, head size {q.shape[-1]}, {q.dtype}, "
+                    f"{q.shape[-2]} query rows would compile one more. Pad the token counts to "
+                    "a few sizes (flex_rows) instead of one per count, or build the kernel "
+                    "with a larger max_graphs."
+                )
+            compiled = torch.compile(
+                _own_function(_flex_call), dynamic=dynamic, backend=self.compile_backend
+            )
+            self.graphs[key] = compiled
+        return self.graphs[key](q, k, v, block_mask, scale, enable_gqa)
 
 
 def flex_rows(n):
@@ -113,13 +161,18 @@ def flex_backend(q, k, v, plan, scale=None):
     sizes, with its document mask: q (T_q, H, D), k and v (T_kv, H_kv, D)
     -> (T_q, H, D)."""
     mask = plan.prepared
+    if plan.flex is None and not torch.compiler.is_compiling():
+        raise ValueError(
+            "the flex backend outside torch.compile runs a compiled kernel that its caller "
+            "owns: build one (flex = FlexKernel()) where you build the model, and pass it to "
+            "every plan: plan_batch(..., backend='flex', flex=flex)"
+        )
     if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     (t_q, t_kv), (n_q, n_kv) = (len(q), len(k)), mask.seq_lengths
     # (T, H, D) -> (1, H, T_padded, D): the whole batch as one long sequence
     qf = F.pad(q, (0, 0, 0, 0, 0, n_q - t_q)).transpose(0, 1)[None]
     kf, vf = (F.pad(t, (0, 0, 0, 0, 0, n_kv - t_kv)).transpose(0, 1)[None] for t in (k, v))
-    out = compiled_flex_attention(
-        qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=shares_heads(qf, kf)
-    )
+    attend = in_graph_flex_attention if plan.flex is None else plan.flex
+    out = attend(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=shares_heads(qf, kf))
     return out[0, :, :t_q].transpose(0, 1)

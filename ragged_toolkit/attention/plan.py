@@ -38,7 +38,8 @@ class BatchPlan:
     """One batch as ``ragged_attention`` reads it: the backend that will run
     it, the offsets (B + 1,) on the device, the lengths as Python ints (read
     once, checked), the keys in use, and what the backend built for the
-    batch (``prepared``: index tensors, a mask, a ``BlockMask``). Where some
+    batch (``prepared``: index tensors, a mask, a ``BlockMask``); for
+    ``flex``, the caller's compiled kernel (``flex``). Where some
     sequences have no queries or no keys in use, or the backend cannot read
     ``kv_used`` itself, ``nonempty`` holds the rows of the others and their
     own plan. Frozen: a plan is built once, by :func:`plan_batch`, and
@@ -52,6 +53,7 @@ class BatchPlan:
     kv_lengths: list  # keys each sequence uses (``kv_used``, or all of its rows)
     kv_rows: list  # key rows each sequence has in the packed tensor
     kv_used: torch.Tensor | None = None  # (B,), as given
+    flex: object = None  # the FlexKernel that runs the flex backend outside torch.compile
     prepared: object = None
     nonempty: tuple | None = None  # (query rows (T_q',), key rows (T_kv',), their BatchPlan)
 
@@ -73,14 +75,17 @@ def _reads_kv_used(backend):
     return backend != "sdpa_njt" and (backend != "varlen" or not varlen_missing(["seqused_k"]))
 
 
-def plan_batch(q_offsets, kv_offsets=None, *, backend, is_causal=False, kv_used=None):
+def plan_batch(q_offsets, kv_offsets=None, *, backend, is_causal=False, kv_used=None, flex=None):
     """Check a batch's description, read its lengths and build what
     ``backend`` needs for it: call once per batch, outside a compiled
     region, and pass the result to every ``ragged_attention`` call of the
     batch. ``q_offsets``, ``kv_offsets`` (default: ``q_offsets``): (B + 1,);
     ``kv_used``: optional (B,), the key rows each sequence uses from its
-    start. Returns a :class:`BatchPlan`. Raises ``ValueError`` naming what
-    is wrong."""
+    start; ``flex``: the :class:`~ragged_toolkit.attention.flex.FlexKernel`
+    that runs the ``flex`` backend, built once by the caller (outside
+    ``torch.compile``, where the model's graph compiles FlexAttention, it
+    is needed; the other backends ignore it). Returns a
+    :class:`BatchPlan`. Raises ``ValueError`` naming what is wrong."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
@@ -98,7 +103,7 @@ def plan_batch(q_offsets, kv_offsets=None, *, backend, is_causal=False, kv_used=
             "(the last query sees every key)"
         )
     plan = BatchPlan(
-        backend, is_causal, q_offsets, kv_offsets, q_lengths, kv_lengths, kv_rows, kv_used
+        backend, is_causal, q_offsets, kv_offsets, q_lengths, kv_lengths, kv_rows, kv_used, flex
     )
     empty = not (all(q_lengths) and all(kv_lengths))
     if empty or (kv_used is not None and not _reads_kv_used(backend)):
@@ -137,6 +142,7 @@ def _without_empty_sequences(plan):
             offsets_from_lengths(used, device),
             backend=plan.backend,
             is_causal=plan.is_causal,
+            flex=plan.flex,
         )
         if keep
         else None

@@ -18,7 +18,7 @@ from .requests import next_tokens
 __all__ = ["build_step", "step_logits", "forward_step"]
 
 
-def build_step(cache, work, device, path="gathered", backend=None):
+def build_step(cache, work, device, path="gathered", backend=None, *, flex=None):
     """The tokens (T,), positions (T,) and
     :class:`~ragged_toolkit.serving.paged_attention.PagedLayout` of a step
     that feeds each ``(request, n)`` of ``work`` its next ``n`` tokens, into
@@ -27,7 +27,10 @@ def build_step(cache, work, device, path="gathered", backend=None):
     rows come from tensor operations over the step's offsets and block
     table; only the token ids are read per request. What ``path`` reads the
     cache with is built here, once for every layer (``prepare_paged``; the
-    gathered path's plan on ``backend``, default ``default_backend``)."""
+    gathered path's plan on ``backend``, default ``default_backend``).
+    ``flex``: the caller's
+    :class:`~ragged_toolkit.attention.flex.FlexKernel`, which the ``flex``
+    path and the flex backend run outside ``torch.compile``."""
     for req, n in work:
         cache.check_writable(req.rid, req.computed, req.computed + max(n, 1))
     tokens = [t for req, n in work for t in (next_tokens(req, req.computed, n) if n else [0])]
@@ -52,6 +55,7 @@ def build_step(cache, work, device, path="gathered", backend=None):
         max(q_lengths),
         max(r.computed + m for (r, _), m in zip(work, q_lengths)),
         path,
+        flex,
     )
     backend = default_backend(device, cache.k.dtype) if backend is None else backend
     layout = replace(layout, prepared=prepare_paged(layout, backend))
@@ -59,22 +63,22 @@ def build_step(cache, work, device, path="gathered", backend=None):
 
 
 @torch.no_grad()
-def step_logits(model, cache, work, path="gathered", backend=None):
+def step_logits(model, cache, work, path="gathered", backend=None, *, flex=None):
     """One forward pass over the packed tokens of ``work``, a list of
     ``(request, n)``, their keys written into ``cache``: the logits (B,
     vocab) after each request's last new token. Changes no request."""
-    tokens, positions, layout = build_step(cache, work, cache.k.device, path, backend)
+    tokens, positions, layout = build_step(cache, work, cache.k.device, path, backend, flex=flex)
     return model(tokens, positions, layout)[layout.q_offsets[1:] - 1]
 
 
 @torch.no_grad()
-def forward_step(model, cache, work, path="gathered", backend=None, on_token=None):
+def forward_step(model, cache, work, path="gathered", backend=None, on_token=None, *, flex=None):
     """One step over ``work``, a list of ``(request, n)``: each request
     whose history is then all in the cache gets its next token, the greedy
     choice of :func:`step_logits`. A request keeps its tokens, not the
     logits that chose them: ``on_token(request, logits)`` (vocab,), if
     given, sees those (a proof records them; a server need not)."""
-    last = step_logits(model, cache, work, path, backend)  # (B, vocab)
+    last = step_logits(model, cache, work, path, backend, flex=flex)  # (B, vocab)
     choices = last.argmax(-1).tolist()
     for i, (req, n) in enumerate(work):
         req.computed += n

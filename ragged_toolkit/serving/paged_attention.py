@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..attention import backend_support, plan_batch, ragged_attention
 from ..attention.dense import shares_heads
-from ..attention.flex import FLEX_BLOCK, compiled_flex_attention, flex_rows
+from ..attention.flex import FLEX_BLOCK, flex_rows, in_graph_flex_attention
 from ..attention.varlen import varlen_attn, varlen_kwargs, varlen_missing
 from ..batches import offsets_from_lengths, token_index
 from ..kv_cache import PagedKVCache, paged_rows
@@ -35,7 +35,9 @@ class PagedLayout:
     with ``q_offsets`` (B + 1,), their rows ``slots`` (T,) and ``positions``
     (T,); each sequence's keys in use ``kv_lengths`` (B,) and
     ``block_table`` (B, max_blocks), and the longest of each. ``path`` says
-    how attention reads the keys (:data:`PAGED_PATHS`); ``prepared`` is what
+    how attention reads the keys (:data:`PAGED_PATHS`); ``flex`` is the
+    :class:`~ragged_toolkit.attention.flex.FlexKernel` of the ``flex``
+    path (and of a gathered step's plan on the flex backend); ``prepared`` is what
     that path builds once per step, for every layer (``prepare_paged``).
     Frozen: built once per step, by
     :func:`~ragged_toolkit.serving.engine.build_step`, and only read after."""
@@ -49,6 +51,7 @@ class PagedLayout:
     max_q: int
     max_kv: int
     path: str = "gathered"
+    flex: object = None  # the caller's FlexKernel, for the flex path outside torch.compile
     prepared: object = None
 
     def attend(self, q, k, v, layer):  # (T, H, D), (T, H_kv, D) -> (T, H, D)
@@ -95,9 +98,16 @@ def flex_paged_attention(q, step, layer):
     """FlexAttention reading the cache in place with ``_paged_block_mask``,
     the new queries as one padded sequence: q (T, H, D) -> (T, H, D)."""
     mask = step.prepared
+    if step.flex is None and not torch.compiler.is_compiling():
+        raise ValueError(
+            "the flex path outside torch.compile runs a compiled kernel that its caller owns: "
+            "build one (flex = FlexKernel()) with the server and pass it to every step: "
+            "build_step(..., path='flex', flex=flex), serve(..., path='flex', flex=flex)"
+        )
+    attend = in_graph_flex_attention if step.flex is None else step.flex
     qf = F.pad(q, (0, 0, 0, 0, 0, mask.seq_lengths[0] - len(q))).transpose(0, 1)[None]
     kf, vf = (t[layer].transpose(0, 1)[None] for t in (step.cache.k, step.cache.v))
-    out = compiled_flex_attention(
+    out = attend(
         qf,
         kf,
         vf,
@@ -149,7 +159,10 @@ def prepare_paged(step, backend=None):
     if step.path == "gathered":
         rows = paged_rows(step.block_table, step.kv_lengths, step.cache.block_size)
         kv_offsets = offsets_from_lengths(step.kv_lengths, rows.device)
-        return rows, plan_batch(step.q_offsets, kv_offsets, backend=backend, is_causal=True)
+        plan = plan_batch(
+            step.q_offsets, kv_offsets, backend=backend, is_causal=True, flex=step.flex
+        )
+        return rows, plan
     if step.path == "flex":
         return _paged_block_mask(step)
     if step.path == "varlen":

@@ -75,6 +75,7 @@ def serve(
     *,
     path="gathered",
     backend=None,
+    flex=None,
     check=False,
     observe=None,
     on_refused=None,
@@ -84,7 +85,10 @@ def serve(
     measured time and jumps to the next arrival when nothing runs. A generator
     yielding after each step (:func:`take_turns`), returning a
     :class:`ServingRun`. ``plan(running, waiting, cache, now)`` picks a step's
-    work, ``retire_step(running, cache)`` ends it; ``check``: verify the
+    work, ``retire_step(running, cache)`` ends it; ``path``, ``backend``
+    and ``flex`` (a :class:`~ragged_toolkit.attention.flex.FlexKernel`, for
+    FlexAttention) say how attention reads the cache
+    (:func:`~.engine.build_step`); ``check``: verify the
     blocks after each step; ``observe(step, running, cache)``: called after each;
     ``on_token(request, logits)``: called with each token's logits
     (:func:`~.engine.forward_step`).
@@ -119,7 +123,7 @@ def serve(
             work = plan(running, waiting, cache, now)
             fed = [(req, n, bool(req.generated) and req.pending() == 1) for req, n in work]
             slots = len(running)
-            forward_step(model, cache, work, path, backend, on_token)
+            forward_step(model, cache, work, path, backend, on_token, flex=flex)
             retire_step(running, cache)
         now += watch.seconds
         _stamp_clock([req for req, _ in work], now)

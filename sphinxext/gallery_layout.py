@@ -24,6 +24,7 @@ TOOLKIT_MD5 = TOOLKIT + ".md5.json"  # in GALLERY_OUT: each module's MD5 when th
 READING_ORDER = [
     "ragged_batches_intro",
     "transformer_building_blocks",
+    "packed_attention_layer",
     "measuring_ragged_batches",
     "transformer_layers_for_ragged_batches",
     "packed_gpt_training",

@@ -29,8 +29,9 @@ these in one call and links here.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * :doc:`transformer_building_blocks`: ``ragged_attention``, its
-         backends and the ``MultiHeadAttention`` layer
+       * :doc:`transformer_building_blocks` (``ragged_attention`` and its
+         backends) and :doc:`packed_attention_layer` (the
+         ``MultiHeadAttention`` layer)
        * PyTorch 2.11 or later; a CPU is enough
 """
 
@@ -108,7 +109,7 @@ assert cdf_gap < critical, "the geometric lengths do not match the word-by-word 
 # .. literalinclude:: ../ragged_toolkit/clock.py
 #    :pyobject: stopwatch
 #
-# The causal self-attention layer of the building-blocks page on one batch,
+# The causal self-attention layer of :doc:`packed_attention_layer` on one batch,
 # padded (one SDPA call, a causal kernel, no mask) and packed, forward
 # only; and, a third entry, the packed layer again under another name. The
 # packed side runs the backend ``default_backend`` picks on this device:

@@ -4,9 +4,7 @@ Transformer building blocks for ragged batches
 
 A batch of sequences of different lengths, stored without padding as packed
 values plus offsets; one attention function over it, and the code of each of
-its six backends; and a multi-head attention layer built on both, checked
-against ``torch.nn`` and timed against the best padded layer on the device
-at hand.
+its six backends, each checked against a float32 reference.
 
 **Author:** rewritten for PyTorch 2.11 and later from the original tutorial by
 `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
@@ -24,9 +22,7 @@ at hand.
        * The code of each of ``ragged_attention``'s six backends (a loop,
          padding, buckets, FlexAttention with a document mask,
          ``varlen_attn``, nested tensors), each checked against a float32
-         reference and chosen by measurement
-       * A multi-head attention layer on it, in parity with ``torch.nn``
-         and timed beside the :term:`work bound` that padding sets
+         reference
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -347,239 +343,16 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
         raise AssertionError(f"offsets {bad} were accepted")
 
 # %%
-# Multi-head attention for ragged batches
-# ---------------------------------------
-# The layer is short: project, attend, project. For self-attention the three
-# input projections are one ``Linear`` with three times the output width; for
-# cross-attention the queries come from one batch and the keys and values
-# from another. Given packed values and the batch's plan it calls
-# ``ragged_attention``; given a padded ``(B, S, E)`` batch and no plan, the
-# *same module* runs the padded path, one SDPA call, so the padded baseline
-# below differs from the ragged layer in nothing but the padding. With right
-# padding a causal query never sees a padding key, so the causal padded path
-# needs no mask and can use a causal kernel.
-#
-# .. literalinclude:: ../ragged_toolkit/layers.py
-#    :pyobject: MultiHeadAttention
-#
-# ``copy_from_nn`` gives it the weights of an ``nn.MultiheadAttention``, for
-# the parity checks below.
-
-import torch.nn as nn
-from ragged_toolkit.layers import MultiHeadAttention
-
-
-@torch.no_grad()
-def copy_from_nn(layer, ref):
-    """Give ``layer`` the weights of an ``nn.MultiheadAttention``."""
-    third = len(ref.in_proj_weight) // 3
-    if layer.cross:
-        layer.q_proj.weight.copy_(ref.in_proj_weight[:third])
-        layer.q_proj.bias.copy_(ref.in_proj_bias[:third])
-        layer.kv_proj.weight.copy_(ref.in_proj_weight[third:])
-        layer.kv_proj.bias.copy_(ref.in_proj_bias[third:])
-    else:
-        layer.qkv_proj.weight.copy_(ref.in_proj_weight)
-        layer.qkv_proj.bias.copy_(ref.in_proj_bias)
-    layer.out_proj.load_state_dict(ref.out_proj.state_dict())
-    return layer
-
-
-# %%
-# Causal self-attention against ``nn.MultiheadAttention``
-# -------------------------------------------------------
-# First correctness. The reference is ``nn.MultiheadAttention`` in float32 on
-# the padded batch, with a ``key_padding_mask`` and a causal ``attn_mask``;
-# the ragged layer gets the same weights, in the page's dtype, and the
-# batch's plan on the default backend (every backend was checked against
-# the reference above). Outputs are compared on the real tokens only: what a
-# padded layer writes at padding is garbage by definition.
-
-x, offsets = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)  # (T, E), (B + 1,)
-lengths = offsets.diff().cpu()
-print(f"batch: {len(lengths)} sequences, {len(x)} tokens, longest {int(lengths.max())}; "
-      f"padded, {len(lengths) * int(lengths.max())} token slots")
-torch.manual_seed(setup.seed)
-ref_mha = nn.MultiheadAttention(S.embed, S.heads, batch_first=True, device=DEVICE)
-mha = copy_from_nn(MultiHeadAttention(S.embed, S.heads, device=DEVICE), ref_mha).to(DTYPE)
-x_padded, valid = to_padded(x, offsets)  # (B, S, E), (B, S)
-causal_mask = torch.ones(x_padded.shape[1], x_padded.shape[1], dtype=torch.bool, device=DEVICE).triu(1)
-with torch.no_grad():
-    x32_padded = x_padded.float()
-    ref_out = ref_mha(x32_padded, x32_padded, x32_padded, key_padding_mask=~valid,
-                      attn_mask=causal_mask, need_weights=False)[0]  # True in the masks: masked
-    ragged_out = mha(x, plan_batch(offsets, backend=DEFAULT, is_causal=True))
-    torch.testing.assert_close(ragged_out.float(), ref_out[valid], **tolerances(DTYPE))
-    padded_out = from_padded(mha(x_padded, is_causal=True), offsets)
-    torch.testing.assert_close(padded_out.float(), ref_out[valid], **tolerances(DTYPE))
-print("ragged layer and padded path both match nn.MultiheadAttention on every real token")
-
-# %%
-# Measure, then choose
-# --------------------
-# Which backend wins depends on the device, the dtype, the lengths and the
-# number of cores, so the page measures: ``compare_backends`` builds each
-# backend's plan, runs one job on every backend that can take it here,
-# checks each output (and, for training, its gradients) against the
-# reference, and times them together; ``choose`` takes the fastest only
-# outside the noise, and otherwise ``DEFAULT``, from ``default_backend``,
-# the same on every page (:doc:`measuring_ragged_batches` explains the
-# rule).
-#
-# .. literalinclude:: ../ragged_site/measuring/compare.py
-#    :pyobject: compare_backends
-#
-# The job: the attention of that layer, causal, with ``S.heads`` heads on
-# this page's batch, forward alone (inference), then forward and backward
-# (training); each row ends with the :term:`kernel label` of what ran
-# (outside quick mode, which skips profiles).
-
-from ragged_site.measuring.compare import compare_backends
-from ragged_site.measuring.noise import choose
-
-gen = torch.Generator(DEVICE).manual_seed(setup.seed + 1)
-q_a = x.unflatten(-1, (S.heads, -1))  # queries from the batch; keys and values drawn apart, (T, H, D)
-k_a, v_a = (torch.randn(x.shape, generator=gen, device=DEVICE).to(DTYPE).unflatten(-1, (S.heads, -1))
-            for _ in range(2))
-print("forward:")
-FORWARD_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, flex=FLEX, min_run_time=S.run_time,
-                                          profile=not setup.quick), DEFAULT, "forward backend")
-print("forward and backward:")
-TRAINING_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, backward=True, flex=FLEX,
-                                           min_run_time=S.run_time, profile=not setup.quick),
-                          DEFAULT, "training backend")
-
-# %%
-# Then speed, with a plan for each chosen backend, built once. Three
-# forward passes on the same batch, and both sides' forward and backward:
-#
-# * **padded**, the baseline: the same module on the padded batch with
-#   ``is_causal`` (right padding, no mask), what a reader writing a padded
-#   layer today would write;
-# * **ragged**: the module on packed values with the batch's plan;
-# * :term:`the original tutorial's baseline`: ``nn.MultiheadAttention``
-#   with a ``key_padding_mask`` and a causal ``attn_mask``, which it merges
-#   into one ``(B * H, S, S)`` mask and so computes the whole score square;
-#   its bound counts that square.
-#
-# Each speedup is printed beside its :term:`work bound`, counted from the
-# layer's ``Work`` (``attention_layer_work``; :ref:`the measuring page
-# <work-bound>` shows how), and the :term:`fraction of the bound` reached.
-
-from ragged_site.measuring.bound import attention_layer_work, speedup_line, work_bound
-from ragged_site.measuring.tables import print_timings
-from ragged_site.measuring.timing import measure
-
-ref_mha_lp = ref_mha.to(DTYPE)
-grad_out = torch.randn_like(x)
-grad_padded = to_padded(grad_out, offsets)[0]
-forward_plan = plan_batch(offsets, backend=FORWARD_BACKEND, is_causal=True, flex=FLEX)
-training_plan = plan_batch(offsets, backend=TRAINING_BACKEND, is_causal=True, flex=FLEX)
-with torch.no_grad():
-    forward = measure({"padded": lambda: mha(x_padded, is_causal=True), "ragged": lambda: mha(x, forward_plan),
-                       "original baseline": lambda: ref_mha_lp(x_padded, x_padded, x_padded, need_weights=False,
-                                                               key_padding_mask=~valid, attn_mask=causal_mask)},
-                      min_run_time=S.run_time, profile=not setup.quick)
-training = measure({"padded": lambda: mha(x_padded, is_causal=True).backward(grad_padded),
-                    "ragged": lambda: mha(x, training_plan).backward(grad_out)},
-                   min_run_time=S.run_time, profile=not setup.quick)
-print_timings({f"forward, {n}": t for n, t in forward.items()}
-              | {f"forward and backward, {n}": t for n, t in training.items()})
-bound = work_bound(lengths, work=attention_layer_work(S.embed), causal=True)
-merged = work_bound(lengths, work=attention_layer_work(S.embed), causal=True, padded_causal=False)
-print(speedup_line("forward against padded", forward["padded"], forward["ragged"], bound))
-print(speedup_line("forward against the original's baseline", forward["original baseline"], forward["ragged"],
-                   merged))
-print(speedup_line("forward and backward against padded", training["padded"], training["ragged"], bound))
-
-# %%
-# What those fractions say, near 1, below or above it, is explained once,
-# on :ref:`the measuring page <fraction-of-the-bound>`, which also profiles
-# both sides of this layer to show where their time goes.
-#
-# Cross-attention
-# ---------------
-# In cross-attention the queries come from one batch and the keys and values
-# from another, as in an encoder-decoder model, and each item has its own
-# pair of lengths: the plan takes both offsets. The padded path needs two
-# padded tensors and a mask for the padding keys. Neither side is causal, so
-# both compute the whole score rectangle of their batch; the layer's
-# ``Work`` counts the keys' and values' projections per context token.
-
-x_q, offsets_q = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)
-x_kv, offsets_kv = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)
-torch.manual_seed(setup.seed)
-ref_cross = nn.MultiheadAttention(S.embed, S.heads, batch_first=True, device=DEVICE)
-cross = copy_from_nn(MultiHeadAttention(S.embed, S.heads, cross=True, device=DEVICE), ref_cross).to(DTYPE)
-q_padded, q_valid = to_padded(x_q, offsets_q)
-kv_padded, kv_valid = to_padded(x_kv, offsets_kv)
-with torch.no_grad():
-    ref_cross_out = ref_cross(q_padded.float(), kv_padded.float(), kv_padded.float(),
-                              key_padding_mask=~kv_valid, need_weights=False)[0]
-    default_plan = plan_batch(offsets_q, offsets_kv, backend=DEFAULT)  # queries' and keys' offsets
-    torch.testing.assert_close(cross(x_q, default_plan, context=x_kv).float(), ref_cross_out[q_valid],
-                               **tolerances(DTYPE))
-print("cross-attention matches nn.MultiheadAttention on every real query")
-with torch.no_grad():
-    cross_backend = choose(compare_backends(
-        *(t.unflatten(-1, (S.heads, -1)) for t in (x_q, x_kv, x_kv)), offsets_q, offsets_kv,
-        min_run_time=S.run_time / 2, profile=not setup.quick, flex=FLEX), DEFAULT, "cross-attention backend")
-    cross_plan = plan_batch(offsets_q, offsets_kv, backend=cross_backend, flex=FLEX)
-    cross_times = measure({"padded": lambda: cross(q_padded, context=kv_padded, key_valid=kv_valid),
-                           "ragged": lambda: cross(x_q, cross_plan, context=x_kv)},
-                          min_run_time=S.run_time, profile=not setup.quick)
-print_timings(cross_times)
-cross_bound = work_bound(offsets_q.diff().cpu(), offsets_kv.diff().cpu(),
-                         work=attention_layer_work(S.embed, cross=True))
-print(speedup_line("cross-attention forward", cross_times["padded"], cross_times["ragged"], cross_bound))
-
-# %%
-# Empty sequences and fully masked rows
-# -------------------------------------
-# An empty sequence is, padded, a row with every key masked, and a softmax
-# over no keys has no value. The ``torch.nn`` layer in evaluation mode and
-# the ragged layer, on every backend that runs here, on lengths 5, 0 and 3:
-
-offsets_empty = offsets_from_lengths([5, 0, 3], DEVICE)
-x_empty = torch.randn(8, S.embed, generator=gen, device=DEVICE).to(DTYPE)
-x_empty_padded, valid_empty = to_padded(x_empty, offsets_empty)
-with torch.no_grad():
-    x32_empty = x_empty_padded.float()
-    out_nn = ref_mha.float().eval()(x32_empty, x32_empty, x32_empty, key_padding_mask=~valid_empty,
-                                    need_weights=False)[0]
-    print(f"nn.MultiheadAttention, eval: NaN rows per sequence {out_nn.isnan().all(-1).sum(-1).tolist()}")
-    for name in BACKENDS:
-        if backend_support(name, DEVICE, DTYPE, is_causal=True, head_dim=S.embed // S.heads) is None:
-            out = mha(x_empty, plan_batch(offsets_empty, backend=name, is_causal=True, flex=FLEX))
-            assert out.shape == (8, S.embed) and out.isfinite().all(), name
-    print("ragged layer: 8 rows (5 + 0 + 3), all finite, on every backend that runs here")
-
 # %%
 # Conclusion
 # ----------
-# A layer that never pads does only the work the batch needs, and the work
-# bound says how much that can be worth. Linear layers, norms and residuals
-# run on packed values; attention needs the batch's plan, built once by
-# ``plan_batch`` and passed to every ``ragged_attention`` call, on the
-# backend measured on the device at hand (the default where the
-# measurement cannot tell), checked against a reference that shares no
-# kernel with it. The other pages build on these functions;
-# :doc:`which_attention_path` measures every backend against every job,
-# and score modifications such as ALiBi with FlexAttention.
-#
-# **Figures from the original tutorial, not from this build:** on an A100
-# with batch 512 and embedding 512, causal self-attention forward 5.65x
-# faster, 3.39 GB of peak memory saved, backward 144x
-# (:doc:`measuring_ragged_batches` shows where that came from),
-# cross-attention forward 4.01x. Its numpy generator was not seeded, so its
-# batch and its bound are unknown; here is the bound of its setting for three
-# seeds of this page's generator, its padded layer counted as it ran (a
-# merged mask: the whole square).
-
-original_bounds = [work_bound(sentence_lengths(np.random.default_rng(seed), 512), work=attention_layer_work(512),
-                              causal=True, padded_causal=False) for seed in (0, 1, 2)]
-print("work bound of the original's setting, seeds 0, 1, 2: "
-      + ", ".join(f"{b:.2f}x" for b in original_bounds))
+# Linear layers, norms and residuals run on packed values as one long
+# sequence; attention alone needs the offsets. The batch's plan is built
+# once by ``plan_batch`` and passed to every ``ragged_attention`` call.
+# Each backend was checked against a reference that shares no kernel with
+# it. :doc:`packed_attention_layer` builds a multi-head attention layer on
+# these functions and measures it; :doc:`which_attention_path` measures
+# every backend against every job.
 
 # sphinx_gallery_thumbnail_number = 3
 
@@ -588,11 +361,7 @@ print("work bound of the original's setting, seeds 0, 1, 2: "
 # ---------------
 # * `torch.nested documentation <https://docs.pytorch.org/docs/stable/nested.html>`_
 # * `varlen_attn <https://docs.pytorch.org/docs/stable/nn.attention.varlen.html>`_
-# * The `scaled dot product attention tutorial
-#   <https://docs.pytorch.org/tutorials/intermediate/scaled_dot_product_attention_tutorial.html>`_
 # * The `FlexAttention blog post <https://pytorch.org/blog/flexattention/>`_ and
 #   `attention-gym <https://github.com/meta-pytorch/attention-gym>`_
 # * `Packing with FlashAttention 2 in Hugging Face transformers
 #   <https://huggingface.co/blog/packing-with-FA2>`_
-# * `gpt-fast <https://github.com/meta-pytorch/gpt-fast>`_ and
-#   `nanoGPT <https://github.com/karpathy/nanoGPT>`_

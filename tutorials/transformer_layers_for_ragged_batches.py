@@ -22,8 +22,8 @@ proven equal to ``torch.nn``, measured against it, trained end to end.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * The :doc:`building-blocks page <transformer_building_blocks>`: the
-         ``MultiHeadAttention`` layer, ``plan_batch`` and ``ragged_attention``
+       * :doc:`packed_attention_layer`: the ``MultiHeadAttention`` layer,
+         ``plan_batch`` and ``ragged_attention``
        * PyTorch 2.11 or later; a CPU is enough
 """
 

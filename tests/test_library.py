@@ -184,7 +184,10 @@ def test_the_list_check_reads_a_line():
     assert reference_table(row) == {"ragged_toolkit.layers": ["MultiHeadAttention", "Extra"]}
 
 
-FORMATTED = PACKAGES  # the pages join them with issue 38's restructure
+# the packages, and the pages restructured so far (the others join them as
+# they are split or restored: formatting them as they are would push them
+# past 600 lines)
+FORMATTED = (*PACKAGES, "tutorials/transformer_building_blocks.py", "tutorials/packed_attention_layer.py")
 
 
 def test_the_packages_are_formatted_by_the_formatter():

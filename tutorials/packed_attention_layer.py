@@ -47,7 +47,9 @@ from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(batch=512, embed=512, heads=8, run_time=1.0),  # the original tutorial's scale
-    "cpu": dict(batch=64, embed=256, heads=8, run_time=0.3),  # real workloads: batch 512, E 512 and up
+    "cpu": dict(
+        batch=64, embed=256, heads=8, run_time=0.3
+    ),  # real workloads: batch 512, E 512 and up
     "quick": dict(batch=16, embed=128, run_time=0.1),  # TUTORIALS_QUICK=1
 }
 setup = page_setup(SIZES, seed=6)  # run_time: seconds per comparison
@@ -108,26 +110,37 @@ def copy_from_nn(layer, ref):
 # %%
 # Causal self-attention against ``nn.MultiheadAttention``
 # -------------------------------------------------------
-# First correctness. The reference is ``nn.MultiheadAttention`` in float32 on
-# the padded batch, with a ``key_padding_mask`` and a causal ``attn_mask``;
-# the ragged layer gets the same weights, in the page's dtype, and the
-# batch's plan on the default backend (every backend was checked against
-# the reference on :doc:`transformer_building_blocks`). Outputs are compared on the real tokens only: what a
-# padded layer writes at padding is garbage by definition.
+# First correctness. The reference is ``nn.MultiheadAttention`` in float32
+# on the padded batch, with a ``key_padding_mask`` and a causal
+# ``attn_mask``. The ragged layer gets the same weights, in the page's
+# dtype, and the batch's plan on the default backend. (Every backend was
+# checked against the reference on :doc:`transformer_building_blocks`.)
+# Outputs are compared on the real tokens only: what a padded layer writes
+# at padding is garbage by definition.
 
 x, offsets = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)  # (T, E), (B + 1,)
 lengths = offsets.diff().cpu()
-print(f"batch: {len(lengths)} sequences, {len(x)} tokens, longest {int(lengths.max())}; "
-      f"padded, {len(lengths) * int(lengths.max())} token slots")
+print(
+    f"batch: {len(lengths)} sequences, {len(x)} tokens, longest {int(lengths.max())}; "
+    f"padded, {len(lengths) * int(lengths.max())} token slots"
+)
 torch.manual_seed(setup.seed)
 ref_mha = nn.MultiheadAttention(S.embed, S.heads, batch_first=True, device=DEVICE)
 mha = copy_from_nn(MultiHeadAttention(S.embed, S.heads, device=DEVICE), ref_mha).to(DTYPE)
 x_padded, valid = to_padded(x, offsets)  # (B, S, E), (B, S)
-causal_mask = torch.ones(x_padded.shape[1], x_padded.shape[1], dtype=torch.bool, device=DEVICE).triu(1)
+causal_mask = torch.ones(
+    x_padded.shape[1], x_padded.shape[1], dtype=torch.bool, device=DEVICE
+).triu(1)
 with torch.no_grad():
     x32_padded = x_padded.float()
-    ref_out = ref_mha(x32_padded, x32_padded, x32_padded, key_padding_mask=~valid,
-                      attn_mask=causal_mask, need_weights=False)[0]  # True in the masks: masked
+    ref_out = ref_mha(
+        x32_padded,
+        x32_padded,
+        x32_padded,
+        key_padding_mask=~valid,
+        attn_mask=causal_mask,
+        need_weights=False,
+    )[0]  # True in the masks: masked
     ragged_out = mha(x, plan_batch(offsets, backend=DEFAULT, is_causal=True))
     torch.testing.assert_close(ragged_out.float(), ref_out[valid], **tolerances(DTYPE))
     padded_out = from_padded(mha(x_padded, is_causal=True), offsets)
@@ -244,16 +257,44 @@ from ragged_site.measuring.compare import compare_backends
 from ragged_site.measuring.noise import choose
 
 gen = torch.Generator(DEVICE).manual_seed(setup.seed + 1)
-q_a = x.unflatten(-1, (S.heads, -1))  # queries from the batch; keys and values drawn apart, (T, H, D)
-k_a, v_a = (torch.randn(x.shape, generator=gen, device=DEVICE).to(DTYPE).unflatten(-1, (S.heads, -1))
-            for _ in range(2))
+q_a = x.unflatten(
+    -1, (S.heads, -1)
+)  # queries from the batch; keys and values drawn apart, (T, H, D)
+k_a, v_a = (
+    torch.randn(x.shape, generator=gen, device=DEVICE).to(DTYPE).unflatten(-1, (S.heads, -1))
+    for _ in range(2)
+)
 print("forward:")
-FORWARD_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, flex=FLEX, min_run_time=S.run_time,
-                                          profile=not setup.quick), DEFAULT, "forward backend")
+FORWARD_BACKEND = choose(
+    compare_backends(
+        q_a,
+        k_a,
+        v_a,
+        offsets,
+        is_causal=True,
+        flex=FLEX,
+        min_run_time=S.run_time,
+        profile=not setup.quick,
+    ),
+    DEFAULT,
+    "forward backend",
+)
 print("forward and backward:")
-TRAINING_BACKEND = choose(compare_backends(q_a, k_a, v_a, offsets, is_causal=True, backward=True, flex=FLEX,
-                                           min_run_time=S.run_time, profile=not setup.quick),
-                          DEFAULT, "training backend")
+TRAINING_BACKEND = choose(
+    compare_backends(
+        q_a,
+        k_a,
+        v_a,
+        offsets,
+        is_causal=True,
+        backward=True,
+        flex=FLEX,
+        min_run_time=S.run_time,
+        profile=not setup.quick,
+    ),
+    DEFAULT,
+    "training backend",
+)
 
 # %%
 # Then speed, with a plan for each chosen backend, built once. Three
@@ -280,21 +321,50 @@ grad_padded = to_padded(grad_out, offsets)[0]
 forward_plan = plan_batch(offsets, backend=FORWARD_BACKEND, is_causal=True, flex=FLEX)
 training_plan = plan_batch(offsets, backend=TRAINING_BACKEND, is_causal=True, flex=FLEX)
 with torch.no_grad():
-    forward = measure({"padded": lambda: mha(x_padded, is_causal=True), "ragged": lambda: mha(x, forward_plan),
-                       "original baseline": lambda: ref_mha_lp(x_padded, x_padded, x_padded, need_weights=False,
-                                                               key_padding_mask=~valid, attn_mask=causal_mask)},
-                      min_run_time=S.run_time, profile=not setup.quick)
-training = measure({"padded": lambda: mha(x_padded, is_causal=True).backward(grad_padded),
-                    "ragged": lambda: mha(x, training_plan).backward(grad_out)},
-                   min_run_time=S.run_time, profile=not setup.quick)
-print_timings({f"forward, {n}": t for n, t in forward.items()}
-              | {f"forward and backward, {n}": t for n, t in training.items()})
+    forward = measure(
+        {
+            "padded": lambda: mha(x_padded, is_causal=True),
+            "ragged": lambda: mha(x, forward_plan),
+            "original baseline": lambda: ref_mha_lp(
+                x_padded,
+                x_padded,
+                x_padded,
+                need_weights=False,
+                key_padding_mask=~valid,
+                attn_mask=causal_mask,
+            ),
+        },
+        min_run_time=S.run_time,
+        profile=not setup.quick,
+    )
+training = measure(
+    {
+        "padded": lambda: mha(x_padded, is_causal=True).backward(grad_padded),
+        "ragged": lambda: mha(x, training_plan).backward(grad_out),
+    },
+    min_run_time=S.run_time,
+    profile=not setup.quick,
+)
+print_timings(
+    {f"forward, {n}": t for n, t in forward.items()}
+    | {f"forward and backward, {n}": t for n, t in training.items()}
+)
 bound = work_bound(lengths, work=attention_layer_work(S.embed), causal=True)
 merged = work_bound(lengths, work=attention_layer_work(S.embed), causal=True, padded_causal=False)
 print(speedup_line("forward against padded", forward["padded"], forward["ragged"], bound))
-print(speedup_line("forward against the original's baseline", forward["original baseline"], forward["ragged"],
-                   merged))
-print(speedup_line("forward and backward against padded", training["padded"], training["ragged"], bound))
+print(
+    speedup_line(
+        "forward against the original's baseline",
+        forward["original baseline"],
+        forward["ragged"],
+        merged,
+    )
+)
+print(
+    speedup_line(
+        "forward and backward against padded", training["padded"], training["ragged"], bound
+    )
+)
 
 # %%
 # What those fractions say, near 1, below or above it, is explained once,
@@ -314,28 +384,55 @@ x_q, offsets_q = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)
 x_kv, offsets_kv = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)
 torch.manual_seed(setup.seed)
 ref_cross = nn.MultiheadAttention(S.embed, S.heads, batch_first=True, device=DEVICE)
-cross = copy_from_nn(MultiHeadAttention(S.embed, S.heads, cross=True, device=DEVICE), ref_cross).to(DTYPE)
+cross = copy_from_nn(MultiHeadAttention(S.embed, S.heads, cross=True, device=DEVICE), ref_cross).to(
+    DTYPE
+)
 q_padded, q_valid = to_padded(x_q, offsets_q)
 kv_padded, kv_valid = to_padded(x_kv, offsets_kv)
 with torch.no_grad():
-    ref_cross_out = ref_cross(q_padded.float(), kv_padded.float(), kv_padded.float(),
-                              key_padding_mask=~kv_valid, need_weights=False)[0]
+    ref_cross_out = ref_cross(
+        q_padded.float(),
+        kv_padded.float(),
+        kv_padded.float(),
+        key_padding_mask=~kv_valid,
+        need_weights=False,
+    )[0]
     default_plan = plan_batch(offsets_q, offsets_kv, backend=DEFAULT)  # queries' and keys' offsets
-    torch.testing.assert_close(cross(x_q, default_plan, context=x_kv).float(), ref_cross_out[q_valid],
-                               **tolerances(DTYPE))
+    torch.testing.assert_close(
+        cross(x_q, default_plan, context=x_kv).float(), ref_cross_out[q_valid], **tolerances(DTYPE)
+    )
 print("cross-attention matches nn.MultiheadAttention on every real query")
 with torch.no_grad():
-    cross_backend = choose(compare_backends(
-        *(t.unflatten(-1, (S.heads, -1)) for t in (x_q, x_kv, x_kv)), offsets_q, offsets_kv,
-        min_run_time=S.run_time / 2, profile=not setup.quick, flex=FLEX), DEFAULT, "cross-attention backend")
+    cross_backend = choose(
+        compare_backends(
+            *(t.unflatten(-1, (S.heads, -1)) for t in (x_q, x_kv, x_kv)),
+            offsets_q,
+            offsets_kv,
+            min_run_time=S.run_time / 2,
+            profile=not setup.quick,
+            flex=FLEX,
+        ),
+        DEFAULT,
+        "cross-attention backend",
+    )
     cross_plan = plan_batch(offsets_q, offsets_kv, backend=cross_backend, flex=FLEX)
-    cross_times = measure({"padded": lambda: cross(q_padded, context=kv_padded, key_valid=kv_valid),
-                           "ragged": lambda: cross(x_q, cross_plan, context=x_kv)},
-                          min_run_time=S.run_time, profile=not setup.quick)
+    cross_times = measure(
+        {
+            "padded": lambda: cross(q_padded, context=kv_padded, key_valid=kv_valid),
+            "ragged": lambda: cross(x_q, cross_plan, context=x_kv),
+        },
+        min_run_time=S.run_time,
+        profile=not setup.quick,
+    )
 print_timings(cross_times)
-cross_bound = work_bound(offsets_q.diff().cpu(), offsets_kv.diff().cpu(),
-                         work=attention_layer_work(S.embed, cross=True))
-print(speedup_line("cross-attention forward", cross_times["padded"], cross_times["ragged"], cross_bound))
+cross_bound = work_bound(
+    offsets_q.diff().cpu(), offsets_kv.diff().cpu(), work=attention_layer_work(S.embed, cross=True)
+)
+print(
+    speedup_line(
+        "cross-attention forward", cross_times["padded"], cross_times["ragged"], cross_bound
+    )
+)
 
 # %%
 # Empty sequences and fully masked rows
@@ -349,11 +446,17 @@ x_empty = torch.randn(8, S.embed, generator=gen, device=DEVICE).to(DTYPE)
 x_empty_padded, valid_empty = to_padded(x_empty, offsets_empty)
 with torch.no_grad():
     x32_empty = x_empty_padded.float()
-    out_nn = ref_mha.float().eval()(x32_empty, x32_empty, x32_empty, key_padding_mask=~valid_empty,
-                                    need_weights=False)[0]
-    print(f"nn.MultiheadAttention, eval: NaN rows per sequence {out_nn.isnan().all(-1).sum(-1).tolist()}")
+    out_nn = ref_mha.float().eval()(
+        x32_empty, x32_empty, x32_empty, key_padding_mask=~valid_empty, need_weights=False
+    )[0]
+    print(
+        f"nn.MultiheadAttention, eval: NaN rows per sequence {out_nn.isnan().all(-1).sum(-1).tolist()}"
+    )
     for name in BACKENDS:
-        if backend_support(name, DEVICE, DTYPE, is_causal=True, head_dim=S.embed // S.heads) is None:
+        if (
+            backend_support(name, DEVICE, DTYPE, is_causal=True, head_dim=S.embed // S.heads)
+            is None
+        ):
             out = mha(x_empty, plan_batch(offsets_empty, backend=name, is_causal=True, flex=FLEX))
             assert out.shape == (8, S.embed) and out.isfinite().all(), name
     print("ragged layer: 8 rows (5 + 0 + 3), all finite, on every backend that runs here")
@@ -380,10 +483,19 @@ with torch.no_grad():
 # seeds of this page's generator, its padded layer counted as it ran (a
 # merged mask: the whole square).
 
-original_bounds = [work_bound(sentence_lengths(np.random.default_rng(seed), 512), work=attention_layer_work(512),
-                              causal=True, padded_causal=False) for seed in (0, 1, 2)]
-print("work bound of the original's setting, seeds 0, 1, 2: "
-      + ", ".join(f"{b:.2f}x" for b in original_bounds))
+original_bounds = [
+    work_bound(
+        sentence_lengths(np.random.default_rng(seed), 512),
+        work=attention_layer_work(512),
+        causal=True,
+        padded_causal=False,
+    )
+    for seed in (0, 1, 2)
+]
+print(
+    "work bound of the original's setting, seeds 0, 1, 2: "
+    + ", ".join(f"{b:.2f}x" for b in original_bounds)
+)
 
 # %%
 # Further reading

@@ -84,7 +84,9 @@ from ragged_site.page import page_setup
 
 SIZES = {
     "cuda": dict(batch=512, embed=512, heads=8, run_time=1.0),  # the original tutorial's scale
-    "cpu": dict(batch=64, embed=256, heads=8, run_time=0.3),  # real workloads: batch 512, E 512 and up
+    "cpu": dict(
+        batch=64, embed=256, heads=8, run_time=0.3
+    ),  # real workloads: batch 512, E 512 and up
     "quick": dict(batch=16, embed=128, run_time=0.1),  # TUTORIALS_QUICK=1
 }
 setup = page_setup(SIZES, seed=6)  # run_time: seconds per comparison
@@ -117,7 +119,13 @@ print(f"batch {S.batch}, embedding {S.embed}, heads {S.heads}")
 
 import numpy as np
 import torch
-from ragged_toolkit.batches import from_padded, offsets_from_lengths, offsets_from_position_ids, to_padded, token_index
+from ragged_toolkit.batches import (
+    from_padded,
+    offsets_from_lengths,
+    offsets_from_position_ids,
+    to_padded,
+    token_index,
+)
 from ragged_site.workloads import ragged_batch
 
 offsets = offsets_from_lengths([3, 1, 4])
@@ -131,8 +139,10 @@ rng = np.random.default_rng(setup.seed)
 values, offsets = ragged_batch(rng, 5, 4)
 padded, valid = to_padded(values, offsets)
 assert torch.equal(from_padded(padded, offsets), values)
-print(f"lengths {offsets.diff().tolist()}: values {tuple(values.shape)}, "
-      f"padded {tuple(padded.shape)}, {1 - len(values) / valid.numel():.0%} padding")
+print(
+    f"lengths {offsets.diff().tolist()}: values {tuple(values.shape)}, "
+    f"padded {tuple(padded.shape)}, {1 - len(values) / valid.numel():.0%} padding"
+)
 
 # %%
 # One attention function
@@ -203,10 +213,14 @@ DEFAULT = default_backend(DEVICE, DTYPE, head_dim=S.embed // S.heads)
 small = offsets_from_lengths([5, 2, 7, 3], DEVICE)
 plan = plan_batch(small, backend=DEFAULT, is_causal=True)  # once per batch
 gen = torch.Generator(DEVICE).manual_seed(setup.seed)
-q1, k1, v1, q2, k2, v2 = (torch.randn(17, 2, 16, generator=gen, device=DEVICE, dtype=DTYPE) for _ in range(6))
+q1, k1, v1, q2, k2, v2 = (
+    torch.randn(17, 2, 16, generator=gen, device=DEVICE, dtype=DTYPE) for _ in range(6)
+)
 out1, out2 = ragged_attention(q1, k1, v1, plan), ragged_attention(q2, k2, v2, plan)  # every layer
-print(f"default backend here: {DEFAULT}; the plan: {plan.backend}, lengths {plan.q_lengths}, "
-      f"{plan.n_q} rows, longest {plan.max_q}")
+print(
+    f"default backend here: {DEFAULT}; the plan: {plan.backend}, lengths {plan.q_lengths}, "
+    f"{plan.n_q} rows, longest {plan.max_q}"
+)
 try:
     ragged_attention(q1[:10], k1[:10], v1[:10], plan)
 except ValueError as err:
@@ -323,7 +337,9 @@ for name in BACKENDS:
         print(f"{name:9s} not available: {why}")
         continue
     with torch.no_grad():
-        out_e = ragged_attention(q_e, k_e, v_e, plan_batch(offsets_e, backend=name, is_causal=True, flex=FLEX))
+        out_e = ragged_attention(
+            q_e, k_e, v_e, plan_batch(offsets_e, backend=name, is_causal=True, flex=FLEX)
+        )
     assert out_e.isfinite().all(), f"{name} returned NaN or inf"
     torch.testing.assert_close(out_e.float(), reference_e, **tolerances(DTYPE))
     gap = (out_e.float() - reference_e).abs().max().item()
@@ -336,7 +352,9 @@ for name in BACKENDS:
 
 for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
     try:
-        ragged_attention(q_e, k_e, v_e, plan_batch(torch.tensor(bad, device=DEVICE), offsets_e, backend=DEFAULT))
+        ragged_attention(
+            q_e, k_e, v_e, plan_batch(torch.tensor(bad, device=DEVICE), offsets_e, backend=DEFAULT)
+        )
     except ValueError as err:
         print(f"offsets {bad}:\n  {err}")
     else:

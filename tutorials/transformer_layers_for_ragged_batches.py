@@ -472,7 +472,8 @@ class Seq2Seq(nn.Module):
 
     def forward(self, b):  # a batch of copy_batch -> logits and targets, flat
         if self.backends is not None:
-            plans = plan_transformer(b["src_offsets"], b["tgt_offsets"], **self.backends, flex=self.flex)  # once, for all layers
+            # the batch's plans, built once for all layers
+            plans = plan_transformer(b["src_offsets"], b["tgt_offsets"], **self.backends, flex=self.flex)
             h = self.core(self.embed(b["src"]) + self.pos(token_index(b["src_offsets"])[1]),
                           self.embed(b["tgt_in"]) + self.pos(token_index(b["tgt_offsets"])[1]), plans)
             return self.head(h), b["tgt_out"]

@@ -282,11 +282,23 @@ def check(torch_version: str, pages: list[Path], root: Path, extra: dict[str, st
     return record
 
 
+#: What makes two runs of a version the same environment.
+ENVIRONMENT = ("torch", "numpy", "matplotlib", "transformers", "python", "quick")
+
+
 def merge_records(existing: dict, *records: dict, about: str = ABOUT[RECORD.name]) -> dict:
-    """Later records replace earlier ones for the same version."""
+    """Later records replace earlier ones for the same version. Where both
+    ran in the same environment (:data:`ENVIRONMENT`), a later run of some
+    pages (``--pages``) replaces only those pages' entries; the other pages
+    keep theirs, each with the hash of the source that passed."""
     checked = dict(existing.get("checked", {}))
     for rec in records:
-        checked.update(rec.get("checked", {}))
+        for version, entry in rec.get("checked", {}).items():
+            before = checked.get(version)
+            same = before is not None and all(before.get(k) == entry.get(k) for k in ENVIRONMENT)
+            if same:
+                entry = {**entry, "pages": {**before.get("pages", {}), **entry.get("pages", {})}}
+            checked[version] = entry
     return {
         "about": about,
         "checked": dict(sorted(checked.items(), key=lambda kv: [int(x) for x in re.findall(r"\d+", kv[0])])),

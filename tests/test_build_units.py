@@ -327,6 +327,16 @@ def test_check_versions_cli_prints_the_matrix_and_merges_records(tmp_path, capsy
     assert merged["2.13.0"]["pages"]["p"]["result"] == "passed"  # the newer record wins
 
 
+def test_a_run_of_some_pages_keeps_the_other_pages_of_the_same_environment():
+    env = {"torch": "2.13.0", "numpy": "2.4.6", "matplotlib": "3.11.2", "python": "3.11.7", "quick": True}
+    old = {"checked": {"2.13.0": {**env, "pages": {"p": {"md5": "a"}, "q": {"md5": "b"}}}}}
+    some = {"checked": {"2.13.0": {**env, "date": "later", "pages": {"q": {"md5": "c"}}}}}
+    merged = check_versions.merge_records(old, some)["checked"]["2.13.0"]
+    assert merged["pages"] == {"p": {"md5": "a"}, "q": {"md5": "c"}} and merged["date"] == "later"
+    other = {"checked": {"2.13.0": {**env, "numpy": "2.5.0", "pages": {"q": {"md5": "d"}}}}}
+    assert check_versions.merge_records(old, other)["checked"]["2.13.0"]["pages"] == {"q": {"md5": "d"}}
+
+
 @pytest.fixture
 def one_env(monkeypatch, tmp_path):
     # This environment stands in for one of the matrix.

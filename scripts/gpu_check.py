@@ -106,11 +106,12 @@ GPU_FACTOR = {"full": 2.0, "quick": 1.0}
 # Pages that compile more on CUDA than on the CPU, in either mode: their
 # expected time is at least this times the CPU build's. The decision page
 # adds FlexAttention's forward and backward compiles with dynamic shapes and
-# about 45 profiler sessions; the building blocks a FlexAttention backward;
+# about 45 profiler sessions; the building blocks FlexAttention's forward,
+# the attention layer's page its backward;
 # the recurrent page's compile is the identity on the CPU and two cold
 # inductor compiles on CUDA.
 CUDA_COMPILES_FACTOR = {"which_attention_path": 4.0, "transformer_building_blocks": 4.0,
-                        "packed_recurrent_layers": 4.0}
+                        "packed_attention_layer": 4.0, "packed_recurrent_layers": 4.0}
 # Pages that need several GPUs to give a GPU figure: with fewer, the
 # data-parallel page runs gloo ranks on the CPU at the CUDA sizes, a CPU
 # figure, so the check skips it, named.

@@ -31,6 +31,7 @@ READING_ORDER = [
     "hf_packed_training",
     "data_parallel_packed_training",
     "packed_recurrent_layers",
+    "packed_hybrid_model",
     "ragged_decoding_kv_cache_gqa",
     "serving_continuous_batching",
     "serving_shared_prompts",

@@ -16,7 +16,7 @@ from page_code import run_page
 from sitebuild import REPO
 from toolkit_api import tk
 
-RECURRENT = REPO / "tutorials" / "packed_recurrent_layers.py"
+RECURRENT = REPO / "tutorials" / "packed_hybrid_model.py"  # the hybrid's training
 MEASURING = REPO / "tutorials" / "measuring_ragged_batches.py"
 CALLS = []  # (model id, tokens' shape, inside a timed step) of every forward call of a Recorder
 TIMING = [False]

@@ -105,7 +105,8 @@ def test_dry_run_prints_the_timeline_and_the_pages_that_do_not_fit_and_runs_noth
     assert ("no GPU run recorded (gpu-results/summary.json): the CPU build's duration "
             "(.github/tutorial-durations.json) times a CPU-to-GPU factor, assumed until a GPU run is recorded: "
             "full size x2.0, quick mode x1.0; in either mode at least x4.0 for which_attention_path, x4.0 for "
-            "transformer_building_blocks, x4.0 for packed_recurrent_layers (they compile more on CUDA); a page with "
+            "transformer_building_blocks, x4.0 for packed_attention_layer, x4.0 for packed_recurrent_layers (they "
+            "compile more on CUDA); a page with "
             "no CPU duration counts as 90 s (the CPU budget); the preflight as 30 s (assumed)") in text
     assert _timeline(text) == PLAN_TIMELINE
     lines = text.splitlines()

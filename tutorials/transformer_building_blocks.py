@@ -361,7 +361,6 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
         raise AssertionError(f"offsets {bad} were accepted")
 
 # %%
-# %%
 # Conclusion
 # ----------
 # Linear layers, norms and residuals run on packed values as one long

@@ -264,36 +264,14 @@ k_a, v_a = (
     torch.randn(x.shape, generator=gen, device=DEVICE).to(DTYPE).unflatten(-1, (S.heads, -1))
     for _ in range(2)
 )
+job = dict(is_causal=True, flex=FLEX, min_run_time=S.run_time, profile=not setup.quick)
 print("forward:")
 FORWARD_BACKEND = choose(
-    compare_backends(
-        q_a,
-        k_a,
-        v_a,
-        offsets,
-        is_causal=True,
-        flex=FLEX,
-        min_run_time=S.run_time,
-        profile=not setup.quick,
-    ),
-    DEFAULT,
-    "forward backend",
+    compare_backends(q_a, k_a, v_a, offsets, **job), DEFAULT, "forward backend"
 )
 print("forward and backward:")
 TRAINING_BACKEND = choose(
-    compare_backends(
-        q_a,
-        k_a,
-        v_a,
-        offsets,
-        is_causal=True,
-        backward=True,
-        flex=FLEX,
-        min_run_time=S.run_time,
-        profile=not setup.quick,
-    ),
-    DEFAULT,
-    "training backend",
+    compare_backends(q_a, k_a, v_a, offsets, backward=True, **job), DEFAULT, "training backend"
 )
 
 # %%

@@ -46,7 +46,7 @@ import copy
 import numpy as np
 import torch
 from ragged_site.page import page_setup, tolerances
-from ragged_site.measuring.bound import throughput_line
+from ragged_site.measuring.bound import fraction_verdict, throughput_line
 from ragged_toolkit.batches import offsets_from_lengths
 
 SIZES = {
@@ -164,10 +164,7 @@ timed_lengths = [offsets_i.diff().cpu() for tokens_i, offsets_i in steps[WARMUP:
 train_bound = work_per_token(timed_lengths, work, padded=True) / work_per_token(timed_lengths, work)
 rate = {way: TRAINED[way][0].tokens_per_s(WARMUP) for way in WAYS}
 print(throughput_line("hybrid training", rate["packed"], rate["padded"], train_bound, names=("packed", "padded")))
-fraction = rate["packed"] / rate["padded"] / train_bound
-verdict = ("packing turns the padding it removes into speed" if fraction >= 0.85 else
-           "short of the bound: costs it does not count weigh on the packed side here")
-print(f"hybrid training: fraction {fraction:.2f}, {verdict}")
+print(fraction_verdict("hybrid training", rate["packed"] / rate["padded"] / train_bound))
 
 # %%
 # Decoding: the state is the cache

@@ -418,7 +418,7 @@ plt.show()
 #    :pyobject: token_loop
 
 from ragged_toolkit.batches import to_padded
-from ragged_site.measuring.bound import Work, throughput_line, work_bound
+from ragged_site.measuring.bound import Work, fraction_verdict, throughput_line, work_bound
 from ragged_site.measuring.tables import print_timings
 from ragged_site.measuring.timing import measure
 from ragged_toolkit.recurrent import token_loop
@@ -464,9 +464,7 @@ for name, times in SPEED.items():
     print(f"the chunked form: {times['token loop'].median_ms / times['chunked'].median_ms:.1f}x the token loop "
           f"(first call{', compiling' if DEVICE == 'cuda' else ''}: {times['chunked'].first_call_s:.1f} s)")
 for label, fraction in FRACTION.items():
-    verdict = ("packing turns the padding it removes into speed" if fraction >= 0.85 else
-               "short of the bound: costs it does not count weigh on the packed side here")
-    print(f"{label}: fraction {fraction:.2f}, {verdict}")
+    print(fraction_verdict(label, fraction))
 
 # %%
 # Conclusion

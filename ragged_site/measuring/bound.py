@@ -21,6 +21,7 @@ __all__ = [
     "work_per_token",
     "generation_work",
     "speedup_line",
+    "fraction_verdict",
     "throughput_line",
 ]
 
@@ -133,6 +134,18 @@ def speedup_line(label, padded, ragged, bound):
     s = padded.median_ms / ragged.median_ms
     noise = "" if outside_noise(padded, ragged) else " (within noise)"
     return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}{noise}"
+
+
+def fraction_verdict(label, fraction):
+    """``label: fraction F, verdict``: at 0.85 of the work bound or more,
+    packing turns the padding it removes into speed; below, costs the bound
+    does not count weigh on the packed side."""
+    verdict = (
+        "packing turns the padding it removes into speed"
+        if fraction >= 0.85
+        else "short of the bound: costs it does not count weigh on the packed side here"
+    )
+    return f"{label}: fraction {fraction:.2f}, {verdict}"
 
 
 def throughput_line(label, fast, slow, bound, names=("ragged", "padded")):

@@ -28,12 +28,27 @@ def _own_function(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
-def in_graph_flex_attention(q, k, v, *, block_mask, scale=None, enable_gqa=False):
+def _in_graph_flex_attention(q, k, v, *, block_mask, scale=None, enable_gqa=False):
     """``flex_attention`` inside a region being compiled (the model's graph
     compiles it), its inputs as whole tensors: inductor's CPU lowering
     needs them."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def flex_runner(kernel, how_to_pass):
+    """What runs FlexAttention for a plan or a paged step holding ``kernel``:
+    the kernel; inside a region being compiled, without one, the region's
+    own ``flex_attention``; else ``ValueError``, naming what to build and
+    ``how_to_pass`` it."""
+    if kernel is not None:
+        return kernel
+    if torch.compiler.is_compiling():
+        return _in_graph_flex_attention
+    raise ValueError(
+        "FlexAttention outside torch.compile runs a compiled kernel that its caller owns: "
+        f"build one (flex = FlexKernel()) where you build the model, and pass it: {how_to_pass}"
+    )
 
 
 class FlexKernel:
@@ -68,7 +83,7 @@ class FlexKernel:
         enable_gqa=...)``, compiled: q (N, H, L_q, D), k and v (N, H_kv,
         L_kv, D) -> (N, H, L_q, D)."""
         if torch.compiler.is_compiling():  # inside a compiled model: its graph compiles it
-            return in_graph_flex_attention(
+            return _in_graph_flex_attention(
                 q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
             )
         dynamic = q.device.type == "cuda" if self.dynamic is None else self.dynamic
@@ -161,18 +176,12 @@ def flex_backend(q, k, v, plan, scale=None):
     sizes, with its document mask: q (T_q, H, D), k and v (T_kv, H_kv, D)
     -> (T_q, H, D)."""
     mask = plan.prepared
-    if plan.flex is None and not torch.compiler.is_compiling():
-        raise ValueError(
-            "the flex backend outside torch.compile runs a compiled kernel that its caller "
-            "owns: build one (flex = FlexKernel()) where you build the model, and pass it to "
-            "every plan: plan_batch(..., backend='flex', flex=flex)"
-        )
+    attend = flex_runner(plan.flex, "plan_batch(..., backend='flex', flex=flex)")
     if not torch.is_grad_enabled():  # on CPU it refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     (t_q, t_kv), (n_q, n_kv) = (len(q), len(k)), mask.seq_lengths
     # (T, H, D) -> (1, H, T_padded, D): the whole batch as one long sequence
     qf = F.pad(q, (0, 0, 0, 0, 0, n_q - t_q)).transpose(0, 1)[None]
     kf, vf = (F.pad(t, (0, 0, 0, 0, 0, n_kv - t_kv)).transpose(0, 1)[None] for t in (k, v))
-    attend = in_graph_flex_attention if plan.flex is None else plan.flex
     out = attend(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=shares_heads(qf, kf))
     return out[0, :, :t_q].transpose(0, 1)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..attention import backend_support, plan_batch, ragged_attention
 from ..attention.dense import shares_heads
-from ..attention.flex import FLEX_BLOCK, flex_rows, in_graph_flex_attention
+from ..attention.flex import FLEX_BLOCK, flex_rows, flex_runner
 from ..attention.varlen import varlen_attn, varlen_kwargs, varlen_missing
 from ..batches import offsets_from_lengths, token_index
 from ..kv_cache import PagedKVCache, paged_rows
@@ -98,13 +98,9 @@ def flex_paged_attention(q, step, layer):
     """FlexAttention reading the cache in place with ``_paged_block_mask``,
     the new queries as one padded sequence: q (T, H, D) -> (T, H, D)."""
     mask = step.prepared
-    if step.flex is None and not torch.compiler.is_compiling():
-        raise ValueError(
-            "the flex path outside torch.compile runs a compiled kernel that its caller owns: "
-            "build one (flex = FlexKernel()) with the server and pass it to every step: "
-            "build_step(..., path='flex', flex=flex), serve(..., path='flex', flex=flex)"
-        )
-    attend = in_graph_flex_attention if step.flex is None else step.flex
+    attend = flex_runner(
+        step.flex, "build_step(..., path='flex', flex=flex), serve(..., flex=flex)"
+    )
     qf = F.pad(q, (0, 0, 0, 0, 0, mask.seq_lengths[0] - len(q))).transpose(0, 1)[None]
     kf, vf = (t[layer].transpose(0, 1)[None] for t in (step.cache.k, step.cache.v))
     out = attend(

@@ -47,12 +47,13 @@ QUICK_ENV = {"TUTORIALS_QUICK": "1", "TUTORIALS_DTYPE": "bfloat16", "MPLBACKEND"
 TIMEOUT_S = 600
 
 # A line that reports something measured (time, speed, memory), or a choice
-# a page makes from such a measurement ("chosen ...", "decoding with ..."),
-# may differ between two runs; every other line must be identical.
+# or a verdict a page makes from such a measurement ("chosen ...", "decoding
+# with ...", "... within noise"), may differ between two runs; every other
+# line must be identical.
 MEASURED = re.compile(
     r"\b(ms|us|µs|ns|s|sec|seconds|tokens/s|tok/s|it/s|MB|MiB|GB|GiB|KB|KiB|bytes)\b"
     r"|speedup|faster|slower|median|IQR|fraction|throughput|\d+(\.\d+)?x\b|time|memory|peak"
-    r"|chosen|decoding with"
+    r"|chosen|decoding with|noise"
     # a kernel label on a line of its own or after "kernels:", and the ranking
     # of the paths that follow the measured choice ("then: ..."): all follow
     # from timings

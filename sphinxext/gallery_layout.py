@@ -27,6 +27,7 @@ READING_ORDER = [
     "packed_attention_layer",
     "measuring_ragged_batches",
     "transformer_layers_for_ragged_batches",
+    "ragged_transformer_training",
     "packed_gpt_training",
     "hf_packed_training",
     "data_parallel_packed_training",

@@ -187,7 +187,8 @@ def test_the_list_check_reads_a_line():
 # the packages, and the pages restructured so far (the others join them as
 # they are split or restored: formatting them as they are would push them
 # past 600 lines)
-FORMATTED = (*PACKAGES, "tutorials/transformer_building_blocks.py", "tutorials/packed_attention_layer.py")
+FORMATTED = (*PACKAGES, "tutorials/transformer_building_blocks.py", "tutorials/packed_attention_layer.py",
+             "tutorials/hf_packed_training.py")
 
 
 def test_the_packages_are_formatted_by_the_formatter():
@@ -197,3 +198,14 @@ def test_the_packages_are_formatted_by_the_formatter():
     proc = subprocess.run([str(ruff), "format", "--check", "--no-cache", *FORMATTED], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"run `ruff format {' '.join(FORMATTED)}`:\n{proc.stdout}{proc.stderr}"
+
+
+PAGE_LINES = 600  # a page that needs more teaches two ideas: split it
+
+
+def test_no_page_is_longer_than_its_cap_once_formatted():
+    """Every page at most ``PAGE_LINES`` lines, each formatted by ``ruff format``
+    (checked above), so that the cap cannot be met by joining lines."""
+    long = {p.name: n for p in sorted((REPO / "tutorials").glob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > PAGE_LINES}
+    assert not long, f"pages over {PAGE_LINES} lines: {long}; split them or move code out"

@@ -55,22 +55,48 @@ from packaging.version import Version
 from ragged_site.page import page_setup
 
 SIZES = {
-    "cuda": dict(model=dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-                            num_key_value_heads=4, intermediate_size=2816), docs_per_batch=128, steps=40),
-    "cpu": dict(model=dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                           num_key_value_heads=2, intermediate_size=688), docs_per_batch=64, steps=24),
-    "quick": dict(model=dict(vocab_size=128, hidden_size=64, num_attention_heads=4, intermediate_size=176),
-                  docs_per_batch=16, steps=6),
+    "cuda": dict(
+        model=dict(
+            vocab_size=4096,
+            hidden_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            intermediate_size=2816,
+        ),
+        docs_per_batch=128,
+        steps=40,
+    ),
+    "cpu": dict(
+        model=dict(
+            vocab_size=512,
+            hidden_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            intermediate_size=688,
+        ),
+        docs_per_batch=64,
+        steps=24,
+    ),
+    "quick": dict(
+        model=dict(vocab_size=128, hidden_size=64, num_attention_heads=4, intermediate_size=176),
+        docs_per_batch=16,
+        steps=6,
+    ),
 }
 setup = page_setup(SIZES)
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
 MAX_LEN, ZIPF_ALPHA, LR = 1024, 1.2, 3e-3  # longest document, length exponent, AdamW rate
 WARMUP_STEPS = 2  # steps left out of the throughput figures
-MINIMUM_TRANSFORMERS = "4.54.0"  # the oldest release this page supports (make check-versions runs it)
-if Version(transformers.__version__).release < Version(MINIMUM_TRANSFORMERS).release:  # a pre-release as its release
+# the oldest release this page supports (make check-versions runs it)
+MINIMUM_TRANSFORMERS = "4.54.0"
+# a pre-release counts as its release
+if Version(transformers.__version__).release < Version(MINIMUM_TRANSFORMERS).release:
     raise RuntimeError(
         f"This page needs transformers {MINIMUM_TRANSFORMERS} or later; this is "
-        f"{transformers.__version__}. Upgrade with `pip install -U transformers`.")
+        f"{transformers.__version__}. Upgrade with `pip install -U transformers`."
+    )
 
 # %%
 # The collator's batch is packed values plus offsets
@@ -87,7 +113,8 @@ from transformers import DataCollatorWithFlattening
 
 collator_options = inspect.signature(DataCollatorWithFlattening).parameters
 collator = DataCollatorWithFlattening(
-    **({"return_flash_attn_kwargs": True} if "return_flash_attn_kwargs" in collator_options else {}))
+    **({"return_flash_attn_kwargs": True} if "return_flash_attn_kwargs" in collator_options else {})
+)
 docs = [[5, 9, 2], [7], [3, 3, 8, 1]]
 batch = collator([{"input_ids": d} for d in docs])
 for key, value in batch.items():
@@ -126,18 +153,37 @@ print("padded:", padded.tolist(), "back to the packed row:", from_padded(padded,
 # function built (ours, registered under the same name in
 # ``AttentionMaskInterface``, builds none), and keyword arguments:
 # ``position_ids``, what the batch brought (``cu_seq_lens_q``) and what the
-# caller passed to the model. The function below views the tensors as packed
-# ``(B * T, H, D)`` and calls ``ragged_attention`` with the batch's plan,
-# built once per batch by the caller (``plan_of``) and passed to the model
-# as ``ragged_plan``. Called without one, as ``Trainer`` calls a model, it
-# plans from the boundaries in its keyword arguments, once per layer. The
-# backend is the toolkit's default where it takes grouped-query attention
-# with gradients: ``varlen`` on a CUDA GPU in ``bfloat16`` (``varlen_attn``,
-# the variable-length kernel of FlashAttention), the per-sequence loop on CPU.
-# Where a release calls attention functions another way, the page stops,
-# naming what changed.
+# caller passed to the model. The toolkit's ``ragged_attention_forward``
+# views the tensors as packed ``(B * T, H, D)``. It calls
+# ``ragged_attention`` with the batch's plan. The caller builds the plan
+# once per batch (``plan_of``) and passes it to the model as
+# ``ragged_plan``. Called without one, as ``Trainer`` calls a model, it
+# plans from the boundaries in its keyword arguments, once per layer.
+#
+# .. literalinclude:: ../ragged_toolkit/hf_attention.py
+#    :pyobject: ragged_attention_forward
+#
+# ``sequence_offsets`` reads those boundaries:
+#
+# .. literalinclude:: ../ragged_toolkit/hf_attention.py
+#    :pyobject: sequence_offsets
+#
+# ``training_backend`` picks the backend: the toolkit's default, where it
+# takes grouped-query attention with gradients. On a CUDA GPU in
+# ``bfloat16`` that is ``varlen`` (``varlen_attn``, the variable-length
+# kernel of FlashAttention). On CPU it is the per-sequence loop. Where a
+# release calls attention functions another way, the page stops and names
+# what changed. ``check_attention_interface`` checks the stock ``sdpa``
+# function first.
 
-from ragged_toolkit.attention import backend_support, default_backend, plan_batch, ragged_attention
+from ragged_toolkit.attention import plan_batch
+from ragged_toolkit.hf_attention import (
+    check_attention_interface,
+    no_mask,
+    ragged_attention_forward,
+    sequence_offsets,
+    training_backend,
+)
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -146,38 +192,8 @@ NAME = "ragged_toolkit"
 HF = f"transformers {transformers.__version__}"
 GQA = S.model["num_attention_heads"] != S.model["num_key_value_heads"]
 HEAD_DIM = S.model["hidden_size"] // S.model["num_attention_heads"]
-BACKEND = next(name for name in (default_backend(DEVICE, DTYPE, HEAD_DIM), "bucketed", "loop")
-               if backend_support(name, DEVICE, DTYPE, is_causal=True, needs_grad=True, gqa=GQA,
-                                  head_dim=HEAD_DIM) is None)
-
-
-def interface_changed(what):
-    return RuntimeError(f"{HF} has changed its attention interface: {what}. This page needs "
-                        "attention functions called as (module, query (B, H, T, D), key, value, "
-                        "attention_mask, **kwargs), as the release this page was written for calls them")
-
-
-expected = ["module", "query", "key", "value", "attention_mask"]
-called_with = list(inspect.signature(ALL_ATTENTION_FUNCTIONS["sdpa"]).parameters)[:5]
-if called_with != expected:
-    raise interface_changed(f"its sdpa function takes {called_with}, not {expected}")
-
-
-def sequence_offsets(kwargs, batch, tokens, device):
-    """(B + 1,) offsets over the B * T tokens of the rows: from ``cu_seq_lens_q``
-    where the batch brought it, else where ``position_ids`` restart at 0."""
-    if kwargs.get("cu_seq_lens_q") is not None:
-        offsets = kwargs["cu_seq_lens_q"].to(device, torch.long)
-    elif kwargs.get("position_ids") is not None:
-        position_ids = kwargs["position_ids"]  # (B, T) or (1, T)
-        if position_ids.shape[-1] != tokens:
-            raise interface_changed(f"position_ids {tuple(position_ids.shape)} for {tokens} queries: not (B, H, T, D)")
-        offsets = offsets_from_position_ids(position_ids.expand(batch, -1))
-    else:
-        raise interface_changed("the attention function got neither cu_seq_lens_q nor position_ids")
-    if int(offsets[-1]) != batch * tokens:
-        raise interface_changed(f"boundaries up to {int(offsets[-1])} for {batch} x {tokens} tokens")
-    return offsets
+BACKEND = training_backend(DEVICE, DTYPE, HEAD_DIM, gqa=GQA)
+check_attention_interface(ALL_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def plan_of(row):
@@ -187,35 +203,12 @@ def plan_of(row):
     return plan_batch(offsets, backend=BACKEND, is_causal=True)
 
 
-def ragged_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                             scaling=None, is_causal=None, ragged_plan=None, **kwargs):
-    """transformers' attention call on the toolkit: query (B, H, T, D), key and
-    value (B, H_kv, T, D) -> (B, T, H, D), attention within each document."""
-    if attention_mask is not None:
-        raise ValueError(f"{NAME} takes packed rows (DataCollatorWithFlattening), "
-                         "not a padding mask")
-    if dropout:
-        raise ValueError(f"{NAME} has no attention dropout; set attention_dropout=0")
-    if query.dim() != 4 or key.shape[:1] + key.shape[2:] != query.shape[:1] + query.shape[2:]:
-        raise interface_changed(f"query {tuple(query.shape)} and key {tuple(key.shape)} are "
-                                "not (B, H, T, D) and (B, H_kv, T, D)")
-    B, H, T, D = query.shape
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    plan = ragged_plan if ragged_plan is not None else plan_batch(
-        sequence_offsets(kwargs, B, T, query.device), backend=BACKEND, is_causal=causal)
-    if plan.is_causal != causal:
-        raise ValueError(f"ragged_plan has is_causal={plan.is_causal}; this layer is_causal={causal}")
-    q, k, v = (t.transpose(1, 2).reshape(B * T, -1, D) for t in (query, key, value))
-    # under autocast the rotary embedding returns q and k in float32: all in the dtype of v
-    q, k = q.to(v.dtype), k.to(v.dtype)
-    return ragged_attention(q, k, v, plan, scale=scaling).view(B, T, H, D), None
-
-
-def no_mask(*args, attention_mask=None, **kwargs):  # no mask, unless padding, which the forward refuses
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
-    return attention_mask
-
+# %%
+# The mask function, registered under the same name, builds no mask. It
+# passes a padding mask on, for the forward to refuse:
+#
+# .. literalinclude:: ../ragged_toolkit/hf_attention.py
+#    :pyobject: no_mask
 
 AttentionInterface.register(NAME, ragged_attention_forward)
 AttentionMaskInterface.register(NAME, no_mask)
@@ -246,8 +239,10 @@ def with_attention(name):
 
 
 stock, ours = with_attention("sdpa"), with_attention(NAME)
-print(f"LlamaForCausalLM, {sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters; "
-      f"use_cache={config.use_cache} by default")
+print(
+    f"LlamaForCausalLM, {sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters; "
+    f"use_cache={config.use_cache} by default"
+)
 
 # %%
 # The documents, packed and padded
@@ -268,20 +263,10 @@ print(f"LlamaForCausalLM, {sum(p.numel() for p in base.parameters()) / 1e6:.2f} 
 #    :pyobject: group_by_length
 
 import numpy as np
-from ragged_toolkit.batches import offsets_from_lengths
+from ragged_site.hf_training import shifted_zipf_documents
 from ragged_site.workloads import sentence_lengths
+from ragged_toolkit.batches import offsets_from_lengths
 from ragged_toolkit.data import group_by_length
-
-
-def documents(rng, lengths, vocab):
-    """Token ids of one document per length: the first picks a shift, every
-    later one is a Zipf(1.5) draw plus that shift (mod ``vocab``)."""
-    out = []
-    for n in lengths.tolist():
-        shift = int(rng.integers(vocab))
-        draws = (rng.zipf(1.5, size=n - 1) - 1 + shift) % vocab
-        out.append([shift, *draws.tolist()])
-    return out
 
 
 def packed_batch(docs):
@@ -299,18 +284,27 @@ def padded_batch(docs):
 
 
 rng = np.random.default_rng(setup.seed)
-corpus = [documents(rng, sentence_lengths(rng, S.docs_per_batch, ZIPF_ALPHA, MAX_LEN), S.model["vocab_size"])
-          for _ in range(S.steps)]  # the documents of each step
+corpus = []  # the documents of each step
+for _ in range(S.steps):
+    doc_lengths = sentence_lengths(rng, S.docs_per_batch, ZIPF_ALPHA, MAX_LEN)
+    corpus.append(shifted_zipf_documents(rng, doc_lengths, S.model["vocab_size"]))
 every = [doc for docs in corpus for doc in docs]
-WINDOW = max(1, min(S.steps // 4, 50))  # batches per sorted window, as ``LengthGroupedSampler`` picks it
+WINDOW = max(1, min(S.steps // 4, 50))  # batches per sorted window, as in the sampler
 groups = group_by_length([len(doc) for doc in every], S.docs_per_batch, WINDOW, rng)
-batches = {"packed": [packed_batch(docs) for docs in corpus], "padded": [padded_batch(docs) for docs in corpus],
-           "grouped": [padded_batch([every[i] for i in group]) for group in groups]}
+batches = {
+    "packed": [packed_batch(docs) for docs in corpus],
+    "padded": [padded_batch(docs) for docs in corpus],
+    "grouped": [padded_batch([every[i] for i in group]) for group in groups],
+}
 real = sum(len(doc) for doc in every)
-slots = {name: sum(int(b["input_ids"].numel()) for b in batches[name]) for name in ("padded", "grouped")}
-print(f"{real} real tokens in {S.steps} batches; padded, {slots['padded']} token slots "
-      f"({slots['padded'] / real:.2f}x the tokens);\nlength-grouped in windows of {WINDOW} batches, "
-      f"{slots['grouped']} ({slots['grouped'] / real:.2f}x)")
+slots = {
+    name: sum(int(b["input_ids"].numel()) for b in batches[name]) for name in ("padded", "grouped")
+}
+print(
+    f"{real} real tokens in {S.steps} batches; padded, {slots['padded']} token slots "
+    f"({slots['padded'] / real:.2f}x the tokens);\nlength-grouped in windows of {WINDOW} batches, "
+    f"{slots['grouped']} ({slots['grouped'] / real:.2f}x)"
+)
 
 # %%
 # Proof: the packed model computes what the padded one computes
@@ -323,6 +317,7 @@ print(f"{real} real tokens in {S.steps} batches; padded, {slots['padded']} token
 # then through ours, with the batch's plan; each is compared with the
 # reference on every real token.
 
+from ragged_site.hf_training import check_close, check_gradients
 from ragged_site.page import tolerances
 
 
@@ -332,24 +327,32 @@ def autocast():
 
 packed, padded = batches["packed"][0], batches["padded"][0]
 with torch.no_grad(), autocast():
-    reference = stock(**padded).logits[padded["attention_mask"].bool()].float()  # (T, vocab): real tokens
-    logits_of = {"sdpa, use_cache=True": stock(**packed, use_cache=True).logits[0].float(),
-                 "sdpa, use_cache=False": stock(**packed, use_cache=False).logits[0].float(),
-                 NAME: ours(**packed, ragged_plan=plan_of(packed)).logits[0].float()}
+    # (T, vocab): the real tokens
+    reference = stock(**padded).logits[padded["attention_mask"].bool()].float()
+    logits_of = {
+        "sdpa, use_cache=True": stock(**packed, use_cache=True).logits[0].float(),
+        "sdpa, use_cache=False": stock(**packed, use_cache=False).logits[0].float(),
+        NAME: ours(**packed, ragged_plan=plan_of(packed)).logits[0].float(),
+    }
 tolerance = tolerances(DTYPE)
 gaps = {name: (logits - reference).abs().amax(-1) for name, logits in logits_of.items()}
-correct = {name: torch.allclose(logits, reference, **tolerance) for name, logits in logits_of.items()}
+correct = {
+    name: torch.allclose(logits, reference, **tolerance) for name, logits in logits_of.items()
+}
 for name, gap in gaps.items():
-    print(f"  {name:22s} largest logit difference {gap.max().item():.2e}, "
-          f"{'correct' if correct[name] else 'wrong'}")
-torch.testing.assert_close(logits_of[NAME], reference, **tolerance,
-                           msg=lambda m: f"{NAME} differs from the padded model: {m}")
+    print(
+        f"  {name:22s} largest logit difference {gap.max().item():.2e}, "
+        f"{'correct' if correct[name] else 'wrong'}"
+    )
+check_close(logits_of[NAME], reference, tolerance, f"{NAME} differs from the padded model")
 D1, D2 = gaps["sdpa, use_cache=True"].max().item(), gaps[NAME].max().item()
 if DTYPE == torch.float32:
     assert D2 < 1e-4, f"{NAME}: largest logit difference {D2:.2e}, not below 1e-4"
 across = "keep documents apart" if correct["sdpa, use_cache=True"] else "attend across documents"
-print(f"{HF}: packed rows with 'sdpa' {across} (largest logit difference {D1:.2f}); "
-      f"with ragged_attention {D2:.1e}")
+print(
+    f"{HF}: packed rows with 'sdpa' {across} (largest logit difference {D1:.2f}); "
+    f"with ragged_attention {D2:.1e}"
+)
 
 # %%
 # The figure shows where the differences are. The first document has no
@@ -359,20 +362,14 @@ print(f"{HF}: packed rows with 'sdpa' {across} (largest logit difference {D1:.2f
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE
+from ragged_site.hf_training import draw_logit_gaps
 
 first = len(corpus[0][0])
 for name, logits in logits_of.items():
-    torch.testing.assert_close(logits[:first], reference[:first], **tolerance,
-                               msg=lambda m, name=name: f"{name}, the first document: {m}")
+    check_close(logits[:first], reference[:first], tolerance, f"{name}, the first document")
+starts = offsets_from_position_ids(packed["position_ids"])[1:-1].tolist()
 plt.rcParams.update(FIGURE_STYLE)
-fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-for (name, gap), style in zip(gaps.items(), ("-", "--", "-")):  # an exact 0 drawn at 1e-9
-    ax.plot(gap.clamp(min=1e-9).cpu(), style, label=name + " (ragged_attention)" * (name == NAME), lw=1.2)
-for start in offsets_from_position_ids(packed["position_ids"])[1:-1].tolist():
-    ax.axvline(start, color="0.85", lw=0.6, zorder=0)
-ax.set(yscale="log", xlabel="token of the packed row (gray: where a document starts)",
-       ylabel="largest logit difference", title=f"Packed row against the padded model, {HF}")
-ax.legend(loc="center right")
+draw_logit_gaps(gaps, starts, NAME, f"Packed row against the padded model, {HF}")
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 1
@@ -393,13 +390,16 @@ plt.show()
 twice = packed_batch([max(corpus[0], key=len)] * 2)  # the batch's longest document
 half = twice["input_ids"].shape[1] // 2
 with torch.no_grad(), autocast():
-    copies = {"sdpa": stock(**twice, use_cache=True).logits[0].float(),
-              NAME: ours(**twice, ragged_plan=plan_of(twice), use_cache=True).logits[0].float()}
+    copies = {
+        "sdpa": stock(**twice, use_cache=True).logits[0].float(),
+        NAME: ours(**twice, ragged_plan=plan_of(twice), use_cache=True).logits[0].float(),
+    }
 for name, logits in copies.items():
-    print(f"  {name:14s} two identical documents: largest difference between the copies "
-          f"{(logits[:half] - logits[half:]).abs().max().item():.2e}")
-torch.testing.assert_close(copies[NAME][half:], copies[NAME][:half], **tolerance,
-                           msg=lambda m: f"{NAME}: the second copy differs: {m}")
+    print(
+        f"  {name:14s} two identical documents: largest difference between the copies "
+        f"{(logits[:half] - logits[half:]).abs().max().item():.2e}"
+    )
+check_close(copies[NAME][half:], copies[NAME][:half], tolerance, f"{NAME}: the second copy differs")
 
 for model in (stock, ours):
     model.zero_grad(set_to_none=True)
@@ -407,15 +407,12 @@ with autocast():
     loss_ours = ours(**packed, ragged_plan=plan_of(packed)).loss
     loss_padded = stock(**padded).loss
 torch.autograd.backward([loss_ours, loss_padded])
-torch.testing.assert_close(loss_ours, loss_padded, **tolerance,
-                           msg=lambda m: f"{NAME}: the packed loss is not the padded one: {m}")
-pairs = list(zip(ours.named_parameters(), stock.parameters()))
-for (name, p_ours), p_padded in pairs:
-    torch.testing.assert_close(p_ours.grad, p_padded.grad, **tolerance,
-                               msg=lambda m, name=name: f"gradient of {name}: {m}")
-grad_gap = max((a.grad - b.grad).abs().max().item() for (_, a), b in pairs)
-print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f} padded;\ngradients of all "
-      f"{len(pairs)} parameter tensors agree (largest difference {grad_gap:.1e})")
+check_close(loss_ours, loss_padded, tolerance, f"{NAME}: the packed loss is not the padded one")
+n_tensors, grad_gap = check_gradients(ours, stock, tolerance)
+print(
+    f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f} padded;\n"
+    f"gradients of all {n_tensors} parameter tensors agree (largest difference {grad_gap:.1e})"
+)
 
 # %%
 # Training against what readers run
@@ -436,17 +433,25 @@ print(f"loss {loss_ours.item():.4f} packed with {NAME}, {loss_padded.item():.4f}
 # update) is timed with a synchronized clock; throughput counts *real*
 # tokens after the first ``WARMUP_STEPS``.
 
-from ragged_site.measuring.timing import StepTimer, warm_every_shape
+from ragged_site.hf_training import check_losses, train_taking_turns
 
-
-verdict = {cache: f"use_cache={cache}, " + ("correct" if correct[f"sdpa, use_cache={cache}"]
-                                           else "WRONG (across documents)") for cache in (False, True)}
+verdict = {
+    cache: f"use_cache={cache}, "
+    + ("correct" if correct[f"sdpa, use_cache={cache}"] else "WRONG (across documents)")
+    for cache in (False, True)
+}
 TRAINERS = {
-    "padded": dict(attention="sdpa", form="padded", use_cache=False, label="sdpa with attention_mask"),
-    "grouped": dict(attention="sdpa", form="grouped", use_cache=False, label="the same, length-grouped"),
+    "padded": dict(
+        attention="sdpa", form="padded", use_cache=False, label="sdpa with attention_mask"
+    ),
+    "grouped": dict(
+        attention="sdpa", form="grouped", use_cache=False, label="the same, length-grouped"
+    ),
     "ragged": dict(attention=NAME, form="packed", use_cache=False, label="ragged_attention"),
     "packed sdpa": dict(attention="sdpa", form="packed", use_cache=False, label=verdict[False]),
-    "packed sdpa, cache": dict(attention="sdpa", form="packed", use_cache=True, label=verdict[True]),
+    "packed sdpa, cache": dict(
+        attention="sdpa", form="packed", use_cache=True, label=verdict[True]
+    ),
 }
 
 
@@ -456,33 +461,15 @@ def loss_of(run, model, batch):  # the plan of a packed row is built here, insid
         return model(**batch, **plan, use_cache=run["use_cache"]).loss
 
 
-def real_count(batch):  # real tokens: the packed row's, or the padded batch's mask
-    return int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-
-
-runs = {}
-for name, trainer in TRAINERS.items():
-    model = with_attention(trainer["attention"]).train()
-    runs[name] = dict(trainer, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                      timer=StepTimer(), losses=[])
-if DEVICE == "cuda":  # cuDNN builds a plan per new shape: every trainer meets every shape before any timing
-    for run in runs.values():
-        warm_every_shape(lambda b, run=run, m=copy.deepcopy(run["model"]): loss_of(run, m, b).backward(),
-                         batches[run["form"]], lambda b: tuple(b["input_ids"].shape))
-for i in range(S.steps):
-    for run in runs.values():
-        batch = batches[run["form"]][i]
-        with run["timer"].step(real_count(batch)):
-            loss = loss_of(run, run["model"], batch)
-            run["optimizer"].zero_grad(set_to_none=True)
-            loss.backward()
-            run["optimizer"].step()
-        run["losses"].append(loss.item())
-
+# on CUDA, every trainer meets every batch shape before any timing
+runs = train_taking_turns(
+    TRAINERS, batches, with_attention, loss_of, steps=S.steps, lr=LR, skip=WARMUP_STEPS
+)
 for name, run in runs.items():
-    run["tokens/s"] = run["timer"].tokens_per_s(WARMUP_STEPS)
-    print(f"{name:18s} {run['tokens/s']:7,.0f} tokens/s, loss {run['losses'][0]:.3f} -> "
-          f"{run['losses'][-1]:.3f}, {run['label']}")
+    print(
+        f"{name:18s} {run['tokens/s']:7,.0f} tokens/s, loss {run['losses'][0]:.3f} -> "
+        f"{run['losses'][-1]:.3f}, {run['label']}"
+    )
 
 # %%
 # The padded and the ragged trainer compute the same thing (checked above),
@@ -491,17 +478,7 @@ for name, run in runs.items():
 # weights, and the page checks the first step's losses within the
 # tolerance of the dtype and the means of the last five steps within 5%.
 
-ragged_losses, padded_losses = np.array(runs["ragged"]["losses"]), np.array(runs["padded"]["losses"])
-if DTYPE == torch.float32:
-    gap = np.max(np.abs(ragged_losses - padded_losses) / padded_losses)
-    assert gap < 1e-3, f"the losses drift apart: {gap:.1e}"
-    print(f"ragged and padded losses agree at every step (largest relative difference {gap:.1e})")
-else:
-    torch.testing.assert_close(torch.tensor(ragged_losses[0]), torch.tensor(padded_losses[0]), **tolerance)
-    last = abs(ragged_losses[-5:].mean() - padded_losses[-5:].mean()) / padded_losses[-5:].mean()
-    assert last < 0.05, f"the last five losses differ by {last:.1%} on average"
-    print(f"first step: losses {ragged_losses[0]:.4f} and {padded_losses[0]:.4f}; last five steps: means "
-          f"{ragged_losses[-5:].mean():.4f} and {padded_losses[-5:].mean():.4f} ({last:.1%} apart)")
+print(check_losses(runs["ragged"]["losses"], runs["padded"]["losses"], DTYPE, tolerance))
 
 # %%
 # The work bounds of this run
@@ -515,13 +492,21 @@ else:
 # number of a line is the :term:`fraction of the bound`
 # (:doc:`measuring_ragged_batches`).
 
+from ragged_site.hf_training import draw_training
 from ragged_site.measuring.bound import model_work, throughput_line, work_per_token
 
-work = model_work(base, n_layers=S.model["num_hidden_layers"], attention_width=S.model["hidden_size"])
-lengths = {"padded": [torch.tensor([len(doc) for doc in docs]) for docs in corpus[WARMUP_STEPS:]],
-           "grouped": [torch.tensor([len(every[i]) for i in group]) for group in groups[WARMUP_STEPS:]]}
+work = model_work(
+    base, n_layers=S.model["num_hidden_layers"], attention_width=S.model["hidden_size"]
+)
+lengths = {
+    "padded": [torch.tensor([len(doc) for doc in docs]) for docs in corpus[WARMUP_STEPS:]],
+    "grouped": [torch.tensor([len(every[i]) for i in group]) for group in groups[WARMUP_STEPS:]],
+}
 ragged_work = work_per_token(lengths["padded"], work)  # the same documents as the padded trainer
-bound = {name: work_per_token(lengths[name], work, padded=True, causal=False) / ragged_work for name in lengths}
+bound = {
+    name: work_per_token(lengths[name], work, padded=True, causal=False) / ragged_work
+    for name in lengths
+}
 R, P, G = (runs[name]["tokens/s"] for name in ("ragged", "padded", "grouped"))
 print(throughput_line("hf training", R, P, bound["padded"]))
 print(throughput_line("hf training against length-grouped padding", R, G, bound["grouped"]))
@@ -534,22 +519,19 @@ print(throughput_line("hf training against length-grouped padding", R, G, bound[
 # across documents, it learns from other documents' tokens.
 
 share = (bound["grouped"] - 1) / (bound["padded"] - 1)  # the extra work grouping leaves
-print(f"length-grouped padding leaves {share:.0%} of the extra work of naive padding (bounds "
-      f"{bound['grouped']:.2f}x and {bound['padded']:.2f}x):\ngrouping removes "
-      + ("most of it, packing the rest" if share < 0.5 else "less than half of it"))
+print(
+    f"length-grouped padding leaves {share:.0%} of the extra work of naive padding (bounds "
+    f"{bound['grouped']:.2f}x and {bound['padded']:.2f}x):\ngrouping removes "
+    + ("most of it, packing the rest" if share < 0.5 else "less than half of it")
+)
 end = {name: np.mean(run["losses"][-5:]) for name, run in runs.items()}
 for name in ("packed sdpa", "packed sdpa, cache"):
-    print(f"{name:18s} last five losses {end[name]:.3f} (ragged {end['ragged']:.3f}), "
-          f"{runs[name]['tokens/s'] / R:.2f}x its tokens/s: {runs[name]['label']}")
+    print(
+        f"{name:18s} last five losses {end[name]:.3f} (ragged {end['ragged']:.3f}), "
+        f"{runs[name]['tokens/s'] / R:.2f}x its tokens/s: {runs[name]['label']}"
+    )
 
-fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(8, 4.2), layout="constrained", width_ratios=[3, 2])
-for (name, run), style in zip(runs.items(), ("-", "-.", "--", ":", "-.")):
-    ax_loss.plot(run["losses"], style, label=name, lw=2)
-ax_loss.set(xlabel="step", ylabel="training loss", title="Same weights, same documents")
-ax_loss.legend(fontsize=10)
-ax_speed.barh(list(runs), [run["tokens/s"] for run in runs.values()], color=[f"C{i}" for i in range(len(runs))])
-ax_speed.invert_yaxis()
-ax_speed.set(xlabel="real tokens/s", title=f"Training speed ({DEVICE})")
+draw_training(runs, DEVICE)
 plt.show()
 
 # %%
@@ -565,7 +547,8 @@ import importlib.util
 from ragged_site.measuring.timing import profile_call
 
 
-_, kernels = profile_call(lambda: loss_of(runs["ragged"], ours, packed).backward())  # one training step
+# one training step
+_, kernels = profile_call(lambda: loss_of(runs["ragged"], ours, packed).backward())
 print(f"one training step with {NAME}: backend {BACKEND!r}, kernels [{kernels}]")
 if DEVICE != "cuda":
     print("flash_attention_2 needs a CUDA GPU: not compared here")
@@ -577,8 +560,10 @@ else:
         logits_flash = flash(**packed).logits[0].float()
         logits_ours = ours(**packed, ragged_plan=plan_of(packed)).logits[0].float()
     torch.testing.assert_close(logits_ours, logits_flash, **tolerance)
-    print(f"{NAME} and flash_attention_2 agree on the packed row (largest logit difference "
-          f"{(logits_ours - logits_flash).abs().max().item():.2e})")
+    print(
+        f"{NAME} and flash_attention_2 agree on the packed row (largest logit difference "
+        f"{(logits_ours - logits_flash).abs().max().item():.2e})"
+    )
 
 # %%
 # Conclusion

@@ -49,7 +49,7 @@ def test_the_corpus_is_real_deterministic_and_its_line_has_the_page_form(corpus)
     match = CORPUS_LINE.fullmatch(line)
     assert match and int(match[1]) >= 1000, line
     # the page prints this very line
-    assert 'print(f"corpus: {len(documents)} documents from {source}, lengths min' in PAGE.read_text()
+    assert 'f"corpus: {len(documents)} documents from {source}, lengths min' in PAGE.read_text()
 
 
 def test_a_token_budget_cuts_the_stream_and_keeps_every_boundary(corpus):

@@ -184,11 +184,11 @@ def test_the_list_check_reads_a_line():
     assert reference_table(row) == {"ragged_toolkit.layers": ["MultiHeadAttention", "Extra"]}
 
 
-# the packages, and the pages restructured so far (the others join them as
-# they are split or restored: formatting them as they are would push them
-# past 600 lines)
-FORMATTED = (*PACKAGES, "tutorials/transformer_building_blocks.py", "tutorials/packed_attention_layer.py",
-             "tutorials/hf_packed_training.py")
+# the packages and the pages; the three left out still need restructuring
+# (formatted as they are, they would pass 600 lines)
+NOT_YET_FORMATTED = {"packed_gpt_training", "serving_continuous_batching", "serving_shared_prompts"}
+FORMATTED = (*PACKAGES, *(str(p.relative_to(REPO)) for p in sorted((REPO / "tutorials").glob("*.py"))
+                          if p.stem not in NOT_YET_FORMATTED))
 
 
 def test_the_packages_are_formatted_by_the_formatter():

@@ -46,14 +46,46 @@ import torch
 from ragged_site.page import page_setup
 
 SIZES = {
-    "cuda": dict(model=dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=688,
-                            max_seq_len=2048),
-                 context=2048, docs_per_micro_batch=8, steps=8, corpus_documents=2000, train_tokens=900_000),
-    "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=352,
-                           max_seq_len=1024),  # 90 s on 2 cores
-                context=1024, docs_per_micro_batch=4, steps=6, corpus_documents=2000, train_tokens=800_000),
-    "quick": dict(model=dict(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176), context=512,
-                  docs_per_micro_batch=2, steps=4, corpus_documents=1200, train_tokens=400_000),
+    "cuda": dict(
+        model=dict(
+            vocab_size=256,
+            dim=256,
+            n_layers=4,
+            n_heads=8,
+            n_kv_heads=2,
+            ffn_hidden=688,
+            max_seq_len=2048,
+        ),
+        context=2048,
+        docs_per_micro_batch=8,
+        steps=8,
+        corpus_documents=2000,
+        train_tokens=900_000,
+    ),
+    "cpu": dict(
+        model=dict(
+            vocab_size=256,
+            dim=128,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=352,
+            max_seq_len=1024,
+        ),  # 90 s on 2 cores
+        context=1024,
+        docs_per_micro_batch=4,
+        steps=6,
+        corpus_documents=2000,
+        train_tokens=800_000,
+    ),
+    "quick": dict(
+        model=dict(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176),
+        context=512,
+        docs_per_micro_batch=2,
+        steps=4,
+        corpus_documents=1200,
+        train_tokens=400_000,
+    ),
 }
 setup = page_setup(SIZES)
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
@@ -63,8 +95,10 @@ WARMUP_STEPS = 2  # timed steps left out of the figures (first calls)
 GRAD_DOCS = 2  # documents per micro-batch in the gradient check (tiny, float32)
 GRAD_TOL = 1e-4  # float32: the largest gradient difference allowed
 LR = 3e-3  # the learning rate of AdamW
-print(f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micro_batch} documents "
-      f"or one token budget each, documents cut at {S.context} tokens")
+print(
+    f"{WORLD} ranks x {MICRO_BATCHES} micro-batches per step, {S.docs_per_micro_batch} documents "
+    f"or one token budget each, documents cut at {S.context} tokens"
+)
 
 # %%
 # Real text, offline
@@ -81,16 +115,23 @@ from ragged_site.corpus import docstring_corpus
 
 documents, source = docstring_corpus(min_chars=200, limit=S.corpus_documents)
 lengths = np.array([len(d) for d in documents])
-print(f"corpus: {len(documents)} documents from {source}, lengths min {lengths.min()}, "
-      f"median {int(np.median(lengths))}, max {lengths.max()}")
+print(
+    f"corpus: {len(documents)} documents from {source}, lengths min {lengths.min()}, "
+    f"median {int(np.median(lengths))}, max {lengths.max()}"
+)
 print(f"the first one: {documents[0][:70].decode()!r}")
 tokens, offsets = pack_documents(documents, max_len=S.context)  # (T,), (B + 1,)
 assert len(documents) == S.corpus_documents and len(tokens) >= S.train_tokens, (
     f"this Python's standard library holds {len(documents)} docstrings of 200+ characters, "
-    f"{len(tokens)} tokens: lower corpus_documents or train_tokens in SIZES")
-tokens, offsets = split_by_token_budget(tokens, offsets, S.train_tokens)[0]  # the stream's first train_tokens
-print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
-      f"{(lengths > S.context).sum()} documents of the corpus cut at {S.context}")
+    f"{len(tokens)} tokens: lower corpus_documents or train_tokens in SIZES"
+)
+tokens, offsets = split_by_token_budget(tokens, offsets, S.train_tokens)[
+    0
+]  # the stream's first train_tokens
+print(
+    f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
+    f"{(lengths > S.context).sum()} documents of the corpus cut at {S.context}"
+)
 
 # %%
 # Three packing mistakes, each checked
@@ -120,8 +161,12 @@ print(f"{len(tokens):,} tokens of {len(offsets) - 1} documents; "
 
 from ragged_toolkit.batches import offsets_from_position_ids, token_index
 from ragged_toolkit.data import document_targets
-from ragged_site.data_parallel import (check_documents_apart, check_positions, check_targets,
-                                       failure_message)
+from ragged_site.data_parallel import (
+    check_documents_apart,
+    check_positions,
+    check_targets,
+    failure_message,
+)
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.layouts import PackedLayout
 
@@ -155,8 +200,10 @@ with torch.no_grad():
     shifted = (model(pair, right, layout) - model(pair, wrong, layout)).abs().max()
 read = len(offsets_from_position_ids(wrong)) - 1
 assert shifted < 1e-3, f"a constant position shift moved this RoPE model's logits by {shifted:.1e}"
-print(f"   positions not restarted, this RoPE model: logits move by {shifted:.1e}; "
-      f"position_ids read {read} document(s), not 3")
+print(
+    f"   positions not restarted, this RoPE model: logits move by {shifted:.1e}; "
+    f"position_ids read {read} document(s), not 3"
+)
 
 # %%
 # Two ways to fill a micro-batch
@@ -189,12 +236,18 @@ steps_budget = deal_to_ranks(by_budget, WORLD, MICRO_BATCHES)
 cuts = torch.arange(BUDGET, len(by_budget) * BUDGET, BUDGET)
 cut = int((~torch.isin(cuts, offsets)).sum())  # cuts that fall inside a document
 padding = 1 - sum(len(t) for t, _ in carried) / (BUDGET * len(carried))
-print(f"token budget {BUDGET} (the mean of {S.docs_per_micro_batch} documents); "
-      f"{len(steps_docs)} and {len(steps_budget)} steps of the stream")
-print(f"token imbalance (max/mean tokens per rank): fixed documents "
-      f"{token_imbalance(steps_docs):.2f}, token budget {token_imbalance(steps_budget):.2f}")
-print(f"the budget cuts {cut} documents (one target each); carrying them instead "
-      f"would pad {padding:.1%} of the slots")
+print(
+    f"token budget {BUDGET} (the mean of {S.docs_per_micro_batch} documents); "
+    f"{len(steps_docs)} and {len(steps_budget)} steps of the stream"
+)
+print(
+    f"token imbalance (max/mean tokens per rank): fixed documents "
+    f"{token_imbalance(steps_docs):.2f}, token budget {token_imbalance(steps_budget):.2f}"
+)
+print(
+    f"the budget cuts {cut} documents (one target each); carrying them instead "
+    f"would pad {padding:.1%} of the slots"
+)
 assert token_imbalance(steps_budget) == 1.0, "a token budget gives every rank the same tokens"
 
 # %%
@@ -259,17 +312,24 @@ def rows(t, o):  # the micro-batch as one row of all its tokens
     return PackedRows.from_offsets(o, len(t))
 
 
-PATHS = {"rows, static shapes": (rows, False), "rows, default shapes": (rows, None),  # (layout, dynamic)
-         "rows, dynamic shapes": (rows, True),
-         "loop plan, default shapes": (lambda t, o: PackedLayout.of(o, "loop"), None)}  # an SDPA call a sequence
+PATHS = {
+    "rows, static shapes": (rows, False),
+    "rows, default shapes": (rows, None),  # (layout, dynamic)
+    "rows, dynamic shapes": (rows, True),
+    "loop plan, default shapes": (lambda t, o: PackedLayout.of(o, "loop"), None),
+}  # an SDPA call a sequence
 graphs = {}
 for path, (layout_of, dynamic) in PATHS.items():
     for scheme, mbs in schemes.items():
-        count = compiled_graphs(model, mbs[:COMPILE_STEPS], layout_of, dynamic=dynamic, dtype=CPU_DTYPE)
+        count = compiled_graphs(
+            model, mbs[:COMPILE_STEPS], layout_of, dynamic=dynamic, dtype=CPU_DTYPE
+        )
         assert count.breaks == 0 and not count.fallbacks, f"{scheme}, {path}: {count}"
         graphs[scheme, path] = count.graphs
-        print(f"compiled trainer {scheme}, {path}: {count.graphs} graphs for {COMPILE_STEPS} steps, "
-              f"{count.breaks} graph breaks")
+        print(
+            f"compiled trainer {scheme}, {path}: {count.graphs} graphs for {COMPILE_STEPS} steps, "
+            f"{count.breaks} graph breaks"
+        )
 
 # %%
 # The rows layout compiled the budget once on every path, fixed documents
@@ -281,12 +341,20 @@ token_counts = len({len(t) for t, _ in by_documents[:COMPILE_STEPS]})
 assert all(graphs["token budget", path] == 1 for path in PATHS if path.startswith("rows")), graphs
 assert graphs["fixed documents", "rows, static shapes"] == token_counts, (graphs, token_counts)
 assert graphs["fixed documents", "rows, dynamic shapes"] == 1, graphs
-held = {scheme: sorted({len(o) - 1 for _, o in mbs[:COMPILE_STEPS]}) for scheme, mbs in schemes.items()}
+held = {
+    scheme: sorted({len(o) - 1 for _, o in mbs[:COMPILE_STEPS]}) for scheme, mbs in schemes.items()
+}
 loop = {scheme: graphs[scheme, "loop plan, default shapes"] for scheme in schemes}
-print(f"loop plan: fixed documents hold {held['fixed documents']} sequences, {loop['fixed documents']} "
-      f"graphs;\nthe budget's micro-batches hold {held['token budget']} sequences, "
-      f"{loop['token budget']} graphs: " + ("a fixed token count saved no graph there"
-      if loop["token budget"] >= loop["fixed documents"] else "the budget compiled fewer"))
+print(
+    f"loop plan: fixed documents hold {held['fixed documents']} sequences, {loop['fixed documents']} "
+    f"graphs;\nthe budget's micro-batches hold {held['token budget']} sequences, "
+    f"{loop['token budget']} graphs: "
+    + (
+        "a fixed token count saved no graph there"
+        if loop["token budget"] >= loop["fixed documents"]
+        else "the budget compiled fewer"
+    )
+)
 
 # %%
 # A loss that is right on every rank
@@ -313,9 +381,13 @@ from ragged_site.data_parallel import one_process_gradients
 grad_steps = deal_to_ranks(split_by_documents(tokens, offsets, GRAD_DOCS), WORLD, 3)[:50]
 grad_batches = max(grad_steps, key=lambda step: token_imbalance([step]))  # the most uneven
 reference = one_process_gradients(model, [mb for rank in grad_batches for mb in rank])
-targets_per_rank = [sum(int((document_targets(t, o) != -100).sum()) for t, o in rank) for rank in grad_batches]
-print(f"gradient check: {WORLD} ranks x 3 micro-batches of {GRAD_DOCS} documents, "
-      f"targets per rank {targets_per_rank}")
+targets_per_rank = [
+    sum(int((document_targets(t, o) != -100).sum()) for t, o in rank) for rank in grad_batches
+]
+print(
+    f"gradient check: {WORLD} ranks x 3 micro-batches of {GRAD_DOCS} documents, "
+    f"targets per rank {targets_per_rank}"
+)
 
 model.zero_grad(set_to_none=True)  # the shortcut: the mean of the micro-batches' means
 micro = [mb for turn in zip(*grad_batches) for mb in turn]  # rank r holds micro[r::WORLD]
@@ -325,11 +397,14 @@ mean_gap = max((p.grad - reference[n]).abs().max().item() for n, p in model.name
 model.zero_grad(set_to_none=True)
 with torch.no_grad():
     right_loss = sum(token_loss_sum(model, t, o)[0] for t, o in micro) / sum(targets_per_rank)
-print(f"mean of per-micro-batch means: loss {torch.stack(means).mean():.4f}, "
-      f"over every target {right_loss:.4f}; gradient max difference {mean_gap:.1e}")
+print(
+    f"mean of per-micro-batch means: loss {torch.stack(means).mean():.4f}, "
+    f"over every target {right_loss:.4f}; gradient max difference {mean_gap:.1e}"
+)
 counts_differ = len({int((document_targets(t, o) != -100).sum()) for t, o in micro}) > 1
 assert counts_differ and mean_gap > 10 * GRAD_TOL, (
-    f"the mean of means should be off when lengths are uneven; difference {mean_gap:.1e}")
+    f"the mean of means should be off when lengths are uneven; difference {mean_gap:.1e}"
+)
 
 # %%
 # Two ranks, launched as a reader launches them
@@ -372,27 +447,54 @@ from ragged_toolkit.attention import backend_support
 from ragged_site.data_parallel import check_same_gradients, nccl_ranks
 from ragged_site.data_parallel_launch import DataParallelJob, GradientRun, run_data_parallel
 
-RUNS = [GradientRun("DDP", wrap="ddp"), GradientRun("FSDP2", wrap="fsdp"),
-        GradientRun("DDP, count not reduced", wrap="ddp", reduce_count=False)]
+RUNS = [
+    GradientRun("DDP", wrap="ddp"),
+    GradientRun("FSDP2", wrap="fsdp"),
+    GradientRun("DDP, count not reduced", wrap="ddp", reduce_count=False),
+]
 
 
 def launch(backend, nproc, device, dtype):
     """The job on ``nproc`` ranks, its micro-batches dealt to them; the gradients checked."""
-    fused = backend_support("varlen", device, dtype, is_causal=True, needs_grad=True, gqa=True,
-                            head_dim=cfg.head_dim) is None  # flash varlen trains here
-    job = DataParallelJob(backend=backend, config=S.model, dtype=str(dtype).removeprefix("torch."), lr=LR,
-                          grad_runs=RUNS, time_backend="varlen" if fused else "loop")
-    data = {"init": model.state_dict(),  # every rank starts from these weights
-            "grad_batches": [micro[r::nproc] for r in range(nproc)],  # the micro-batches of rank r
-            "time_batches": {name: deal_to_ranks(mbs, nproc, MICRO_BATCHES)[:WARMUP_STEPS + S.steps]
-                             for name, mbs in schemes.items()}}
+    fused = (
+        backend_support(
+            "varlen",
+            device,
+            dtype,
+            is_causal=True,
+            needs_grad=True,
+            gqa=True,
+            head_dim=cfg.head_dim,
+        )
+        is None
+    )  # flash varlen trains here
+    job = DataParallelJob(
+        backend=backend,
+        config=S.model,
+        dtype=str(dtype).removeprefix("torch."),
+        lr=LR,
+        grad_runs=RUNS,
+        time_backend="varlen" if fused else "loop",
+    )
+    data = {
+        "init": model.state_dict(),  # every rank starts from these weights
+        "grad_batches": [micro[r::nproc] for r in range(nproc)],  # the micro-batches of rank r
+        "time_batches": {
+            name: deal_to_ranks(mbs, nproc, MICRO_BATCHES)[: WARMUP_STEPS + S.steps]
+            for name, mbs in schemes.items()
+        },
+    }
     reports, grads = run_data_parallel(job, data, nproc)
-    print(f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]} (CPU threads per rank: "
-          f"{reports[0]['threads']}), timed steps on {job.time_backend!r}:")
+    print(
+        f"{nproc} ranks over {backend} on {reports[0]['device'].split(':')[0]} (CPU threads per rank: "
+        f"{reports[0]['threads']}), timed steps on {job.time_backend!r}:"
+    )
     for run in RUNS[:2]:
         gap = check_same_gradients(grads[run.name], reference, GRAD_TOL)
-        print(f"{run.name}:\ndata-parallel step: world size {nproc}, "
-              f"gradient max difference to one process {gap:.1e}")
+        print(
+            f"{run.name}:\ndata-parallel step: world size {nproc}, "
+            f"gradient max difference to one process {gap:.1e}"
+        )
     return reports, grads
 
 
@@ -402,7 +504,9 @@ NCCL_RANKS = nccl_ranks(GPUS, len(micro))  # one rank per GPU over NCCL, each wi
 if NCCL_RANKS:
     nccl_reports, _ = launch("nccl", NCCL_RANKS, "cuda", DTYPE)
 elif GPUS == 1:
-    print("one GPU: NCCL would run one rank, whose collectives do nothing; no data-parallel figure for the GPU")
+    print(
+        "one GPU: NCCL would run one rank, whose collectives do nothing; no data-parallel figure for the GPU"
+    )
 
 # %%
 # Without the ``all_reduce`` of the count, each rank divides by its own
@@ -429,17 +533,25 @@ def summary(reports, label):
     print(label)
     out = {}
     for scheme, micro_batches in schemes.items():
-        timed = deal_to_ranks(micro_batches, len(reports), MICRO_BATCHES)[WARMUP_STEPS:WARMUP_STEPS + S.steps]
+        timed = deal_to_ranks(micro_batches, len(reports), MICRO_BATCHES)[
+            WARMUP_STEPS : WARMUP_STEPS + S.steps
+        ]
         step_ms = step_times_ms(reports, scheme, skip=WARMUP_STEPS)  # each step's slowest rank
         q1, median, q3 = np.percentile(step_ms, [25, 50, 75])
         out[scheme] = held = dict(median_ms=median, **step_load(timed))  # tokens, pairs, imbalance
-        print(f"  {scheme:15s}: step median {median:6.1f} ms (IQR {q1:.1f}-{q3:.1f}, {len(step_ms)} steps), "
-              f"aggregate {held['tokens'] * len(step_ms) / sum(step_ms) * 1e3:,.0f} tokens/s")
-        print(f"  {'':15s}  imbalance {held['imbalance']:.2f}, attention pairs per step {held['pairs']:,.0f}, "
-              f"tokens per step {held['tokens']:,.0f}")
+        print(
+            f"  {scheme:15s}: step median {median:6.1f} ms (IQR {q1:.1f}-{q3:.1f}, {len(step_ms)} steps), "
+            f"aggregate {held['tokens'] * len(step_ms) / sum(step_ms) * 1e3:,.0f} tokens/s"
+        )
+        print(
+            f"  {'':15s}  imbalance {held['imbalance']:.2f}, attention pairs per step {held['pairs']:,.0f}, "
+            f"tokens per step {held['tokens']:,.0f}"
+        )
     ratio = {k: out["fixed documents"][k] / out["token budget"][k] for k in out["token budget"]}
-    print(f"  fixed documents / token budget: step time {ratio['median_ms']:.2f}x, imbalance "
-          f"{ratio['imbalance']:.2f}x, tokens {ratio['tokens']:.2f}x, attention pairs {ratio['pairs']:.2f}x")
+    print(
+        f"  fixed documents / token budget: step time {ratio['median_ms']:.2f}x, imbalance "
+        f"{ratio['imbalance']:.2f}x, tokens {ratio['tokens']:.2f}x, attention pairs {ratio['pairs']:.2f}x"
+    )
     return out
 
 

@@ -78,12 +78,16 @@ is_stop = np.isin(words, STOP_RANKS)
 word_by_word = is_stop.argmax(axis=1)[is_stop.any(axis=1)] + 1
 geometric = sentence_lengths(rng, n_sentences, 1.2).numpy()
 grid = np.arange(1, max(word_by_word.max(), geometric.max()) + 1)
-cdf_gap = np.abs(np.searchsorted(np.sort(word_by_word), grid, side="right") / len(word_by_word)
-                 - np.searchsorted(np.sort(geometric), grid, side="right") / len(geometric)).max()
+cdf_gap = np.abs(
+    np.searchsorted(np.sort(word_by_word), grid, side="right") / len(word_by_word)
+    - np.searchsorted(np.sort(geometric), grid, side="right") / len(geometric)
+).max()
 n, m = len(word_by_word), len(geometric)
 critical = 1.95 * np.sqrt((n + m) / (n * m))  # Kolmogorov-Smirnov, 0.1% level
-print(f"expected length 1/p = {1 / zipf_stop_probability(1.2):.1f}; mean word by word "
-      f"{word_by_word.mean():.2f}, geometric {geometric.mean():.2f}")
+print(
+    f"expected length 1/p = {1 / zipf_stop_probability(1.2):.1f}; mean word by word "
+    f"{word_by_word.mean():.2f}, geometric {geometric.mean():.2f}"
+)
 print(f"largest CDF gap {cdf_gap:.4f} (must stay below {critical:.4f})")
 assert cdf_gap < critical, "the geometric lengths do not match the word-by-word ones"
 
@@ -128,13 +132,20 @@ x, offsets = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)  # 
 x_padded, valid = to_padded(x, offsets)  # (B, S, E), (B, S)
 PACKED_BACKEND = default_backend(DEVICE, DTYPE, head_dim=S.embed // S.heads)
 print(f"packed: the {PACKED_BACKEND} backend")
-plan = plan_batch(offsets, backend=PACKED_BACKEND, is_causal=True)  # built once, passed to every call
+plan = plan_batch(
+    offsets, backend=PACKED_BACKEND, is_causal=True
+)  # built once, passed to every call
 layer = MultiHeadAttention(S.embed, S.heads, device=DEVICE, dtype=DTYPE)
 with torch.no_grad():
-    times = measure({"padded": lambda: layer(x_padded, is_causal=True),
-                     "packed": lambda: layer(x, plan),
-                     "packed again": lambda: layer(x, plan)},
-                    min_run_time=S.run_time, profile=not setup.quick)
+    times = measure(
+        {
+            "padded": lambda: layer(x_padded, is_causal=True),
+            "packed": lambda: layer(x, plan),
+            "packed again": lambda: layer(x, plan),
+        },
+        min_run_time=S.run_time,
+        profile=not setup.quick,
+    )
 print_timings(times)
 
 # %%
@@ -235,11 +246,18 @@ print(speedup_line("forward", times["padded"], times["packed"], bound))
 
 speedup = times["padded"].median_ms / times["packed"].median_ms
 fraction = speedup / bound
-reading = ("near 1: time followed the work" if 0.8 <= fraction <= 1.25 else
-           "below 1: overheads the bound does not count ate part of the win" if fraction < 0.8 else
-           "far above 1: look for a bug in the baseline" if fraction >= 2 else
-           "above 1: the padded side was slower per unit of work")
-noise = "" if outside_noise(times["padded"], times["packed"]) else " (within noise: it says nothing)"
+reading = (
+    "near 1: time followed the work"
+    if 0.8 <= fraction <= 1.25
+    else "below 1: overheads the bound does not count ate part of the win"
+    if fraction < 0.8
+    else "far above 1: look for a bug in the baseline"
+    if fraction >= 2
+    else "above 1: the padded side was slower per unit of work"
+)
+noise = (
+    "" if outside_noise(times["padded"], times["packed"]) else " (within noise: it says nothing)"
+)
 print(f"forward fraction of the bound {fraction:.2f}: {reading}{noise}")
 
 # %%
@@ -251,20 +269,33 @@ print(f"forward fraction of the bound {fraction:.2f}: {reading}{noise}")
 
 N_BATCHES = 50 if setup.quick else 200
 alphas = (1.1, 1.2, 1.35, 1.6)
-bounds = {a: np.array([work_bound(sentence_lengths(rng, S.batch, a), work=work, causal=True)
-                       for _ in range(N_BATCHES)]) for a in alphas}
-quartiles = {a: dict(zip(("q1", "median", "q3"), np.percentile(bounds[a], [25, 50, 75]))) for a in alphas}
+bounds = {
+    a: np.array(
+        [
+            work_bound(sentence_lengths(rng, S.batch, a), work=work, causal=True)
+            for _ in range(N_BATCHES)
+        ]
+    )
+    for a in alphas
+}
+quartiles = {
+    a: dict(zip(("q1", "median", "q3"), np.percentile(bounds[a], [25, 50, 75]))) for a in alphas
+}
 for a, q in quartiles.items():
-    print(f"Zipf {a:4.2f}: mean length {1 / zipf_stop_probability(a):5.1f}, work bound median "
-          f"{q['median']:.2f}x (IQR {q['q1']:.2f}-{q['q3']:.2f}) over {N_BATCHES} batches")
+    print(
+        f"Zipf {a:4.2f}: mean length {1 / zipf_stop_probability(a):5.1f}, work bound median "
+        f"{q['median']:.2f}x (IQR {q['q1']:.2f}-{q['q3']:.2f}) over {N_BATCHES} batches"
+    )
 medians = [quartiles[a]["median"] for a in alphas]  # in order of increasing exponent
 change = max(medians) - min(medians)
 between_batches = np.median([quartiles[a]["q3"] - quartiles[a]["q1"] for a in alphas])
 steady = all(x > y for x, y in zip(medians, medians[1:]))
 trend = "rises steadily" if steady else "does not move steadily"
 size = "less than" if change < between_batches else "more than"
-print(f"as the exponent falls, the median bound {trend}: it moves by {change:.2f}x in all,\n"
-      f"{size} the IQR of the bound between batches of one exponent ({between_batches:.2f}x)")
+print(
+    f"as the exponent falls, the median bound {trend}: it moves by {change:.2f}x in all,\n"
+    f"{size} the IQR of the bound between batches of one exponent ({between_batches:.2f}x)"
+)
 
 # %%
 # The bound is set mostly by the longest sentence of a batch against the
@@ -277,14 +308,31 @@ print(f"as the exponent falls, the median bound {trend}: it moves by {change:.2f
 measured = {}
 for a in alphas[1:] if setup.quick else alphas:
     x_b, offsets_b = ragged_batch(rng, S.batch, S.embed, alpha=a, device=DEVICE, dtype=DTYPE)
-    x_b_padded, plan_b = to_padded(x_b, offsets_b)[0], plan_batch(offsets_b, backend=PACKED_BACKEND, is_causal=True)
+    x_b_padded, plan_b = (
+        to_padded(x_b, offsets_b)[0],
+        plan_batch(offsets_b, backend=PACKED_BACKEND, is_causal=True),
+    )
     with torch.no_grad():
-        t = measure({"padded": lambda: layer(x_b_padded, is_causal=True), "packed": lambda: layer(x_b, plan_b)},
-                    min_run_time=S.run_time / 2, profile=False)
-    measured[a] = dict(bound=work_bound(offsets_b.diff().cpu(), work=work, causal=True),
-                       speedup=t["padded"].median_ms / t["packed"].median_ms)
-    print(speedup_line(f"Zipf {a:4.2f}, longest {int(offsets_b.diff().max()):3d}", t["padded"],
-                       t["packed"], measured[a]["bound"]))
+        t = measure(
+            {
+                "padded": lambda: layer(x_b_padded, is_causal=True),
+                "packed": lambda: layer(x_b, plan_b),
+            },
+            min_run_time=S.run_time / 2,
+            profile=False,
+        )
+    measured[a] = dict(
+        bound=work_bound(offsets_b.diff().cpu(), work=work, causal=True),
+        speedup=t["padded"].median_ms / t["packed"].median_ms,
+    )
+    print(
+        speedup_line(
+            f"Zipf {a:4.2f}, longest {int(offsets_b.diff().max()):3d}",
+            t["padded"],
+            t["packed"],
+            measured[a]["bound"],
+        )
+    )
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE
@@ -296,11 +344,21 @@ ax1.set_xticks(range(1, len(alphas) + 1), [f"{a}" for a in alphas])
 ax1.set(xlabel="Zipf exponent", ylabel="work bound (x)", title=f"{N_BATCHES} batches of {S.batch}")
 top = 1.1 * max(max(v["bound"], v["speedup"]) for v in measured.values())
 ax2.plot([1, top], [1, top], "--", color="gray", label="speedup = bound")
-ax2.scatter([v["bound"] for v in measured.values()], [v["speedup"] for v in measured.values()], zorder=3,
-            label=f"measured, {DEVICE}")
+ax2.scatter(
+    [v["bound"] for v in measured.values()],
+    [v["speedup"] for v in measured.values()],
+    zorder=3,
+    label=f"measured, {DEVICE}",
+)
 for a, v in measured.items():
-    ax2.annotate(f"Zipf {a}", (v["bound"], v["speedup"]), textcoords="offset points", xytext=(6, -12))
-ax2.set(xlabel="work bound of the batch (x)", ylabel="forward speedup (x)", title="One batch each, timed")
+    ax2.annotate(
+        f"Zipf {a}", (v["bound"], v["speedup"]), textcoords="offset points", xytext=(6, -12)
+    )
+ax2.set(
+    xlabel="work bound of the batch (x)",
+    ylabel="forward speedup (x)",
+    title="One batch each, timed",
+)
 ax2.legend(loc="upper left")
 plt.show()
 
@@ -324,7 +382,9 @@ if setup.quick:
 else:
     with torch.no_grad():
         print("padded, forward:")
-        print(where_time_goes(lambda: layer(x_padded, is_causal=True), top=4, timing=times["padded"]))
+        print(
+            where_time_goes(lambda: layer(x_padded, is_causal=True), top=4, timing=times["padded"])
+        )
         print("packed, forward:")
         print(where_time_goes(lambda: layer(x, plan), top=4, timing=times["packed"]))
 
@@ -358,7 +418,9 @@ print(f"torch.compile: {compiled}")
 print("step  ms     graphs compiled in the step")
 for number, (seconds, graphs) in enumerate(zip(timer.seconds, timer.graphs)):
     print(f"{number:4d} {1e3 * seconds:8.2f}  {graphs}")
-assert timer.graphs[0] > 0 and sum(timer.graphs[1:]) == 0, "a graph was compiled after the first step"
+assert timer.graphs[0] > 0 and sum(timer.graphs[1:]) == 0, (
+    "a graph was compiled after the first step"
+)
 
 # %%
 # The first step carried the compile; a page reports only the steps after
@@ -377,35 +439,62 @@ assert timer.graphs[0] > 0 and sum(timer.graphs[1:]) == 0, "a graph was compiled
 import torch.nn as nn
 from ragged_toolkit.clock import stopwatch
 
-causal = torch.ones(x_padded.shape[1], x_padded.shape[1], dtype=torch.bool, device=DEVICE).triu(1)  # masked
-original = torch.compile(nn.MultiheadAttention(S.embed, S.heads, batch_first=True, device=DEVICE,
-                                               dtype=DTYPE))
+causal = torch.ones(x_padded.shape[1], x_padded.shape[1], dtype=torch.bool, device=DEVICE).triu(
+    1
+)  # masked
+original = torch.compile(
+    nn.MultiheadAttention(S.embed, S.heads, batch_first=True, device=DEVICE, dtype=DTYPE)
+)
 grad_out, grad_padded = torch.randn_like(x), torch.randn_like(x_padded)
 
 
 def original_step():
-    out = original(x_padded, x_padded, x_padded, key_padding_mask=~valid, attn_mask=causal,
-                   need_weights=False)[0]
+    out = original(
+        x_padded, x_padded, x_padded, key_padding_mask=~valid, attn_mask=causal, need_weights=False
+    )[0]
     out.backward(grad_padded)
 
 
 with compile_counter() as compiled:
     with torch.no_grad():  # the forward-only warm-up the original did
-        original(x_padded, x_padded, x_padded, key_padding_mask=~valid, attn_mask=causal,
-                 need_weights=False)
+        original(
+            x_padded,
+            x_padded,
+            x_padded,
+            key_padding_mask=~valid,
+            attn_mask=causal,
+            need_weights=False,
+        )
     with stopwatch() as first_call:
         original_step()  # compiles the backward graph
-steady = measure({"original": original_step, "packed": lambda: layer(x, plan).backward(grad_out)},
-                 min_run_time=S.run_time, profile=False)
+steady = measure(
+    {"original": original_step, "packed": lambda: layer(x, plan).backward(grad_out)},
+    min_run_time=S.run_time,
+    profile=False,
+)
 print(f"torch.compile of the original's baseline: {compiled}")
-print(f"its first forward and backward: {first_call.seconds:.2f} s, "
-      f"{first_call.seconds * 1e3 / steady['packed'].median_ms:.0f}x "
-      f"the packed layer's steady step ({steady['packed'].median_ms:.2f} ms)")
+print(
+    f"its first forward and backward: {first_call.seconds:.2f} s, "
+    f"{first_call.seconds * 1e3 / steady['packed'].median_ms:.0f}x "
+    f"the packed layer's steady step ({steady['packed'].median_ms:.2f} ms)"
+)
 merged = work_bound(lengths, work=work, causal=True, padded_causal=False)
-print(speedup_line("after its warm-up, forward and backward", steady["original"], steady["packed"], merged))
-compiling = 1 - steady["original"].median_ms / (first_call.seconds * 1e3)  # what was not the step itself
-print(f"{compiling:.0%} of that first call was not the step: "
-      + ("it timed the compiler" if compiling > 0.5 else "compiling was short here (a warm compile cache?)"))
+print(
+    speedup_line(
+        "after its warm-up, forward and backward", steady["original"], steady["packed"], merged
+    )
+)
+compiling = 1 - steady["original"].median_ms / (
+    first_call.seconds * 1e3
+)  # what was not the step itself
+print(
+    f"{compiling:.0%} of that first call was not the step: "
+    + (
+        "it timed the compiler"
+        if compiling > 0.5
+        else "compiling was short here (a warm compile cache?)"
+    )
+)
 
 # %%
 # The last line says how much of the one-shot timing was something other

@@ -50,14 +50,46 @@ from ragged_site.measuring.bound import fraction_verdict, throughput_line
 from ragged_toolkit.batches import offsets_from_lengths
 
 SIZES = {
-    "cuda": dict(embed=1024, heads=16, head_dim=64, chunk=64, max_len=1024, step_tokens=4096,
-                 train_tokens=196608, corpus_documents=2000, lr=1e-3,
-                 model=dict(vocab_size=256, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1408,
-                            max_seq_len=1024)),
-    "cpu": dict(embed=128, heads=4, head_dim=32, chunk=64, max_len=512, step_tokens=2048,
-                train_tokens=32768, corpus_documents=600, lr=3e-3,
-                model=dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128,
-                           max_seq_len=512)),
+    "cuda": dict(
+        embed=1024,
+        heads=16,
+        head_dim=64,
+        chunk=64,
+        max_len=1024,
+        step_tokens=4096,
+        train_tokens=196608,
+        corpus_documents=2000,
+        lr=1e-3,
+        model=dict(
+            vocab_size=256,
+            dim=512,
+            n_layers=4,
+            n_heads=8,
+            n_kv_heads=4,
+            ffn_hidden=1408,
+            max_seq_len=1024,
+        ),
+    ),
+    "cpu": dict(
+        embed=128,
+        heads=4,
+        head_dim=32,
+        chunk=64,
+        max_len=512,
+        step_tokens=2048,
+        train_tokens=32768,
+        corpus_documents=600,
+        lr=3e-3,
+        model=dict(
+            vocab_size=256,
+            dim=64,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=128,
+            max_seq_len=512,
+        ),
+    ),
     "quick": dict(step_tokens=1024, train_tokens=8192, corpus_documents=200),
 }
 setup = page_setup(SIZES)  # device, dtype, quick mode, one CPU thread, seed; prints them
@@ -90,10 +122,18 @@ from ragged_toolkit.gpt import GPTConfig
 from ragged_toolkit.hybrid import HybridGPT, hybrid_loss
 
 corpus, source = docstring_corpus(limit=S.corpus_documents)
-stream, stream_offsets = pack_documents([corpus[i] for i in rng.permutation(len(corpus))], max_len=S.max_len)
-assert len(stream) >= S.train_tokens, f"{len(stream)} tokens in the corpus, {S.train_tokens} asked for"
-steps = [(t.to(DEVICE), o.to(DEVICE))
-         for t, o in split_by_token_budget(stream, stream_offsets, S.step_tokens)[:S.train_tokens // S.step_tokens]]
+stream, stream_offsets = pack_documents(
+    [corpus[i] for i in rng.permutation(len(corpus))], max_len=S.max_len
+)
+assert len(stream) >= S.train_tokens, (
+    f"{len(stream)} tokens in the corpus, {S.train_tokens} asked for"
+)
+steps = [
+    (t.to(DEVICE), o.to(DEVICE))
+    for t, o in split_by_token_budget(stream, stream_offsets, S.step_tokens)[
+        : S.train_tokens // S.step_tokens
+    ]
+]
 cfg = GPTConfig(**S.model)
 torch.manual_seed(setup.seed)
 hybrid = HybridGPT(cfg, attention_every=4, chunk=C).to(DEVICE)
@@ -104,8 +144,10 @@ for padded in (False, True):
 for got, want in zip(first[True], first[False]):
     torch.testing.assert_close(got, want, **tolerances(DTYPE))
 print(f"{len(steps)} steps of {S.step_tokens} tokens from {len(corpus)} documents of {source}")
-print(f"attention in block {hybrid.attention_layers}; first step: loss {float(first[False][0]):.4f} packed, "
-      f"{float(first[True][0]):.4f} padded, all {len(first[True]) - 1} gradients agree")
+print(
+    f"attention in block {hybrid.attention_layers}; first step: loss {float(first[False][0]):.4f} packed, "
+    f"{float(first[True][0]):.4f} padded, all {len(first[True]) - 1} gradients agree"
+)
 
 # %%
 # The two trainers take turns, one step each, with AdamW, eager (compiling
@@ -159,11 +201,17 @@ TRAINED = train_in_turns(
 for way, (_, losses) in TRAINED.items():
     assert np.mean(losses[-2:]) < 0.8 * losses[0], f"{way} did not learn: {losses}"
     print(f"{way}: loss {losses[0]:.3f} -> {np.mean(losses[-2:]):.3f}")
-work = model_work(hybrid, n_layers=len(hybrid.attention_layers), attention_width=cfg.n_heads * cfg.head_dim)
+work = model_work(
+    hybrid, n_layers=len(hybrid.attention_layers), attention_width=cfg.n_heads * cfg.head_dim
+)
 timed_lengths = [offsets_i.diff().cpu() for tokens_i, offsets_i in steps[WARMUP:]]
 train_bound = work_per_token(timed_lengths, work, padded=True) / work_per_token(timed_lengths, work)
 rate = {way: TRAINED[way][0].tokens_per_s(WARMUP) for way in WAYS}
-print(throughput_line("hybrid training", rate["packed"], rate["padded"], train_bound, names=("packed", "padded")))
+print(
+    throughput_line(
+        "hybrid training", rate["packed"], rate["padded"], train_bound, names=("packed", "padded")
+    )
+)
 print(fraction_verdict("hybrid training", rate["packed"] / rate["padded"] / train_bound))
 
 # %%
@@ -184,16 +232,26 @@ from ragged_toolkit.recurrent import GatedDeltaLayer, ScalarDecayLayer
 
 LENGTHS = [40, 1, 23, 150, 7, 35, 64, 20]  # a row of eight documents, 340 tokens
 torch.manual_seed(setup.seed)
-layers = {"scalar decay": ScalarDecayLayer(S.embed, H, D, key_heads=H // 2, chunk=C).to(DEVICE),
-          "gated delta": GatedDeltaLayer(S.embed, H, D, key_heads=H // 2, chunk=C).to(DEVICE)}
+layers = {
+    "scalar decay": ScalarDecayLayer(S.embed, H, D, key_heads=H // 2, chunk=C).to(DEVICE),
+    "gated delta": GatedDeltaLayer(S.embed, H, D, key_heads=H // 2, chunk=C).to(DEVICE),
+}
 NEW = 4
 prompt_offsets = offsets_from_lengths(LENGTHS, DEVICE)
 prompts = torch.randn(sum(LENGTHS), S.embed, device=DEVICE)  # (T, E): a packed batch of prompts
-more = torch.randn(NEW, len(LENGTHS), S.embed, device=DEVICE)  # (steps, B, E): one token per request
+more = torch.randn(
+    NEW, len(LENGTHS), S.embed, device=DEVICE
+)  # (steps, B, E): one token per request
 longer_offsets = offsets_from_lengths([n + NEW for n in LENGTHS], DEVICE)
-longer = torch.cat([torch.cat([prompts[a:b], more[:, i]]) for i, (a, b)
-                    in enumerate(zip(prompt_offsets[:-1].tolist(), prompt_offsets[1:].tolist()))])
-new_rows = (longer_offsets[1:, None] - torch.arange(NEW, 0, -1, device=DEVICE)).flatten()  # (B * NEW,)
+longer = torch.cat(
+    [
+        torch.cat([prompts[a:b], more[:, i]])
+        for i, (a, b) in enumerate(zip(prompt_offsets[:-1].tolist(), prompt_offsets[1:].tolist()))
+    ]
+)
+new_rows = (
+    longer_offsets[1:, None] - torch.arange(NEW, 0, -1, device=DEVICE)
+).flatten()  # (B * NEW,)
 CACHES = {}
 with torch.no_grad():
     for kind, mixer in layers.items():
@@ -203,10 +261,15 @@ with torch.no_grad():
             out, cache = mixer.step(more[t], cache)
             decoded.append(out)
         CACHES[kind] = cache
-        torch.testing.assert_close(torch.stack(decoded, 1).flatten(0, 1), mixer(longer, longer_offsets)[new_rows],
-                                   **tolerances(torch.float32))
-        print(f"{kind}: {NEW} tokens decoded after each of {len(LENGTHS)} documents from its state,\n"
-              f"  equal to the packed layer over the longer documents")
+        torch.testing.assert_close(
+            torch.stack(decoded, 1).flatten(0, 1),
+            mixer(longer, longer_offsets)[new_rows],
+            **tolerances(torch.float32),
+        )
+        print(
+            f"{kind}: {NEW} tokens decoded after each of {len(LENGTHS)} documents from its state,\n"
+            f"  equal to the packed layer over the longer documents"
+        )
 
 # %%
 # Bytes per request and layer at the sizes of Qwen3-Next-80B-A3B
@@ -215,13 +278,19 @@ with torch.no_grad():
 # (32 heads of 128 by 128) and three convolution inputs in ``bfloat16``.
 
 kv_per_token = 2 * 2 * 256 * 2  # k and v, 2 heads of 256, 2 bytes each
-state_bytes = 32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 2  # the state; q, k, v of 3 tokens
+state_bytes = (
+    32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 2
+)  # the state; q, k, v of 3 tokens
 for context in (1024, 32768, 262144):
-    print(f"context {context:6d}: attention layer {kv_per_token * context / 2**20:7.1f} MiB, "
-          f"recurrent layer {state_bytes / 2**20:5.2f} MiB per request")
+    print(
+        f"context {context:6d}: attention layer {kv_per_token * context / 2**20:7.1f} MiB, "
+        f"recurrent layer {state_bytes / 2**20:5.2f} MiB per request"
+    )
 held = CACHES["gated delta"]  # the page's own layer, in float32: counted the same way
-assert sum(t[0].numel() * t.element_size() for t in (held.state, held.conv)) == \
-    H * D * D * 4 + 3 * layers["gated delta"].channels * 4
+assert (
+    sum(t[0].numel() * t.element_size() for t in (held.state, held.conv))
+    == H * D * D * 4 + 3 * layers["gated delta"].channels * 4
+)
 
 # %%
 # Conclusion

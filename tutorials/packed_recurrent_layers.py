@@ -103,7 +103,9 @@ alone = [
     F.conv1d(x_conv[a:b].T[None], taps[:, None], padding=3, groups=6)[0, :, : b - a].T
     for a, b in zip(conv_offsets[:-1].tolist(), conv_offsets[1:].tolist())
 ]  # each document alone: (L, channels)
-torch.testing.assert_close(causal_conv(x_conv, taps, token_index(conv_offsets)[1]), torch.cat(alone))
+torch.testing.assert_close(
+    causal_conv(x_conv, taps, token_index(conv_offsets)[1]), torch.cat(alone)
+)
 print("the cut convolution on a packed row gives each document's own conv1d")
 
 # %%
@@ -148,7 +150,10 @@ def random_inputs(lengths, rule, dtype=torch.float32, seed=0):
     k = l2norm(torch.randn(T, H, D, generator=gen))
     g = -0.1 * torch.rand(T, H, generator=gen)
     beta = torch.rand(T, H, generator=gen) if rule == "delta" else None
-    return [None if t is None else t.to(DEVICE, dtype).requires_grad_() for t in (q / D**0.5, k, v, g, beta)]
+    return [
+        None if t is None else t.to(DEVICE, dtype).requires_grad_()
+        for t in (q / D**0.5, k, v, g, beta)
+    ]
 
 
 offsets = offsets_from_lengths(LENGTHS, DEVICE)
@@ -158,11 +163,16 @@ span = slice(3 * C, 4 * C)  # the fourth chunk
 decay, carry = chunk_decay(g[span].T[None, None], doc[None, None, span], pos[None, None, span])
 picture = torch.cat([carry[0, 0, 0, :, None], decay[0, 0, 0]], 1).cpu()  # (C, 1 + C), head 0
 fig, ax = plt.subplots(figsize=(7, 6), layout="constrained")
-shown = ax.imshow(np.ma.masked_equal(picture.numpy(), 0), vmin=0, vmax=1, extent=(-1.5, C - 0.5, C - 0.5, -0.5))
+shown = ax.imshow(
+    np.ma.masked_equal(picture.numpy(), 0), vmin=0, vmax=1, extent=(-1.5, C - 0.5, C - 0.5, -0.5)
+)
 for start in (offsets[(offsets > span.start) & (offsets < span.stop)] - span.start).tolist():
     ax.axhline(start - 0.5, color="red", lw=1, ls="--")
-ax.set(xlabel="token j of the chunk (left of 0: the entering state)", ylabel="token i of the chunk",
-       title=f"Chunk 4 of a packed row (C = {C}): decay from j to i; blank: cut")
+ax.set(
+    xlabel="token j of the chunk (left of 0: the entering state)",
+    ylabel="token i of the chunk",
+    title=f"Chunk 4 of a packed row (C = {C}): decay from j to i; blank: cut",
+)
 fig.colorbar(shown, ax=ax, label=r"$\exp(g_{j+1} + \dots + g_i)$")
 plt.show()
 # sphinx_gallery_thumbnail_number = 1
@@ -212,34 +222,57 @@ def results(run, leaves, seed=1):
     skipped) after the backward of a fixed random projection of o and states."""
     o, states = run()
     gen, leaves = torch.Generator().manual_seed(seed), [t for t in leaves if t is not None]
-    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device)).sum()
-               for t in (o, states))
+    loss = sum(
+        (t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device)).sum()
+        for t in (o, states)
+    )
     return [o.detach(), states.detach(), *torch.autograd.grad(loss, leaves)]
 
 
 def worst_error(got, want):
     """The largest error of any tensor, relative to its reference's scale."""
-    return max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True))
+    return max(
+        float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True)
+    )
 
 
 rng = np.random.default_rng(setup.seed)
-batches = [LENGTHS] + [rng.permutation(np.concatenate([[1, 3 * C + 7], sentence_lengths(rng, 8)])).tolist()
-                       for _ in range(2)]
-in_chunk = [s % C for lengths in batches for s in np.cumsum(lengths)[:-1].tolist()]  # where documents start
-assert 0 in in_chunk and any(in_chunk) and min(map(min, batches)) == 1 and max(map(max, batches)) > 3 * C
+batches = [LENGTHS] + [
+    rng.permutation(np.concatenate([[1, 3 * C + 7], sentence_lengths(rng, 8)])).tolist()
+    for _ in range(2)
+]
+in_chunk = [
+    s % C for lengths in batches for s in np.cumsum(lengths)[:-1].tolist()
+]  # where documents start
+assert (
+    0 in in_chunk
+    and any(in_chunk)
+    and min(map(min, batches)) == 1
+    and max(map(max, batches)) > 3 * C
+)
 PROOF = {}
 for rule in ("scalar", "delta"):
     for dtype, cases in ((torch.float32, batches), (torch.bfloat16, batches[:1])):
         for i, lengths in enumerate(cases):
-            ins, offsets = random_inputs(lengths, rule, dtype, seed=i), offsets_from_lengths(lengths, DEVICE)
+            ins, offsets = (
+                random_inputs(lengths, rule, dtype, seed=i),
+                offsets_from_lengths(lengths, DEVICE),
+            )
             wide = [None if t is None else t.detach().double().requires_grad_() for t in ins]
             got = results(lambda: packed_recurrence(*ins[:4], offsets, ins[4], chunk=C), ins)
             want = results(lambda: documents_reference(*wide[:4], offsets, wide[4]), wide)
             PROOF[rule, dtype, i] = worst_error(got, want)
-            assert PROOF[rule, dtype, i] <= tolerances(dtype)["atol"], (rule, dtype, i, PROOF[rule, dtype, i])
-    print(f"{rule:6s} chunked and packed against each document alone: largest error "
-          f"{max(PROOF[rule, torch.float32, i] for i in range(3)):.1e} in float32 (3 batches, tolerance 1e-4),\n  "
-          f"{PROOF[rule, torch.bfloat16, 0]:.1e} in bfloat16 (tolerance 4e-2)")
+            assert PROOF[rule, dtype, i] <= tolerances(dtype)["atol"], (
+                rule,
+                dtype,
+                i,
+                PROOF[rule, dtype, i],
+            )
+    print(
+        f"{rule:6s} chunked and packed against each document alone: largest error "
+        f"{max(PROOF[rule, torch.float32, i] for i in range(3)):.1e} in float32 (3 batches, tolerance 1e-4),\n  "
+        f"{PROOF[rule, torch.bfloat16, 0]:.1e} in bfloat16 (tolerance 4e-2)"
+    )
 
 # %%
 # The layers, convolution included, are proved the same way against their
@@ -262,15 +295,22 @@ LAYERS = {"scalar decay": ScalarDecayLayer, "gated delta": GatedDeltaLayer}
 torch.manual_seed(setup.seed)
 offsets = offsets_from_lengths(LENGTHS, DEVICE)
 x = torch.randn(sum(LENGTHS), S.embed, device=DEVICE)
-layers = {name: cls(S.embed, H, D, key_heads=H // 2, chunk=C).to(DEVICE) for name, cls in LAYERS.items()}
+layers = {
+    name: cls(S.embed, H, D, key_heads=H // 2, chunk=C).to(DEVICE) for name, cls in LAYERS.items()
+}
 for name, layer in layers.items():
     wide = copy.deepcopy(layer).double()
     x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
     got = results(lambda: packed_layer(layer, x32, offsets), [x32, *layer.parameters()])
     want = results(lambda: wide.reference(x64, offsets), [x64, *wide.parameters()])
-    assert worst_error(got, want) <= tolerances(torch.float32)["atol"], (name, worst_error(got, want))
-    print(f"{name} layer in float32 against its float64 definition: largest error "
-          f"{worst_error(got, want):.1e} over {len(want)} tensors")
+    assert worst_error(got, want) <= tolerances(torch.float32)["atol"], (
+        name,
+        worst_error(got, want),
+    )
+    print(
+        f"{name} layer in float32 against its float64 definition: largest error "
+        f"{worst_error(got, want):.1e} over {len(want)} tensors"
+    )
 
 # %%
 # ``tests/test_recurrent.py`` checks more batches, chunk sizes and empty
@@ -287,17 +327,24 @@ with torch.no_grad():
     whole_row = offsets_from_lengths([sum(LENGTHS)], DEVICE)  # one "document": no reset
     LEAK = {}
     for name, layer in layers.items():
-        alone = [layer(x[a:b], offsets_from_lengths([b - a], DEVICE))
-                 for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+        alone = [
+            layer(x[a:b], offsets_from_lengths([b - a], DEVICE))
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
+        ]
         scale = max(float(o.abs().max()) for o in alone)
         for label, cuts in (("without resets", whole_row), ("with resets", offsets)):
             out = layer(x, cuts)
-            LEAK[name, label] = [float((out[a:b] - o).abs().max()) / scale
-                                 for o, a, b in zip(alone, offsets[:-1].tolist(), offsets[1:].tolist())]
+            LEAK[name, label] = [
+                float((out[a:b] - o).abs().max()) / scale
+                for o, a, b in zip(alone, offsets[:-1].tolist(), offsets[1:].tolist())
+            ]
         assert max(LEAK[name, "with resets"]) < 1e-5 < min(LEAK[name, "without resets"][1:])
-        print(f"{name}, each document's largest difference from itself alone:\n  without resets "
-              + " ".join(f"{d:.0e}" for d in LEAK[name, "without resets"]) + "\n  with resets    "
-              + " ".join(f"{d:.0e}" for d in LEAK[name, "with resets"]))
+        print(
+            f"{name}, each document's largest difference from itself alone:\n  without resets "
+            + " ".join(f"{d:.0e}" for d in LEAK[name, "without resets"])
+            + "\n  with resets    "
+            + " ".join(f"{d:.0e}" for d in LEAK[name, "with resets"])
+        )
 
 # %%
 # The state's norm along the row (scalar decay, the proof's inputs): with
@@ -307,17 +354,27 @@ with torch.no_grad():
 from ragged_toolkit.recurrent import chunked_recurrence
 
 q, k, v, g = (t.detach() for t in random_inputs(LENGTHS, "scalar")[:4])
-every_token = torch.stack([torch.zeros_like(pos), torch.arange(len(pos), device=DEVICE)], 1)  # (T, 2)
-documents = {"without resets": (torch.zeros_like(doc), every_token[:, 1]), "with resets": (doc, pos)}
+every_token = torch.stack(
+    [torch.zeros_like(pos), torch.arange(len(pos), device=DEVICE)], 1
+)  # (T, 2)
+documents = {
+    "without resets": (torch.zeros_like(doc), every_token[:, 1]),
+    "with resets": (doc, pos),
+}
 fig, ax = plt.subplots(layout="constrained")
 with torch.no_grad():
     for label, (d, p) in documents.items():  # each token's document and position
-        _, states = chunked_recurrence(q[None], k[None], v[None], g[None], None, d[None], p[None], every_token, C)
+        _, states = chunked_recurrence(
+            q[None], k[None], v[None], g[None], None, d[None], p[None], every_token, C
+        )
         ax.plot(states.flatten(2).norm(dim=-1).mean(-1).cpu(), lw=1.5, label=label)  # (T,)
 for start in offsets[1:-1].tolist():
     ax.axvline(start - 0.5, color="gray", lw=0.8, ls="--")
-ax.set(xlabel="token of the packed row", ylabel="state norm, mean over heads",
-       title="The recurrent state along a packed row of eight documents")
+ax.set(
+    xlabel="token of the packed row",
+    ylabel="state norm, mean over heads",
+    title="The recurrent state along a packed row of eight documents",
+)
 ax.legend()
 plt.show()
 
@@ -333,8 +390,11 @@ plt.show()
 
 import textwrap
 import transformers
-from ragged_toolkit.recurrent_hf import (FORWARDS_CU_SEQ_LENS, document_differences,
-                                         forwards_cu_seq_lens)
+from ragged_toolkit.recurrent_hf import (
+    FORWARDS_CU_SEQ_LENS,
+    document_differences,
+    forwards_cu_seq_lens,
+)
 
 # sphinx_gallery_start_ignore
 transformers.logging.set_verbosity_error()  # its notes that its reference kernels run
@@ -342,31 +402,51 @@ transformers.logging.set_verbosity_error()  # its notes that its reference kerne
 
 STOCK = RESET = None  # each document's largest logit difference, stock and with the packed layers
 if not forwards_cu_seq_lens():
-    print(f"transformers {transformers.__version__} keeps cu_seq_lens_q from its Gated DeltaNet layers: "
-          f"skipped (it needs {FORWARDS_CU_SEQ_LENS} or later)")
+    print(
+        f"transformers {transformers.__version__} keeps cu_seq_lens_q from its Gated DeltaNet layers: "
+        f"skipped (it needs {FORWARDS_CU_SEQ_LENS} or later)"
+    )
 else:
     config = transformers.Qwen3NextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0,
-        layer_types=["linear_attention"] * 3 + ["full_attention"])
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=0,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
     torch.manual_seed(setup.seed)
     qwen = transformers.Qwen3NextForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(setup.seed)
-    docs = [torch.randint(0, 256, (n,), generator=gen) for n in (37, 21, 70)]  # the last over a chunk
+    docs = [
+        torch.randint(0, 256, (n,), generator=gen) for n in (37, 21, 70)
+    ]  # the last over a chunk
     STOCK = document_differences(qwen, docs)  # position_ids only
     assert max(STOCK[1:]) > 1e-3, "the stock model kept the documents apart"
-    print("position_ids only, each document's largest logit difference from itself alone: "
-          + ", ".join(f"{d:.1e}" for d in STOCK))
+    print(
+        "position_ids only, each document's largest logit difference from itself alone: "
+        + ", ".join(f"{d:.1e}" for d in STOCK)
+    )
     try:
         accepted = document_differences(qwen, docs, boundaries=True)
         kept_apart = max(accepted[1:]) <= 1e-3
         verdict = "kept apart" if kept_apart else "still mixed"  # 5.17, for one: ignored silently
-        print(f"with cu_seq_lens, transformers {transformers.__version__} accepts them, documents "
-              f"{verdict}: " + ", ".join(f"{d:.1e}" for d in accepted))
+        print(
+            f"with cu_seq_lens, transformers {transformers.__version__} accepts them, documents "
+            f"{verdict}: " + ", ".join(f"{d:.1e}" for d in accepted)
+        )
     except ValueError as refusal:  # 5.23, for one: only flash-linear-attention's kernels take them
-        print(f"with cu_seq_lens, transformers {transformers.__version__} refuses:\n"
-              + textwrap.fill(str(refusal), 100, initial_indent="  ", subsequent_indent="  "))
+        print(
+            f"with cu_seq_lens, transformers {transformers.__version__} refuses:\n"
+            + textwrap.fill(str(refusal), 100, initial_indent="  ", subsequent_indent="  ")
+        )
 
 # %%
 # The first document has nothing before it; the others read their
@@ -384,12 +464,16 @@ if STOCK is not None:
     swapped, n_swapped = swap_gated_delta_layers(copy.deepcopy(qwen), chunk=C)
     RESET = document_differences(swapped, docs, boundaries=True)
     assert n_swapped == 3 and max(RESET) < 1e-5, RESET
-    print(f"transformers {transformers.__version__} Qwen3-Next Gated DeltaNet on a packed row: max difference "
-          f"from each document alone {max(STOCK):.2e} (stock), {max(RESET):.2e} (with resets)")
+    print(
+        f"transformers {transformers.__version__} Qwen3-Next Gated DeltaNet on a packed row: max difference "
+        f"from each document alone {max(STOCK):.2e} (stock), {max(RESET):.2e} (with resets)"
+    )
 
 # each document's error, stock against reset: this page's layers (over the output's scale) and
 # Qwen3-Next's logits; errors under 1e-12 (zero included) are drawn at 1e-12
-panels = {f"{name} layer": (LEAK[name, "without resets"], LEAK[name, "with resets"]) for name in LAYERS}
+panels = {
+    f"{name} layer": (LEAK[name, "without resets"], LEAK[name, "with resets"]) for name in LAYERS
+}
 if STOCK is not None:
     panels["Qwen3-Next logits"] = (STOCK, RESET)
 fig, axes = plt.subplots(1, len(panels), figsize=(10, 4.5), layout="constrained", sharey=True)
@@ -427,7 +511,9 @@ try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # flash-linear-attention (Triton)
 except ImportError:
     chunk_gated_delta_rule = None
-    print("flash-linear-attention is not installed: the comparison with its chunk_gated_delta_rule is skipped")
+    print(
+        "flash-linear-attention is not installed: the comparison with its chunk_gated_delta_rule is skipped"
+    )
 speed_lengths = sentence_lengths(rng, S.speed_docs, max_len=S.max_len)
 speed_offsets = offsets_from_lengths(speed_lengths, DEVICE)
 compiled = (lambda f: torch.compile(f, dynamic=False)) if DEVICE == "cuda" else (lambda f: f)
@@ -440,13 +526,20 @@ def time_layer(layer):
     x = torch.randn(int(speed_offsets[-1]), S.embed, device=DEVICE, dtype=DTYPE, requires_grad=True)
     x_padded = to_padded(x.detach(), speed_offsets)[0].requires_grad_()  # (B, S_max, E)
     chunked = compiled(packed_recurrence)
-    runs = {"token loop": lambda: token_loop(*ins[:4], speed_offsets, ins[4]).sum().backward(),
-            "chunked": lambda: chunked(*ins[:4], speed_offsets, ins[4], chunk=C)[0].sum().backward(),
-            "layer packed": lambda: layer(x, speed_offsets).sum().backward(),
-            "layer padded": lambda: layer(x_padded).sum().backward()}
+    runs = {
+        "token loop": lambda: token_loop(*ins[:4], speed_offsets, ins[4]).sum().backward(),
+        "chunked": lambda: chunked(*ins[:4], speed_offsets, ins[4], chunk=C)[0].sum().backward(),
+        "layer packed": lambda: layer(x, speed_offsets).sum().backward(),
+        "layer padded": lambda: layer(x_padded).sum().backward(),
+    }
     if chunk_gated_delta_rule is not None and layer.delta:
-        runs["fla chunk_gated_delta_rule"] = lambda: chunk_gated_delta_rule(
-            *(t[None] for t in ins[:4]), ins[4][None], scale=1.0, cu_seqlens=speed_offsets)[0].sum().backward()
+        runs["fla chunk_gated_delta_rule"] = lambda: (
+            chunk_gated_delta_rule(
+                *(t[None] for t in ins[:4]), ins[4][None], scale=1.0, cu_seqlens=speed_offsets
+            )[0]
+            .sum()
+            .backward()
+        )
     return measure(runs, min_run_time=0.2 if setup.quick else 0.6, rounds=2, profile=False)
 
 
@@ -454,15 +547,25 @@ SPEED = {name: time_layer(layer) for name, layer in layers.items()}
 layer_bound = work_bound(speed_lengths, work=Work(per_token=1.0, per_pair=0.0))
 FRACTION = {}
 for name, times in SPEED.items():
-    print(f"{name}, {int(speed_offsets[-1])} tokens in {S.speed_docs} documents, forward and backward:")
+    print(
+        f"{name}, {int(speed_offsets[-1])} tokens in {S.speed_docs} documents, forward and backward:"
+    )
     print_timings(times)
     speedup = times["layer padded"].median_ms / times["layer packed"].median_ms
-    print(throughput_line(f"recurrent layer {name}", int(speed_offsets[-1]) / times["layer packed"].median_ms * 1e3,
-                          int(speed_offsets[-1]) / times["layer padded"].median_ms * 1e3, layer_bound,
-                          names=("packed", "padded")))
+    print(
+        throughput_line(
+            f"recurrent layer {name}",
+            int(speed_offsets[-1]) / times["layer packed"].median_ms * 1e3,
+            int(speed_offsets[-1]) / times["layer padded"].median_ms * 1e3,
+            layer_bound,
+            names=("packed", "padded"),
+        )
+    )
     FRACTION[f"{name} layer"] = speedup / layer_bound
-    print(f"the chunked form: {times['token loop'].median_ms / times['chunked'].median_ms:.1f}x the token loop "
-          f"(first call{', compiling' if DEVICE == 'cuda' else ''}: {times['chunked'].first_call_s:.1f} s)")
+    print(
+        f"the chunked form: {times['token loop'].median_ms / times['chunked'].median_ms:.1f}x the token loop "
+        f"(first call{', compiling' if DEVICE == 'cuda' else ''}: {times['chunked'].first_call_s:.1f} s)"
+    )
 for label, fraction in FRACTION.items():
     print(fraction_verdict(label, fraction))
 

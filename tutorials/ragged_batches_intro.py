@@ -80,7 +80,7 @@ print("offsets:", offsets)
 padded_again, valid = to_padded(values, offsets)
 assert torch.equal(padded_again, padded) and torch.equal(valid, mask)
 assert torch.equal(from_padded(padded, offsets), values)
-print("sentence 2:", values[offsets[2]:offsets[3]])
+print("sentence 2:", values[offsets[2] : offsets[3]])
 
 # %%
 # The same batch as a picture (``draw_batch`` from the toolkit): each token
@@ -111,8 +111,10 @@ from ragged_site.workloads import sentence_lengths, zipf_stop_probability
 rng = np.random.default_rng(setup.seed)
 lengths = sentence_lengths(rng, S.batch)
 print(f"stop probability per word: {zipf_stop_probability(1.2):.4f}")
-print(f"{S.batch} sentences, {int(lengths.sum())} tokens, "
-      f"mean length {lengths.double().mean().item():.1f}, longest {int(lengths.max())}")
+print(
+    f"{S.batch} sentences, {int(lengths.sum())} tokens, "
+    f"mean length {lengths.double().mean().item():.1f}, longest {int(lengths.max())}"
+)
 
 # %%
 # The histogram has the long right tail of real text: most sentences are
@@ -121,8 +123,12 @@ print(f"{S.batch} sentences, {int(lengths.sum())} tokens, "
 
 fig, ax = plt.subplots(figsize=(8, 4))
 ax.hist(lengths.numpy(), bins=40, color="#4c72b0")
-ax.axvline(int(lengths.max()), color="#c44e52", linestyle="--",
-           label=f"padded length = {int(lengths.max())}")
+ax.axvline(
+    int(lengths.max()),
+    color="#c44e52",
+    linestyle="--",
+    label=f"padded length = {int(lengths.max())}",
+)
 ax.set_xlabel("sentence length (tokens)")
 ax.set_ylabel("sentences")
 ax.set_title(f"Zipf(1.2) sentence lengths, batch of {S.batch}")
@@ -170,8 +176,10 @@ print("nested:", njt.shape, "(j is the ragged dimension)")
 
 real_tokens, slots = int(lengths.sum()), S.batch * int(lengths.max())
 print(f"real tokens {real_tokens}, padded slots {slots}")
-print(f"{100 * (1 - real_tokens / slots):.1f}% of the padded batch is padding "
-      f"({slots / real_tokens:.2f}x the tokens)")
+print(
+    f"{100 * (1 - real_tokens / slots):.1f}% of the padded batch is padding "
+    f"({slots / real_tokens:.2f}x the tokens)"
+)
 assert slots > 2 * real_tokens, "padding is not most of the padded batch"
 
 # %%
@@ -193,8 +201,11 @@ from ragged_site.measuring.timing import measure
 linear = torch.nn.Linear(S.embed, 4 * S.embed, device=DEVICE, dtype=DTYPE)
 with torch.no_grad():
     torch.testing.assert_close(linear(values), linear(padded)[valid])
-    times = measure({"padded": lambda: linear(padded), "packed": lambda: linear(values)},
-                    min_run_time=S.run_time, profile=not setup.quick)
+    times = measure(
+        {"padded": lambda: linear(padded), "packed": lambda: linear(values)},
+        min_run_time=S.run_time,
+        profile=not setup.quick,
+    )
 print("nn.Linear: packed and padded results agree on every real token")
 for name, t in times.items():
     print(f"{name:>7}: {t}")

@@ -49,16 +49,47 @@ import torch
 from ragged_site.page import page_setup
 
 SIZES = {
-    "cuda": dict(model=dict(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
-                            max_seq_len=4096),
-                 prompts=64, zipf_alpha=1.1, new_tokens=64, gen_lengths=(16, 64), run_time=1.0),
+    "cuda": dict(
+        model=dict(
+            vocab_size=32000,
+            dim=1024,
+            n_layers=8,
+            n_heads=16,
+            n_kv_heads=4,
+            ffn_hidden=2816,
+            max_seq_len=4096,
+        ),
+        prompts=64,
+        zipf_alpha=1.1,
+        new_tokens=64,
+        gen_lengths=(16, 64),
+        run_time=1.0,
+    ),
     # 90 s on 2 cores; real serving: width 4096 and up, 32+ layers, 64-256 sequences
-    "cpu": dict(model=dict(vocab_size=512, dim=128, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=352,
-                           max_seq_len=1024),
-                prompts=16, zipf_alpha=1.2, new_tokens=32, gen_lengths=(8, 32), run_time=0.25),
+    "cpu": dict(
+        model=dict(
+            vocab_size=512,
+            dim=128,
+            n_layers=4,
+            n_heads=8,
+            n_kv_heads=2,
+            ffn_hidden=352,
+            max_seq_len=1024,
+        ),
+        prompts=16,
+        zipf_alpha=1.2,
+        new_tokens=32,
+        gen_lengths=(8, 32),
+        run_time=0.25,
+    ),
     # head size 16 on either device (the CUDA kernels want a multiple of 8, at least 16)
-    "quick": dict(model=dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176),
-                  prompts=6, new_tokens=8, gen_lengths=(4, 8), run_time=0.1),
+    "quick": dict(
+        model=dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176),
+        prompts=6,
+        new_tokens=8,
+        gen_lengths=(4, 8),
+        run_time=0.1,
+    ),
 }
 setup = page_setup(SIZES)
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
@@ -95,12 +126,16 @@ plan = plan_batch(one_each, row_offsets, backend="loop", is_causal=True, kv_used
 out = ragged_attention(q, k, v, plan)
 assert out.isfinite().all(), "a spare row was read"
 for b, n in enumerate(cached.tolist()):  # the same, one sequence at a time
-    kb, vb = (t[b * capacity:b * capacity + n].repeat_interleave(H // H_kv, 1)
-              .transpose(0, 1) for t in (k, v))  # (H, n, D): the rows in use
+    kb, vb = (
+        t[b * capacity : b * capacity + n].repeat_interleave(H // H_kv, 1).transpose(0, 1)
+        for t in (k, v)
+    )  # (H, n, D): the rows in use
     expected = F.scaled_dot_product_attention(q[b][:, None], kb, vb)[:, 0]  # (H, D)
     torch.testing.assert_close(out[b], expected)
-print(f"row offsets {row_offsets.tolist()}, kv_used {cached.tolist()}: "
-      f"{int(spare.sum())} spare rows never read")
+print(
+    f"row offsets {row_offsets.tolist()}, kv_used {cached.tolist()}: "
+    f"{int(spare.sum())} spare rows never read"
+)
 
 # %%
 # The same cache drawn row by row: the rows in use, the spare ones, and the
@@ -136,20 +171,35 @@ from ragged_toolkit.batches import offsets_from_lengths
 from ragged_site.workloads import sentence_lengths
 from ragged_toolkit.gpt import GPT, GPTConfig
 
-prompt_lengths = sentence_lengths(np.random.default_rng(setup.seed), S.prompts, S.zipf_alpha,
-                                  max_len=S.model["max_seq_len"] - S.new_tokens)
+prompt_lengths = sentence_lengths(
+    np.random.default_rng(setup.seed),
+    S.prompts,
+    S.zipf_alpha,
+    max_len=S.model["max_seq_len"] - S.new_tokens,
+)
 prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
-prompts = torch.randint(S.model["vocab_size"], (int(prompt_lengths.sum()),), device=DEVICE,
-                        generator=torch.Generator(DEVICE).manual_seed(setup.seed))
+prompts = torch.randint(
+    S.model["vocab_size"],
+    (int(prompt_lengths.sum()),),
+    device=DEVICE,
+    generator=torch.Generator(DEVICE).manual_seed(setup.seed),
+)
 print(f"prompt lengths {prompt_lengths.tolist()}")
-print(f"{len(prompts)} prompt tokens, longest {int(prompt_lengths.max())}; "
-      f"padding to the longest would hold {S.prompts * int(prompt_lengths.max())}")
+print(
+    f"{len(prompts)} prompt tokens, longest {int(prompt_lengths.max())}; "
+    f"padding to the longest would hold {S.prompts * int(prompt_lengths.max())}"
+)
 
-CONFIGS = {"MHA": GPTConfig(**dict(S.model, n_kv_heads=S.model["n_heads"])), "GQA": GPTConfig(**S.model)}
+CONFIGS = {
+    "MHA": GPTConfig(**dict(S.model, n_kv_heads=S.model["n_heads"])),
+    "GQA": GPTConfig(**S.model),
+}
 models = {}
 for name, cfg in CONFIGS.items():
     torch.manual_seed(setup.seed)
-    models[name] = GPT(cfg).to(DEVICE, DTYPE).eval()  # serving runs the weights in the low precision too
+    models[name] = (
+        GPT(cfg).to(DEVICE, DTYPE).eval()
+    )  # serving runs the weights in the low precision too
     print(f"{name}: {cfg.n_heads} query heads, {cfg.n_kv_heads} key/value heads of {cfg.head_dim}")
 
 # %%
@@ -206,14 +256,27 @@ from ragged_site.reference import teacher_forced_logits
 from ragged_site.page import tolerances
 
 for fixed_shape in (False, True):
-    new, chose = generate_packed(models["GQA"], prompts, prompt_offsets, S.new_tokens, "loop",
-                                 fixed_shape=fixed_shape, return_logits=True)  # (B, n), (B, n, vocab)
+    new, chose = generate_packed(
+        models["GQA"],
+        prompts,
+        prompt_offsets,
+        S.new_tokens,
+        "loop",
+        fixed_shape=fixed_shape,
+        return_logits=True,
+    )  # (B, n), (B, n, vocab)
     forced = teacher_forced_logits(models["GQA"], prompts, prompt_offsets, new)
     step_kind = "fixed-shape" if fixed_shape else "packed"
-    torch.testing.assert_close(chose.float(), forced, **tolerances(DTYPE),
-                               msg=lambda m, kind=step_kind: f"{kind} steps: {m}")
-    print(f"{step_kind} steps: {S.new_tokens} steps x {S.prompts} sequences match the recomputation "
-          f"(largest logit difference {(chose.float() - forced).abs().max():.1e})")
+    torch.testing.assert_close(
+        chose.float(),
+        forced,
+        **tolerances(DTYPE),
+        msg=lambda m, kind=step_kind: f"{kind} steps: {m}",
+    )
+    print(
+        f"{step_kind} steps: {S.new_tokens} steps x {S.prompts} sequences match the recomputation "
+        f"(largest logit difference {(chose.float() - forced).abs().max():.1e})"
+    )
 
 # %%
 # What the cache buys
@@ -251,8 +314,9 @@ def generate(model, n_new, cache=True):
 
 
 if DTYPE == torch.float32:
-    assert torch.equal(generate(models["GQA"], S.new_tokens, False), generate(models["GQA"], S.new_tokens)), \
-        "with and without the cache, other tokens"
+    assert torch.equal(
+        generate(models["GQA"], S.new_tokens, False), generate(models["GQA"], S.new_tokens)
+    ), "with and without the cache, other tokens"
 print(f"backend of both generations: {DECODE_BACKEND} (default_backend on {DEVICE})")
 
 # %%
@@ -272,12 +336,21 @@ from ragged_site.measuring.timing import measure
 
 cfg = CONFIGS["GQA"]
 work = model_work(models["GQA"], n_layers=cfg.n_layers, attention_width=cfg.n_heads * cfg.head_dim)
-runs = {(n, cache): (lambda n=n, cache=cache: generate(models["GQA"], n, cache))
-        for n in S.gen_lengths for cache in (True, False)}
+runs = {
+    (n, cache): (lambda n=n, cache=cache: generate(models["GQA"], n, cache))
+    for n in S.gen_lengths
+    for cache in (True, False)
+}
 cache_times = measure(runs, min_run_time=S.run_time, profile=False)
 for n in S.gen_lengths:
-    bound = generation_work(prompt_lengths, n, work, cache=False) / generation_work(prompt_lengths, n, work)
-    print(speedup_line(f"KV cache, {n:3d} new tokens", cache_times[n, False], cache_times[n, True], bound))
+    bound = generation_work(prompt_lengths, n, work, cache=False) / generation_work(
+        prompt_lengths, n, work
+    )
+    print(
+        speedup_line(
+            f"KV cache, {n:3d} new tokens", cache_times[n, False], cache_times[n, True], bound
+        )
+    )
 
 # %%
 # The bound grows with the output, since the recomputation redoes the whole
@@ -289,12 +362,18 @@ for n in S.gen_lengths:
 
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
 x = np.arange(len(S.gen_lengths))
-for shift, cache, label, hatch in ((-0.2, True, "KV cache", None), (0.2, False, "recomputed every step", "//")):
+for shift, cache, label, hatch in (
+    (-0.2, True, "KV cache", None),
+    (0.2, False, "recomputed every step", "//"),
+):
     rates = [S.prompts * n / cache_times[n, cache].median_ms * 1e3 for n in S.gen_lengths]
     ax.bar(x + shift, rates, 0.4, label=label, hatch=hatch)
 ax.set_xticks(x, [str(n) for n in S.gen_lengths])
-ax.set(xlabel="new tokens per sequence", ylabel="new tokens/s (median)",
-       title=f"Greedy decoding, {S.prompts} prompts, {DEVICE}")
+ax.set(
+    xlabel="new tokens per sequence",
+    ylabel="new tokens/s (median)",
+    title=f"Greedy decoding, {S.prompts} prompts, {DEVICE}",
+)
 fig.legend(loc="outside lower center", ncol=2)
 plt.show()
 
@@ -314,19 +393,30 @@ plt.show()
 from ragged_toolkit.kv_cache import KVCache
 
 room = int(prompt_lengths.max()) + S.new_tokens  # each sequence's capacity
-in_use = {"after prefill": float(prompt_lengths.sum()), "at the end": float((prompt_lengths + S.new_tokens).sum())}
+in_use = {
+    "after prefill": float(prompt_lengths.sum()),
+    "at the end": float((prompt_lengths + S.new_tokens).sum()),
+}
 print(f"{'MiB, from shapes':16s} {'allocated':>10s} {'after prefill':>14s} {'at the end':>14s}")
 allocated = {}
 for name, cfg in CONFIGS.items():
     kv = KVCache(cfg, S.prompts, room, DEVICE, DTYPE)
     allocated[name] = (kv.k.nbytes + kv.v.nbytes) / 2**20
-    per_slot = allocated[name] / (S.prompts * room)  # MiB per token slot, every layer, keys and values
-    print(f"{name:16s} {allocated[name]:10.2f}" + "".join(
-        f"{per_slot * n:8.2f} ({per_slot * n / allocated[name]:3.0%})" for n in in_use.values()))
+    per_slot = allocated[name] / (
+        S.prompts * room
+    )  # MiB per token slot, every layer, keys and values
+    print(
+        f"{name:16s} {allocated[name]:10.2f}"
+        + "".join(
+            f"{per_slot * n:8.2f} ({per_slot * n / allocated[name]:3.0%})" for n in in_use.values()
+        )
+    )
 cache_ratio = allocated["MHA"] / allocated["GQA"]
 assert np.isclose(cache_ratio, CONFIGS["GQA"].n_heads / CONFIGS["GQA"].n_kv_heads)
-print(f"MHA / GQA cache: {cache_ratio:.1f}x (n_heads / n_kv_heads); the exact room would be "
-      f"{in_use['at the end'] / (S.prompts * room):.0%} of the allocation")
+print(
+    f"MHA / GQA cache: {cache_ratio:.1f}x (n_heads / n_kv_heads); the exact room would be "
+    f"{in_use['at the end'] / (S.prompts * room):.0%} of the allocation"
+)
 
 # %%
 # Grouped-query attention, end to end
@@ -340,12 +430,18 @@ print(f"MHA / GQA cache: {cache_ratio:.1f}x (n_heads / n_kv_heads); the exact ro
 from ragged_site.measuring.noise import outside_noise
 from ragged_site.measuring.tables import print_timings
 
-gqa_times = measure({name: (lambda model=model: generate(model, S.new_tokens)) for name, model in models.items()},
-                    min_run_time=S.run_time, rounds=6, profile=not setup.quick)
+gqa_times = measure(
+    {name: (lambda model=model: generate(model, S.new_tokens)) for name, model in models.items()},
+    min_run_time=S.run_time,
+    rounds=6,
+    profile=not setup.quick,
+)
 print_timings(gqa_times)
 throughput = {name: S.prompts * S.new_tokens / t.median_ms * 1e3 for name, t in gqa_times.items()}
-print(f"new tokens/s: MHA {throughput['MHA']:,.0f}, GQA {throughput['GQA']:,.0f}; GQA / MHA "
-      f"{throughput['GQA'] / throughput['MHA']:.2f}x, its cache {cache_ratio:.1f}x smaller")
+print(
+    f"new tokens/s: MHA {throughput['MHA']:,.0f}, GQA {throughput['GQA']:,.0f}; GQA / MHA "
+    f"{throughput['GQA'] / throughput['MHA']:.2f}x, its cache {cache_ratio:.1f}x smaller"
+)
 if outside_noise(gqa_times["GQA"], gqa_times["MHA"]):
     word = "faster" if throughput["GQA"] > throughput["MHA"] else "slower"
     print(f"GQA decodes {word} than MHA here, outside the noise (the IQRs do not overlap)")

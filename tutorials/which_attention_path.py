@@ -90,7 +90,9 @@ setup = page_setup(SIZES)
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
 KV_HEADS = S.heads // 4  # the GQA job: four query heads share each key/value head
 where = torch.cuda.get_device_name() if DEVICE == "cuda" else f"{os.cpu_count()} cores"
-print(f"{where}; batch {S.batch}, {S.heads} heads of {S.head_dim}, GQA with {KV_HEADS} key/value heads")
+print(
+    f"{where}; batch {S.batch}, {S.heads} heads of {S.head_dim}, GQA with {KV_HEADS} key/value heads"
+)
 
 # %%
 # The batch is drawn from the site's length generator. The first four jobs
@@ -127,19 +129,26 @@ cache_offsets = one_each * capacity
 k_cache, v_cache = (randn(S.batch * capacity, S.heads, S.head_dim) for _ in range(2))
 q_one = randn(S.batch, S.heads, S.head_dim)  # one new query per sequence
 used = lengths.to(DEVICE)  # the keys each sequence has in its cache
-print(f"{S.batch} sequences, {T} tokens, longest {int(lengths.max())}; "
-      f"padding would hold {S.batch * int(lengths.max())} slots")
+print(
+    f"{S.batch} sequences, {T} tokens, longest {int(lengths.max())}; "
+    f"padding would hold {S.batch * int(lengths.max())} slots"
+)
 
 JOBS = {  # job -> the tensors and offsets compare_backends gets, and its keywords
     "inference": ((q, k, v, offsets), dict(is_causal=True)),
     "training": ((q, k, v, offsets), dict(is_causal=True, backward=True)),
-    "decoding": ((q_one, k_cache, v_cache, one_each, cache_offsets), dict(kv_used=used, plan_per_call=True)),
+    "decoding": (
+        (q_one, k_cache, v_cache, one_each, cache_offsets),
+        dict(kv_used=used, plan_per_call=True),
+    ),
     "GQA": ((q, k_gqa, v_gqa, offsets), dict(is_causal=True)),
 }
 table = {}  # job -> path -> its Timing, or why it cannot take the job here
 for job, (tensors, keywords) in JOBS.items():
     print(f"{job}:")
-    table[job] = compare_backends(*tensors, **keywords, flex=FLEX, min_run_time=S.run_time, profile=not setup.quick)
+    table[job] = compare_backends(
+        *tensors, **keywords, flex=FLEX, min_run_time=S.run_time, profile=not setup.quick
+    )
 
 # %%
 # varlen_attn in this release
@@ -157,14 +166,23 @@ for job, (tensors, keywords) in JOBS.items():
 #    :pyobject: varlen_kwargs
 
 from ragged_toolkit.attention import backend_support
-from ragged_toolkit.attention.varlen import (VARLEN_KEYWORDS, VarlenUnavailable, varlen_kwargs,
-                                             varlen_missing)
+from ragged_toolkit.attention.varlen import (
+    VARLEN_KEYWORDS,
+    VarlenUnavailable,
+    varlen_kwargs,
+    varlen_missing,
+)
 
-print(f"varlen_attn in PyTorch {torch.__version__}: "
-      + (f"{len(VARLEN_KEYWORDS)} parameters" if VARLEN_KEYWORDS else "none in this build"))
+print(
+    f"varlen_attn in PyTorch {torch.__version__}: "
+    + (f"{len(VARLEN_KEYWORDS)} parameters" if VARLEN_KEYWORDS else "none in this build")
+)
 WITHOUT = {  # what the toolkit does where the release lacks a feature
-    "causal": "no causal job runs on varlen", "enable_gqa": "the backend repeats the key/value heads",
-    "seqused_k": "the keys in use are gathered first", "block_table": "a paged cache is gathered first"}
+    "causal": "no causal job runs on varlen",
+    "enable_gqa": "the backend repeats the key/value heads",
+    "seqused_k": "the keys in use are gathered first",
+    "block_table": "a paged cache is gathered first",
+}
 for feature, instead in WITHOUT.items():
     print(f"  {feature:11s} {'no: ' + instead if varlen_missing([feature]) else 'yes'}")
 try:  # a call that needs what 2.11's varlen_attn lacks
@@ -187,8 +205,9 @@ print(f"varlen_attn on this device: {why_not or 'runs'}")
 
 from torch.nn.attention.flex_attention import BlockMask
 
-k_rect, v_rect = (t.view(S.batch, capacity, S.heads, S.head_dim).transpose(1, 2)
-                  for t in (k_cache, v_cache))  # (B, H, capacity, D): the cache, read in place
+k_rect, v_rect = (
+    t.view(S.batch, capacity, S.heads, S.head_dim).transpose(1, 2) for t in (k_cache, v_cache)
+)  # (B, H, capacity, D): the cache, read in place
 in_use = used.clone()  # the lengths the mask reads, updated in place
 
 
@@ -198,9 +217,16 @@ def within_length(b, h, q_idx, kv_idx):
 
 n_blocks = -(-capacity // FLEX_BLOCK)
 kv_num_blocks = torch.zeros(S.batch, 1, 1, dtype=torch.int32, device=DEVICE)
-kv_indices = torch.arange(n_blocks, dtype=torch.int32, device=DEVICE).expand(S.batch, 1, 1, n_blocks)
-decoding_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices.contiguous(), BLOCK_SIZE=FLEX_BLOCK,
-                                         mask_mod=within_length, seq_lengths=(1, capacity))
+kv_indices = torch.arange(n_blocks, dtype=torch.int32, device=DEVICE).expand(
+    S.batch, 1, 1, n_blocks
+)
+decoding_mask = BlockMask.from_kv_blocks(
+    kv_num_blocks,
+    kv_indices.contiguous(),
+    BLOCK_SIZE=FLEX_BLOCK,
+    mask_mod=within_length,
+    seq_lengths=(1, capacity),
+)
 
 
 @torch.no_grad()
@@ -242,7 +268,9 @@ q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
 causal = reference_attention(q32, k32, v32, offsets, is_causal=True)
 REFERENCE = {  # job -> what its paths must return, in float32
     "inference": causal.detach(),
-    "training": torch.autograd.grad(causal, (q32, k32, v32), grad_packed.float()),  # ``dq``, ``dk``, ``dv``
+    "training": torch.autograd.grad(
+        causal, (q32, k32, v32), grad_packed.float()
+    ),  # ``dq``, ``dk``, ``dv``
     "decoding": reference_attention(q_one, k_cache, v_cache, one_each, cache_offsets, kv_used=used),
     "GQA": reference_attention(q, k_gqa, v_gqa, offsets, is_causal=True),
 }
@@ -252,18 +280,27 @@ one_row = one_row_paths(q, k, v, offsets, grad_packed, KV_HEADS)
 OTHER_PATHS = {  # (job, path) -> the call, and how its output becomes the reference's layout
     **{(job, "padded tensors"): padded[job] for job in JOBS},
     **{(job, "one row + mask"): call for job, call in one_row.items()},
-    ("decoding", "flex (refreshed)"): (flex_refreshed, lambda out: out[:, :, 0].float()),  # (B, H, D)
+    ("decoding", "flex (refreshed)"): (
+        flex_refreshed,
+        lambda out: out[:, :, 0].float(),
+    ),  # (B, H, D)
 }
-other_times = compare_calls({key: (*path, REFERENCE[key[0]]) for key, path in OTHER_PATHS.items()}, dtype=DTYPE,
-                            min_run_time=S.run_time, profile=not setup.quick)
+other_times = compare_calls(
+    {key: (*path, REFERENCE[key[0]]) for key, path in OTHER_PATHS.items()},
+    dtype=DTYPE,
+    min_run_time=S.run_time,
+    profile=not setup.quick,
+)
 print_timings(other_times)
 for (job, path), timing in other_times.items():
     table[job][path] = timing
 table["decoding"]["one row + mask"] = "a cache with spare rows needs kv_used, not one row"
 rebuilt, refreshed = table["decoding"].get("flex"), table["decoding"]["flex (refreshed)"]
 if hasattr(rebuilt, "median_ms"):
-    print(f"flex, one decoding step: mask rebuilt {rebuilt.median_ms:.2f} ms, refreshed "
-          f"{refreshed.median_ms:.2f} ms: {rebuilt.median_ms / refreshed.median_ms:.1f}x")
+    print(
+        f"flex, one decoding step: mask rebuilt {rebuilt.median_ms:.2f} ms, refreshed "
+        f"{refreshed.median_ms:.2f} ms: {rebuilt.median_ms / refreshed.median_ms:.1f}x"
+    )
 
 # %%
 # A custom score function
@@ -284,7 +321,9 @@ if hasattr(rebuilt, "median_ms"):
 
 from ragged_site.decision import alibi_paths, alibi_reference
 
-slopes = torch.exp2(-8.0 * torch.arange(1, S.heads + 1, device=DEVICE) / S.heads)  # (H,): the slopes of ALiBi
+slopes = torch.exp2(
+    -8.0 * torch.arange(1, S.heads + 1, device=DEVICE) / S.heads
+)  # (H,): the slopes of ALiBi
 alibi_want = alibi_reference(q, k, v, offsets, slopes)  # (T, H, D), float32
 alibi = {path: (*call, alibi_want) for path, call in alibi_paths(q, k, v, offsets, slopes).items()}
 NOT_FOR_SCORE_MOD = {  # path -> why it does not take this job here
@@ -292,9 +331,11 @@ NOT_FOR_SCORE_MOD = {  # path -> why it does not take this job here
     "varlen": "no score function or bias argument",
     "sdpa_njt": "SDPA on nested tensors takes no mask or bias",
     "bucketed": "possible with a bias per bucket; not written here",
-    "padded": "takes no bias (the padded tensors do)"}
-table["score_mod"] = NOT_FOR_SCORE_MOD | compare_calls(alibi, dtype=DTYPE, min_run_time=S.run_time,
-                                                      profile=not setup.quick)
+    "padded": "takes no bias (the padded tensors do)",
+}
+table["score_mod"] = NOT_FOR_SCORE_MOD | compare_calls(
+    alibi, dtype=DTYPE, min_run_time=S.run_time, profile=not setup.quick
+)
 print("score_mod (ALiBi, causal, forward):")
 print_timings(table["score_mod"])
 
@@ -331,46 +372,80 @@ from ragged_toolkit.serving.paged_attention import PAGED_PATHS, paged_varlen_sup
 from ragged_toolkit.serving.requests import Request
 
 CHUNK = 16  # prompt tokens a newcomer feeds per step
-cfg = GPTConfig(vocab_size=256, dim=S.heads * S.head_dim, n_layers=1, n_heads=S.heads, n_kv_heads=S.heads,
-                ffn_hidden=4 * S.heads * S.head_dim, max_seq_len=capacity)
-newcomers = lengths.argsort(descending=True)[:4].tolist()  # the four longest: their prompts are still fed
-requests = [Request(rid, [0] * n, n_out=1, computed=max(n - CHUNK, 0)) if rid in newcomers  # a last chunk
-            else Request(rid, [0] * (n - 1), n_out=2, generated=[0], computed=n - 1)  # a decode token
-            for rid, n in enumerate(lengths.tolist())]
+cfg = GPTConfig(
+    vocab_size=256,
+    dim=S.heads * S.head_dim,
+    n_layers=1,
+    n_heads=S.heads,
+    n_kv_heads=S.heads,
+    ffn_hidden=4 * S.heads * S.head_dim,
+    max_seq_len=capacity,
+)
+newcomers = lengths.argsort(descending=True)[
+    :4
+].tolist()  # the four longest: their prompts are still fed
+requests = [
+    Request(rid, [0] * n, n_out=1, computed=max(n - CHUNK, 0))
+    if rid in newcomers  # a last chunk
+    else Request(rid, [0] * (n - 1), n_out=2, generated=[0], computed=n - 1)  # a decode token
+    for rid, n in enumerate(lengths.tolist())
+]
 cache = PagedKVCache(cfg, sum(-(-r.length() // S.block) for r in requests), S.block, DEVICE, DTYPE)
 for grown in range(S.block, int(lengths.max()) + S.block, S.block):  # block by block, side by side
     assert all(cache.reserve(r.rid, min(grown, r.length())) for r in requests)
-cache.k[0], cache.v[0] = randn(*cache.k.shape[1:]), randn(*cache.v.shape[1:])  # the keys written so far
+cache.k[0], cache.v[0] = (
+    randn(*cache.k.shape[1:]),
+    randn(*cache.v.shape[1:]),
+)  # the keys written so far
 work = [(r, r.pending()) for r in requests]  # (request, tokens it feeds)
 
 
 def paged_call(path, backend=None):
     """The step's attention through ``path``, its layout built once, as
     every layer of the step shares it: the call, and its output as float32."""
-    _, _, layout = build_step(cache, work, DEVICE, path, backend, flex=FLEX)  # tokens, positions, layout
-    q_step = q[:int(layout.q_offsets[-1])]  # (T_step, H, D)
+    _, _, layout = build_step(
+        cache, work, DEVICE, path, backend, flex=FLEX
+    )  # tokens, positions, layout
+    q_step = q[: int(layout.q_offsets[-1])]  # (T_step, H, D)
     return lambda: PAGED_PATHS[path](q_step, layout, 0), lambda out: out.float()
 
 
-_, _, step = build_step(cache, work, DEVICE, "varlen")  # the step's offsets, lengths and block table
-q_len, kv_len, q_step = step.q_offsets.diff(), step.kv_lengths, q[:int(step.q_offsets[-1])]
+_, _, step = build_step(
+    cache, work, DEVICE, "varlen"
+)  # the step's offsets, lengths and block table
+q_len, kv_len, q_step = step.q_offsets.diff(), step.kv_lengths, q[: int(step.q_offsets[-1])]
 rows = paged_rows(step.block_table, kv_len, S.block)  # every key in use, request after request
-serving_reference = reference_attention(q_step, cache.k[0][rows], cache.v[0][rows], step.q_offsets,
-                                        offsets_from_lengths(kv_len, DEVICE), is_causal=True)
+serving_reference = reference_attention(
+    q_step,
+    cache.k[0][rows],
+    cache.v[0][rows],
+    step.q_offsets,
+    offsets_from_lengths(kv_len, DEVICE),
+    is_causal=True,
+)
 padded_serving = PaddedServing(step, q_step)  # two SDPA calls: the decode rows, the prompt chunks
-serving_paths = {"padded tensors": (padded_serving, padded_serving.packed), "flex": paged_call("flex"),
-                 **{name: paged_call("gathered", name) for name in ("loop", "bucketed", "padded")}}
+serving_paths = {
+    "padded tensors": (padded_serving, padded_serving.packed),
+    "flex": paged_call("flex"),
+    **{name: paged_call("gathered", name) for name in ("loop", "bucketed", "padded")},
+}
 NOT_FOR_SERVING = {  # path -> why it does not take this job here
     "one row + mask": "not written for a paged cache",
     "varlen": paged_varlen_support(DEVICE, DTYPE, S.block),  # None: it runs
-    "sdpa_njt": "SDPA on nested tensors aligns is_causal top-left: not for more keys than queries"}
+    "sdpa_njt": "SDPA on nested tensors aligns is_causal top-left: not for more keys than queries",
+}
 if NOT_FOR_SERVING["varlen"] is None:
     serving_paths["varlen"] = paged_call("varlen")
 serving = {path: (*call, serving_reference) for path, call in serving_paths.items()}
-table["serving"] = NOT_FOR_SERVING | compare_calls(serving, dtype=DTYPE, min_run_time=S.run_time,
-                                                   profile=not setup.quick)
-chunks, decodes = (int(padded_serving.groups[name].sum()) for name in ("prompt chunks", "decode tokens"))
-print(f"serving ({S.batch} requests in blocks of {S.block} rows: {chunks} prompt chunks, {decodes} decode tokens):")
+table["serving"] = NOT_FOR_SERVING | compare_calls(
+    serving, dtype=DTYPE, min_run_time=S.run_time, profile=not setup.quick
+)
+chunks, decodes = (
+    int(padded_serving.groups[name].sum()) for name in ("prompt chunks", "decode tokens")
+)
+print(
+    f"serving ({S.batch} requests in blocks of {S.block} rows: {chunks} prompt chunks, {decodes} decode tokens):"
+)
 print_timings(table["serving"])
 
 # %%
@@ -396,13 +471,21 @@ from ragged_site.measuring.bound import Work, work_bound
 PAIRS = Work(per_token=0.0, per_pair=1.0)  # attention's work: the query-key pairs scored
 causal_bound = work_bound(lengths, work=PAIRS, causal=True)
 serving_pairs = float((q_len * kv_len - q_len * (q_len - 1) / 2).sum())  # the ragged step's pairs
-BOUND = {"inference": causal_bound, "training": causal_bound, "GQA": causal_bound,
-         "decoding": work_bound(torch.ones_like(lengths), lengths, work=PAIRS),  # one query, its keys in use
-         "score_mod": work_bound(lengths, work=PAIRS), "serving": padded_serving.pairs / serving_pairs}
+BOUND = {
+    "inference": causal_bound,
+    "training": causal_bound,
+    "GQA": causal_bound,
+    "decoding": work_bound(
+        torch.ones_like(lengths), lengths, work=PAIRS
+    ),  # one query, its keys in use
+    "score_mod": work_bound(lengths, work=PAIRS),
+    "serving": padded_serving.pairs / serving_pairs,
+}
 BEYOND = {  # what two other pages measure for these jobs
     "serving": "with shared prompts: a prefix cache, and shared-prefix attention where many requests "
-               "share a long prefix (serving_shared_prompts)",
-    "training": "hybrid models: recurrent layers reset at every document (packed_recurrent_layers)"}
+    "share a long prefix (serving_shared_prompts)",
+    "training": "hybrid models: recurrent layers reset at every document (packed_recurrent_layers)",
+}
 decision_guide(table, BOUND, (default_backend(DEVICE, DTYPE, S.head_dim), "loop"), BEYOND)
 
 # %%
@@ -418,10 +501,20 @@ from ragged_site.decision import speedup_grid
 from ragged_site.figures import FIGURE_STYLE, draw_speedups
 
 plt.rcParams.update(FIGURE_STYLE)
-ROWS = ("padded tensors", "one row + mask", *BACKENDS, "flex (refreshed)")  # every path, the baseline first
-draw_speedups(speedup_grid(table, ROWS), ROWS, list(table), [BOUND[job] for job in table],
-              f"Measured speedup over padded tensors, {DEVICE}, {str(DTYPE).removeprefix('torch.')}\n"
-              "(in brackets: fraction of the computed work bound)")
+ROWS = (
+    "padded tensors",
+    "one row + mask",
+    *BACKENDS,
+    "flex (refreshed)",
+)  # every path, the baseline first
+draw_speedups(
+    speedup_grid(table, ROWS),
+    ROWS,
+    list(table),
+    [BOUND[job] for job in table],
+    f"Measured speedup over padded tensors, {DEVICE}, {str(DTYPE).removeprefix('torch.')}\n"
+    "(in brackets: fraction of the computed work bound)",
+)
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 1

@@ -54,14 +54,46 @@ prompts of different lengths.
 from ragged_site.page import page_setup
 
 SIZES = {
-    "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
-                            max_seq_len=2048),
-                 rows=8, train_tokens=1_048_576, corpus_documents=6000, lr=1e-3, prompts=64),  # 64 steps
-    "cpu": dict(model=dict(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=688,
-                           max_seq_len=512),
-                rows=2, train_tokens=40_960, corpus_documents=3000, lr=6e-3, prompts=16),  # 40 steps
-    "quick": dict(model=dict(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256),
-                  rows=2, train_tokens=12_288, corpus_documents=1000, lr=2e-2, prompts=8),  # 24 steps
+    "cuda": dict(
+        model=dict(
+            vocab_size=256,
+            dim=1024,
+            n_layers=4,
+            n_heads=16,
+            n_kv_heads=4,
+            ffn_hidden=2816,
+            max_seq_len=2048,
+        ),
+        rows=8,
+        train_tokens=1_048_576,
+        corpus_documents=6000,
+        lr=1e-3,
+        prompts=64,
+    ),  # 64 steps
+    "cpu": dict(
+        model=dict(
+            vocab_size=256,
+            dim=256,
+            n_layers=2,
+            n_heads=8,
+            n_kv_heads=2,
+            ffn_hidden=688,
+            max_seq_len=512,
+        ),
+        rows=2,
+        train_tokens=40_960,
+        corpus_documents=3000,
+        lr=6e-3,
+        prompts=16,
+    ),  # 40 steps
+    "quick": dict(
+        model=dict(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256),
+        rows=2,
+        train_tokens=12_288,
+        corpus_documents=1000,
+        lr=2e-2,
+        prompts=8,
+    ),  # 24 steps
 }
 setup = page_setup(SIZES)  # device, dtype, quick mode, one CPU thread, the seed; prints them
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
@@ -96,8 +128,11 @@ from ragged_toolkit.batches import offsets_from_lengths, to_padded, token_index
 from ragged_toolkit.gpt import GPT, GPTConfig
 from ragged_toolkit.layouts import PackedLayout, PaddedLayout
 
-tiny = GPT(GPTConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                     max_seq_len=16))
+tiny = GPT(
+    GPTConfig(
+        vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16
+    )
+)
 tokens = torch.tensor([5, 9, 2, 7, 3, 3, 8, 1])  # (T,): documents of 3, 1 and 4 tokens
 offsets = offsets_from_lengths([3, 1, 4])  # [0, 3, 4, 8]
 ids, valid = to_padded(tokens, offsets)  # (B, S) = (3, 4), right padding
@@ -105,7 +140,9 @@ with torch.no_grad():
     packed = tiny(tokens, token_index(offsets)[1], PackedLayout.of(offsets, "loop"))  # (T, vocab)
     padded = tiny(ids, torch.arange(4).expand_as(ids), PaddedLayout())  # (B, S, vocab)
 torch.testing.assert_close(packed, padded[valid])
-print(f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: equal on all 8 real tokens")
+print(
+    f"packed logits {tuple(packed.shape)}, padded {tuple(padded.shape)}: equal on all 8 real tokens"
+)
 
 # %%
 # The model
@@ -131,7 +168,9 @@ cfg = GPTConfig(**S.model)
 torch.manual_seed(setup.seed)
 model = GPT(cfg).to(DEVICE)  # every trainer starts from a copy of these weights
 n_params = sum(p.numel() for p in model.parameters())
-print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads")
+print(
+    f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.n_kv_heads} key/value heads"
+)
 
 # %%
 # Documents packed into fixed-length rows
@@ -152,31 +191,27 @@ print(f"{n_params / 1e6:.2f} M parameters; {cfg.n_heads} query heads share {cfg.
 #    :pyobject: split_by_token_budget
 
 import numpy as np
-from ragged_toolkit.data import concat_batches, pack_documents, split_by_token_budget, split_carrying_documents
+from ragged_toolkit.data import concat_batches, pack_documents, split_by_token_budget
 from ragged_site.corpus import docstring_corpus
+from ragged_site.gpt_training import print_corpus, print_packing
 
 docs, source = docstring_corpus(min_chars=2, limit=S.corpus_documents)
 rng = np.random.default_rng(setup.seed)
 order = rng.permutation(len(docs))
-held_out = [docs[i] for i in order[:S.prompts]]  # prompts for generation, at the end: never trained on
-stream_tokens, stream_offsets = pack_documents([docs[i] for i in order[S.prompts:]])  # (T,), (B + 1,)
-STEPS = min(S.train_tokens, len(stream_tokens)) // (S.rows * ROW_LEN)  # never more than the corpus holds
+# prompts for generation, at the end: never trained on
+held_out = [docs[i] for i in order[: S.prompts]]
+# the other documents end to end: tokens (T,), offsets (B + 1,)
+stream_tokens, stream_offsets = pack_documents([docs[i] for i in order[S.prompts :]])
+# whole steps, never more than the corpus holds
+STEPS = min(S.train_tokens, len(stream_tokens)) // (S.rows * ROW_LEN)
 n_tokens = STEPS * S.rows * ROW_LEN
-print(f"corpus: {len(docs)} documents, {len(stream_tokens):,} tokens, from {source};\ntraining reads "
-      f"{n_tokens:,} of them in {STEPS} steps" + (f" (asked for {S.train_tokens:,}: the corpus holds fewer)"
-                                                  if n_tokens < S.train_tokens else ""))
+print_corpus(docs, source, stream_tokens, n_tokens, STEPS, asked=S.train_tokens)
 rows = split_by_token_budget(stream_tokens[:n_tokens], stream_offsets, ROW_LEN)  # STEPS * rows rows
-steps = [concat_batches(rows[i:i + S.rows]) for i in range(0, len(rows), S.rows)]  # (rows * ROW_LEN,) each
+# each step (rows * ROW_LEN,): S.rows rows end to end
+steps = [concat_batches(rows[i : i + S.rows]) for i in range(0, len(rows), S.rows)]
 n_docs = int(torch.searchsorted(stream_offsets, n_tokens))  # the documents the rows touch
-assert n_docs >= STEPS, f"{n_docs} documents for {STEPS} padded steps: make each step longer (more rows)"
-row_starts = torch.arange(ROW_LEN, n_tokens, ROW_LEN)
-cut = int((~torch.isin(row_starts, stream_offsets)).sum())  # row starts inside a document
-used = torch.cat([stream_offsets[:n_docs], torch.tensor([n_tokens])])  # the last one as far as the rows go
-carried = split_carrying_documents(stream_tokens[:n_tokens], used, ROW_LEN)
-carried_real = sum(len(t) for t, _ in carried) / (len(carried) * ROW_LEN)
-print(f"packing: {S.rows} rows of {ROW_LEN} tokens per step, {n_tokens / (len(rows) * ROW_LEN):.0%} of token "
-      f"slots hold real tokens, {cut} documents cut")
-print(f"carrying them instead: {len(carried)} rows for the same tokens, {carried_real:.0%} of the slots real")
+assert n_docs >= STEPS, f"{n_docs} documents for {STEPS} padded steps: make each step longer"
+print_packing(stream_tokens, stream_offsets, rows, ROW_LEN, S.rows, n_docs)  # cut and carried
 
 # %%
 # Hugging Face's ``DataCollatorWithFlattening`` instead flattens each batch
@@ -201,26 +236,21 @@ print(f"carrying them instead: {len(carried)} rows for the same tokens, {carried
 #    :pyobject: group_by_length
 
 from ragged_toolkit.data import group_by_length
+from ragged_site.gpt_training import padded_batches
 
 B = min(-(-n_docs // STEPS), (len(stream_offsets) - 1) // STEPS)  # documents per padded step
-doc_lengths = stream_offsets[:STEPS * B + 1].diff().clamp(max=ROW_LEN)  # whole documents, cut at the context
+# whole documents, cut at the context
+doc_lengths = stream_offsets[: STEPS * B + 1].diff().clamp(max=ROW_LEN)
+print(
+    f"padded trainers: {STEPS} steps of {B} documents, {STEPS * B} for the {n_docs} the rows touch"
+)
 naive = [range(i * B, (i + 1) * B) for i in range(STEPS)]  # in stream order
-print(f"padded trainers: {STEPS} steps of {B} documents, {STEPS * B} for the {n_docs} the rows touch")
-
-
-def padded_batch(indices):
-    """Documents ``indices`` of the stream, packed (tokens, offsets)."""
-    pieces = [stream_tokens[int(stream_offsets[i]):][:int(doc_lengths[i])] for i in indices]
-    return torch.cat(pieces), offsets_from_lengths([len(p) for p in pieces])
-
-
-batches = {"packed": steps, "naive": [padded_batch(b) for b in naive],
-           "grouped": [padded_batch(b) for b in group_by_length(doc_lengths.tolist(), B, 4, rng)]}
-assert {len(b) for b in batches.values()} == {STEPS}, "every trainer makes as many steps as the packed one"
-for name in ("naive", "grouped"):
-    lengths = [o.diff() for _, o in batches[name]]
-    slots = sum(len(n) * int(n.max()) for n in lengths) / sum(int(n.sum()) for n in lengths)
-    print(f"{name}: padded slots {slots:.2f}x the real tokens")
+grouped = group_by_length(doc_lengths.tolist(), B, 4, rng)  # sorted in windows of 4 batches
+padded_steps = padded_batches(
+    stream_tokens, stream_offsets, doc_lengths, {"naive": naive, "grouped": grouped}
+)
+batches = {"packed": steps, **padded_steps}  # (tokens, offsets) of each step, each trainer
+assert {len(b) for b in batches.values()} == {STEPS}, "every trainer makes as many steps"
 batches = {name: [(t.to(DEVICE), o.to(DEVICE)) for t, o in b] for name, b in batches.items()}
 
 # %%
@@ -232,10 +262,14 @@ batches = {name: [(t.to(DEVICE), o.to(DEVICE)) for t, o in b] for name, b in bat
 # padded trainer a reader would write: right-padded ``(B, S)`` ids, a causal
 # kernel and no mask, the loss masked at padding. Both average the loss over
 # the real targets, under autocast where the dtype is not float32.
+#
+# .. literalinclude:: ../ragged_site/gpt_training.py
+#    :pyobject: padded_loss
 
 import torch.nn.functional as F
 from ragged_toolkit.attention import backend_support, default_backend, plan_batch
 from ragged_toolkit.data import document_targets
+from ragged_site.gpt_training import padded_loss
 
 EAGER_BACKEND = default_backend(DEVICE, DTYPE, cfg.head_dim)
 
@@ -250,15 +284,6 @@ def packed_loss(model, tokens, offsets, layout):
     return F.cross_entropy(logits.float(), document_targets(tokens, offsets))
 
 
-def padded_loss(model, tokens, offsets):
-    ids, valid = to_padded(tokens, offsets)  # (B, S), right padding with id 0
-    targets = to_padded(document_targets(tokens, offsets), offsets, -100)[0]
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    with autocast():
-        logits = model(ids, positions, PaddedLayout())  # (B, S, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 # %%
 # Before timing anything, the proof that they compute the same thing. On the
 # first step's sequences, the packed step (the per-sequence loop backend)
@@ -267,37 +292,23 @@ def padded_loss(model, tokens, offsets):
 # gradient for every parameter; on a GPU the check takes as many sequences as
 # the math path's scores fit in 2 GiB (``math_check_sequences``).
 
-import copy
-
+from ragged_site.gpt_training import check_same, loss_and_grads
 from ragged_site.reference import math_check_sequences
 from ragged_site.page import tolerances
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-def loss_and_grads(loss_of):
-    """The loss ``loss_of(copy)`` on a copy of the model, and every gradient, by name."""
-    copy_ = copy.deepcopy(model)
-    loss = loss_of(copy_)
-    loss.backward()
-    return dict(loss=loss, grads={n: p.grad for n, p in copy_.named_parameters()})
-
-
-def check_same(name, got, want):
-    torch.testing.assert_close(got["loss"], want["loss"], **tolerances(DTYPE), msg=lambda m: f"{name}, loss: {m}")
-    for n, g in got["grads"].items():
-        torch.testing.assert_close(g, want["grads"][n], **tolerances(DTYPE), msg=lambda m, n=n: f"{name}, {n}: {m}")
-    return max((g - want["grads"][n]).abs().max().item() for n, g in got["grads"].items())
-
-
 tokens, offsets = batches["packed"][0]
 n = math_check_sequences(offsets.diff(), cfg.n_heads, cfg.n_layers, budget=2**31)
-tokens_n, offsets_n = tokens[:int(offsets[n])], offsets[:n + 1]
-packed_n = loss_and_grads(lambda m: packed_loss(m, tokens_n, offsets_n, PackedLayout.of(offsets_n, "loop")))
+tokens_n, offsets_n = tokens[: int(offsets[n])], offsets[: n + 1]
+layout_n = PackedLayout.of(offsets_n, "loop")
+packed_n = loss_and_grads(model, lambda m: packed_loss(m, tokens_n, offsets_n, layout_n))
 with sdpa_kernel(SDPBackend.MATH):
-    padded_n = loss_and_grads(lambda m: padded_loss(m, tokens_n, offsets_n))
-gap = check_same("padded, math path", padded_n, packed_n)
-print(f"{n} sequences: loss {packed_n['loss'].item():.4f} packed, {padded_n['loss'].item():.4f} padded; "
-      f"all {n_params} gradients agree (largest difference {gap:.1e})")
+    padded_n = loss_and_grads(model, lambda m: padded_loss(m, tokens_n, offsets_n, DTYPE))
+gap = check_same("padded, math path", padded_n, packed_n, DTYPE)
+print(
+    f"{n} sequences: loss {packed_n['loss'].item():.4f} packed, {padded_n['loss'].item():.4f} padded; "
+    f"all {n_params} gradients agree (largest difference {gap:.1e})"
+)
 
 # %%
 # Compile, or not
@@ -321,94 +332,70 @@ print(f"{n} sequences: loss {packed_n['loss'].item():.4f} packed, {padded_n['los
 # the warm-up steps (compiling falls in those). The padded trainers compile
 # with dynamic shapes. Each compiled trainer's graphs and graph breaks are
 # counted over its steps (one that meets a graph already compiled, as the
-# grouped trainer may meet the naive one's, compiles none).
-
-from dataclasses import dataclass, field
+# grouped trainer may meet the naive one's, compiles none). A ``Trainer``
+# holds a model, compiled or not, its optimizer and its losses.
+#
+# .. literalinclude:: ../ragged_site/gpt_training.py
+#    :pyobject: Trainer
 
 from ragged_toolkit.layouts import PackedRows
+from ragged_site.gpt_training import Trainer
 
-why_not_flex = backend_support("flex", DEVICE, DTYPE, is_causal=True, needs_grad=True, head_dim=cfg.head_dim)
+why_not_flex = backend_support(
+    "flex", DEVICE, DTYPE, is_causal=True, needs_grad=True, head_dim=cfg.head_dim
+)
 
 
-def compiled_layout(offsets):
-    """The packed step's layout inside ``torch.compile``: the flex plan where
-    FlexAttention trains, else the rows layout."""
+def packed_layout(offsets, compiled):
+    """The packed step's layout: eager, the batch's plan, built once per batch;
+    inside ``torch.compile``, the flex plan where FlexAttention trains, else the rows layout."""
+    if not compiled:
+        return PackedLayout(plan_batch(offsets, backend=EAGER_BACKEND, is_causal=True))
     if why_not_flex is None:
         return PackedLayout(plan_batch(offsets, backend="flex", is_causal=True))
     return PackedRows.from_offsets(offsets, ROW_LEN)
 
 
-@dataclass
-class Trainer:
-    """A trainer of kind ``name`` (packed, naive, grouped): its own copy of
-    the model, compiled or not, AdamW, and the losses of its steps."""
-
-    name: str
-    model: torch.nn.Module
-    compiled: bool = False
-    losses: list = field(default_factory=list)
-
-    def __post_init__(self):
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=S.lr)
-        self.runner = self.model if not self.compiled else torch.compile(
-            self.model, fullgraph=True, dynamic=self.name != "packed")  # a graph break is an error
-
-    def loss(self, tokens, offsets):
-        if self.name != "packed":
-            return padded_loss(self.runner, tokens, offsets)
-        layout = compiled_layout(offsets) if self.compiled else PackedLayout(
-            plan_batch(offsets, backend=EAGER_BACKEND, is_causal=True))  # the batch's plan, built once
-        return packed_loss(self.runner, tokens, offsets, layout)
-
-    def step(self, tokens, offsets):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(tokens, offsets)
-        loss.backward()
-        self.optimizer.step()
-        self.losses.append(loss.item())
+def new_trainer(kind, model, compiled=False):
+    """A trainer of ``kind`` (packed, naive, grouped) on ``model``: AdamW, and
+    its step's loss; a compiled padded trainer takes dynamic shapes."""
+    if kind != "packed":
+        return Trainer(
+            model, lambda m, t, o: padded_loss(m, t, o, DTYPE), S.lr, compiled, dynamic=True
+        )
+    return Trainer(
+        model, lambda m, t, o: packed_loss(m, t, o, packed_layout(o, compiled)), S.lr, compiled
+    )
 
 
-print(f"compiled packed trainer: {'the flex plan' if why_not_flex is None else 'PackedRows'} "
-      f"({why_not_flex or 'FlexAttention trains here'}); eager: the {EAGER_BACKEND} plan")
+print(
+    f"compiled packed trainer: {'the flex plan' if why_not_flex is None else 'PackedRows'} "
+    f"({why_not_flex or 'FlexAttention trains here'}); eager: the {EAGER_BACKEND} plan"
+)
 
 # %%
 # On a GPU, every trainer first meets every batch shape (cuDNN plans one per
 # shape), through the step it is timed with.
 
-from ragged_site.measuring.noise import MIN_RUNS, choose
-from ragged_site.measuring.timing import StepTimer, warm_every_shape
+from ragged_site.gpt_training import probe_compile
 
-if DEVICE == "cuda":
-    for kind in batches:
-        warm = Trainer(kind, copy.deepcopy(model))
-        warm_every_shape(lambda batch: warm.step(*batch), batches[kind],
-                         lambda batch: (len(batch[1]) - 1, int(batch[1].diff().max())))  # (B, S) padded
-PROBE = WARMUP_STEPS + (3 if setup.quick else MIN_RUNS)  # MIN_RUNS: the fewest timed runs choose reads
-torch._dynamo.reset()  # the counts start here
-COMPILE = {}
-for kind in batches:
-    probe = {mode: Trainer(kind, copy.deepcopy(model), mode == "compiled") for mode in ("eager", "compiled")}
-    timers = {mode: StepTimer() for mode in probe}
-    for tokens_i, offsets_i in batches[kind][:PROBE]:
-        for mode, trainer in probe.items():
-            with timers[mode].step(len(tokens_i)):
-                trainer.step(tokens_i, offsets_i)
-    graphs, breaks = sum(timers["compiled"].graphs), sum(timers["compiled"].breaks)  # counted since the reset
-    new = f"{graphs} new graph{'s' * (graphs != 1)}" + ("" if graphs else " (an earlier trainer's, reused)")
-    print(f"compiled trainer {kind}: {new} for {PROBE} steps, {breaks} graph breaks")
-    assert breaks == 0, f"the compiled {kind} trainer broke its graph"
-    COMPILE[kind] = choose({mode: timers[mode].per_1k_tokens(WARMUP_STEPS) for mode in probe}, "eager",
-                           f"{kind} trainer (ms per 1k tokens)") == "compiled"
+# prints each compiled trainer's graphs and breaks, then each choice
+COMPILE = probe_compile(new_trainer, model, batches, WARMUP_STEPS, setup.quick, DEVICE)
 
 # %%
 # From the same weights, on the first batch, the compiled packed step (its
 # graph compiled above) gives the eager step's loss and gradients.
 
 tokens, offsets = batches["packed"][0]
-packed_step = loss_and_grads(lambda m: packed_loss(m, tokens, offsets, PackedLayout.of(offsets, "loop")))
-compiled_step = loss_and_grads(lambda m: Trainer("packed", m, compiled=True).loss(tokens, offsets))
-gap = check_same("compiled packed step", compiled_step, packed_step)
-print(f"the compiled packed step: the eager step's loss and gradients (largest difference {gap:.1e})")
+layout = PackedLayout.of(offsets, "loop")
+packed_step = loss_and_grads(model, lambda m: packed_loss(m, tokens, offsets, layout))
+compiled_step = loss_and_grads(
+    model, lambda m: new_trainer("packed", m, True).loss(tokens, offsets)
+)
+gap = check_same("compiled packed step", compiled_step, packed_step, DTYPE)
+print(
+    f"the compiled packed step: the eager step's loss and gradients (largest difference {gap:.1e})"
+)
 
 # %%
 # Training
@@ -419,19 +406,19 @@ print(f"the compiled packed step: the eager step's loss and gradients (largest d
 # *real* tokens after the first ``WARMUP_STEPS``; a graph compiled inside
 # the timed steps would be timed as training, so there must be none.
 
+import copy
+
+from ragged_site.gpt_training import train_side_by_side
+
 models = {name: copy.deepcopy(model) for name in batches}
-losses = {name: [] for name in batches}
-trainers = {kind: Trainer(kind, models[kind], COMPILE[kind], losses[kind]) for kind in batches}
-timers = {kind: StepTimer() for kind in batches}
-for step_i in range(STEPS):
-    for kind, trainer in trainers.items():
-        tokens_i, offsets_i = batches[kind][step_i]
-        with timers[kind].step(len(tokens_i)):
-            trainer.step(tokens_i, offsets_i)
+trainers = {kind: new_trainer(kind, models[kind], COMPILE[kind]) for kind in batches}
+timers = train_side_by_side(trainers, batches, STEPS, WARMUP_STEPS)  # {kind: StepTimer}
+losses = {kind: trainer.losses for kind, trainer in trainers.items()}
 for kind, timer in timers.items():
-    assert sum(timer.graphs[WARMUP_STEPS:]) == 0, f"{kind}: a graph was compiled inside the timed steps"
-    print(f"{kind:8s} loss {np.mean(losses[kind][:3]):.3f} -> {np.mean(losses[kind][-5:]):.3f}, "
-          f"{timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s ({'compiled' if COMPILE[kind] else 'eager'})")
+    print(
+        f"{kind:8s} loss {np.mean(losses[kind][:3]):.3f} -> {np.mean(losses[kind][-5:]):.3f}, "
+        f"{timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s ({'compiled' if COMPILE[kind] else 'eager'})"
+    )
 
 # %%
 # The work bounds of this run
@@ -442,26 +429,12 @@ for kind, timer in timers.items():
 # padded causal kernel skips the masked half too), each padded trainer from
 # its own batches; the :term:`fraction of the bound`: :doc:`measuring_ragged_batches`.
 
-from ragged_site.measuring.bound import model_work, throughput_line, work_per_token
-from ragged_site.measuring.noise import outside_noise
+from ragged_site.measuring.bound import model_work
+from ragged_site.gpt_training import print_training_speed
 
 work = model_work(model, n_layers=cfg.n_layers, attention_width=cfg.n_heads * cfg.head_dim)
-
-
-def lengths_of(name):  # the sequence lengths of each timed step of trainer ``name``
-    return [o.diff().cpu() for _, o in batches[name][WARMUP_STEPS:]]
-
-
-packed_speed = timers["packed"].tokens_per_s(WARMUP_STEPS)
-bound = {kind: work_per_token(lengths_of(kind), work, padded=True) / work_per_token(lengths_of("packed"), work)
-         for kind in ("naive", "grouped")}
-for kind, label in (("naive", "training"), ("grouped", "training against length-grouped padding")):
-    print(throughput_line(label, packed_speed, timers[kind].tokens_per_s(WARMUP_STEPS), bound[kind]))
-per_1k = {kind: timer.per_1k_tokens(WARMUP_STEPS) for kind, timer in timers.items()}
-noise = {kind: "outside" if outside_noise(per_1k["packed"], per_1k[kind]) else "within" for kind in bound}
-print(f"median step per 1k real tokens: packed {per_1k['packed'].median_ms:.0f} ms, naive "
-      f"{per_1k['naive'].median_ms:.0f} ms ({noise['naive']} the noise),\nlength-grouped "
-      f"{per_1k['grouped'].median_ms:.0f} ms ({noise['grouped']} the noise)")
+# each padded trainer's bound from its own timed steps; medians within or outside the noise
+print_training_speed(timers, batches, work, WARMUP_STEPS)
 
 # %%
 # Against naive padding, the bound is what padding a random batch to its
@@ -479,26 +452,10 @@ print(f"median step per 1k real tokens: packed {per_1k['packed'].median_ms:.0f} 
 # occurs (its last five losses below 70% of a uniform guess over 256 bytes,
 # ln 256 = 5.55 nats) and prints the spread of the last losses.
 
-import math
+from ragged_site.gpt_training import check_learned, plot_training
 
-import matplotlib.pyplot as plt
-from ragged_site.figures import FIGURE_STYLE
-
-uniform = math.log(cfg.vocab_size)
-for name, trained in losses.items():
-    last = np.array(trained[-5:])
-    assert last.mean() < 0.7 * uniform, f"{name} did not learn: {trained[0]:.3f} -> {last.mean():.3f}"
-    print(f"{name:8s} last five losses {last.mean():.3f} +- {last.std():.3f}")
-
-plt.rcParams.update(FIGURE_STYLE)
-fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-for (kind, timer), style in zip(timers.items(), ("-o", "--s", ":^")):
-    ax.plot(np.cumsum(timer.seconds), losses[kind], style, markevery=max(1, STEPS // 8), lw=2,
-            label=f"{kind}, {timer.tokens_per_s(WARMUP_STEPS):.0f} real tokens/s")
-ax.set(xlabel="seconds of training (measured)", ylabel="training loss",
-       title=f"Same documents, three trainers ({DEVICE})")
-ax.legend()
-plt.show()
+check_learned(losses, cfg.vocab_size)  # each below 70% of ln(vocab_size)
+plot_training(timers, losses, WARMUP_STEPS, DEVICE)  # loss against measured seconds
 
 # sphinx_gallery_thumbnail_number = 1
 
@@ -515,6 +472,9 @@ plt.show()
 #
 # .. literalinclude:: ../ragged_toolkit/decoding.py
 #    :pyobject: prefill_packed
+#
+# .. literalinclude:: ../ragged_site/gpt_training.py
+#    :pyobject: prefill_padded
 
 from ragged_toolkit.data import as_tokens
 from ragged_toolkit.decoding import generate_packed, prefill_packed
@@ -522,41 +482,41 @@ from ragged_toolkit.kv_cache import KVCache
 from ragged_site.measuring.bound import speedup_line, work_bound
 from ragged_site.measuring.tables import print_timings
 from ragged_site.measuring.timing import measure
+from ragged_site.gpt_training import prefill_padded
 
 model = models["packed"].eval()  # the packed trainer's model (not a compiled wrapper)
-prompt_docs = [d[:8 + 3 * i] for i, d in enumerate(held_out)]  # openings of 8 to 8 + 3 (B - 1) bytes
+# openings of 8 to 8 + 3 (B - 1) bytes
+prompt_docs = [d[: 8 + 3 * i] for i, d in enumerate(held_out)]
 prompt_lengths = torch.tensor([len(d) for d in prompt_docs])
 prompt_offsets = offsets_from_lengths(prompt_lengths, DEVICE)
 prompts = torch.cat([as_tokens(d) for d in prompt_docs]).to(DEVICE)
 longest = int(prompt_lengths.max())
-
-
-@torch.no_grad()
-def prefill_padded(model, prompts, offsets, cache):
-    """The same prompts left-padded to (B, S) into ``cache``: the logits of
-    each prompt's last token (B, vocab)."""
-    lengths = offsets.diff()
-    S, pad = int(lengths.max()), int(lengths.max()) - lengths  # (B,) padding columns on the left
-    seq, pos = token_index(offsets)
-    ids = torch.zeros(len(lengths), S, dtype=torch.long, device=prompts.device)
-    ids[seq, pad[seq] + pos] = prompts
-    column = torch.arange(S, device=prompts.device)
-    valid = column >= pad[:, None]  # (B, S)
-    causal = column[:, None] >= column
-    mask = (causal & valid[:, None, :]) | (~valid[:, :, None] & (column[:, None] == column))  # (B, S, S)
-    return model(ids, (column - pad[:, None]).clamp(min=0), PaddedLayout(mask[:, None], cache, 0))[:, -1]
-
-
-caches = {side: KVCache(cfg, S.prompts, longest + 8, DEVICE, DTYPE) for side in ("packed", "padded")}
-prefills = {"padded": lambda: prefill_padded(model, prompts, prompt_offsets, caches["padded"]),
-            "packed": lambda: prefill_packed(model, prompts, prompt_offsets, caches["packed"], EAGER_BACKEND)}
+caches = {
+    side: KVCache(cfg, S.prompts, longest + 8, DEVICE, DTYPE) for side in ("packed", "padded")
+}
+prefills = {
+    "padded": lambda: prefill_padded(model, prompts, prompt_offsets, caches["padded"]),
+    "packed": lambda: prefill_packed(
+        model, prompts, prompt_offsets, caches["packed"], EAGER_BACKEND
+    ),
+}
 with autocast():
-    torch.testing.assert_close(prefills["packed"]().float(), prefills["padded"]().float(), **tolerances(DTYPE))
+    torch.testing.assert_close(
+        prefills["packed"]().float(), prefills["padded"]().float(), **tolerances(DTYPE)
+    )
     times = measure(prefills, min_run_time=0.5 if setup.quick else 1.0)
-print(f"prefill of {S.prompts} prompts ({len(prompts)} tokens, longest {longest}): the last-token logits agree")
+print(
+    f"prefill of {S.prompts} prompts ({len(prompts)} tokens, longest {longest}): the last-token logits agree"
+)
 print_timings(times)
-print(speedup_line("prefill", times["padded"], times["packed"],
-                   work_bound(prompt_lengths, work=work, causal=True, padded_causal=False)))
+print(
+    speedup_line(
+        "prefill",
+        times["padded"],
+        times["packed"],
+        work_bound(prompt_lengths, work=work, causal=True, padded_causal=False),
+    )
+)
 
 # %%
 # Decoding then feeds one token per sequence per step: a rectangle on both
@@ -568,7 +528,11 @@ print(speedup_line("prefill", times["padded"], times["packed"],
 with torch.no_grad():
     written = generate_packed(model, prompts, prompt_offsets, 24, dtype=DTYPE)
 for b in range(min(4, S.prompts)):
-    text = prompt_docs[b].decode(errors="replace") + " | " + bytes(written[b].tolist()).decode(errors="replace")
+    text = (
+        prompt_docs[b].decode(errors="replace")
+        + " | "
+        + bytes(written[b].tolist()).decode(errors="replace")
+    )
     print(repr(text)[:100])
 
 # %%

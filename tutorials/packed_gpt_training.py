@@ -412,7 +412,7 @@ from ragged_site.gpt_training import train_side_by_side
 
 models = {name: copy.deepcopy(model) for name in batches}
 trainers = {kind: new_trainer(kind, models[kind], COMPILE[kind]) for kind in batches}
-timers = train_side_by_side(trainers, batches, STEPS, WARMUP_STEPS)  # {kind: StepTimer}
+timers = train_side_by_side(trainers, batches, STEPS, WARMUP_STEPS)  # kind -> its step timer
 losses = {kind: trainer.losses for kind, trainer in trainers.items()}
 for kind, timer in timers.items():
     print(

@@ -54,20 +54,65 @@ measured against static batches.
 from ragged_site.page import page_setup
 
 SIZES = {
-    "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
-                            max_seq_len=2048), requests=64, slots=32, token_budget=512, block=256,
-                 prompt_max=512, out_median=96, out_max=512, contiguous_slots=16, runs=5, run_time=1.0),
-    "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=352,
-                           max_seq_len=512), requests=48, slots=16, token_budget=64, block=16,
-                prompt_max=48, out_median=32, out_max=192, contiguous_slots=8, runs=5, run_time=0.3),
-    "quick": dict(model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176), requests=12,
-                  slots=8, out_median=16, out_max=48, contiguous_slots=4, run_time=0.1),
+    "cuda": dict(
+        model=dict(
+            vocab_size=256,
+            dim=1024,
+            n_layers=8,
+            n_heads=16,
+            n_kv_heads=4,
+            ffn_hidden=2816,
+            max_seq_len=2048,
+        ),
+        requests=64,
+        slots=32,
+        token_budget=512,
+        block=256,
+        prompt_max=512,
+        out_median=96,
+        out_max=512,
+        contiguous_slots=16,
+        runs=5,
+        run_time=1.0,
+    ),
+    "cpu": dict(
+        model=dict(
+            vocab_size=256,
+            dim=128,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=352,
+            max_seq_len=512,
+        ),
+        requests=48,
+        slots=16,
+        token_budget=64,
+        block=16,
+        prompt_max=48,
+        out_median=32,
+        out_max=192,
+        contiguous_slots=8,
+        runs=5,
+        run_time=0.3,
+    ),
+    "quick": dict(
+        model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176),
+        requests=12,
+        slots=8,
+        out_median=16,
+        out_max=48,
+        contiguous_slots=4,
+        run_time=0.1,
+    ),
 }
 setup = page_setup(SIZES)
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
 LOAD = 0.7  # online arrivals: this fraction of what continuous batching served offline
 print("model: " + ", ".join(f"{k} {v}" for k, v in S.model.items()))
-print(f"{S.requests} requests, {S.slots} slots, {S.token_budget} tokens per step, blocks of {S.block} rows")
+print(
+    f"{S.requests} requests, {S.slots} slots, {S.token_budget} tokens per step, blocks of {S.block} rows"
+)
 
 # %%
 # A paged KV cache
@@ -91,7 +136,9 @@ import torch
 from ragged_toolkit.gpt import GPTConfig
 from ragged_toolkit.kv_cache import block_table_tensor, paged_rows, PagedKVCache
 
-tiny_cfg = GPTConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=32)
+tiny_cfg = GPTConfig(
+    vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=32
+)
 demo = PagedKVCache(tiny_cfg, n_blocks=8, block_size=4, device="cpu", dtype=torch.float32)
 assert all(demo.reserve(rid, n) for rid, n in ((0, 6), (1, 3), (2, 9)))
 print(f"block tables {demo.tables}, free list {demo.free}")
@@ -119,14 +166,24 @@ from ragged_site.corpus import docstring_corpus
 from ragged_site.workloads import request_stream
 
 docs, source = docstring_corpus(min_chars=2)
-stream = request_stream(docs, S.requests, np.random.default_rng(setup.seed), prompt_max=S.prompt_max,
-                        out_median=S.out_median, out_max=S.out_max)
+stream = request_stream(
+    docs,
+    S.requests,
+    np.random.default_rng(setup.seed),
+    prompt_max=S.prompt_max,
+    out_median=S.out_median,
+    out_max=S.out_max,
+)
 prompt_lengths = np.array([len(req.prompt) for req in stream])
 out_lengths = np.array([req.n_out for req in stream])
-print(f"prompts: openings of {source}, {prompt_lengths.min()} to {prompt_lengths.max()} "
-      f"tokens, mean {prompt_lengths.mean():.1f}")
-print(f"outputs: log-normal, median {S.out_median}, sigma 1, cut to {S.out_max}: "
-      f"{out_lengths.min()} to {out_lengths.max()} tokens, mean {out_lengths.mean():.1f}")
+print(
+    f"prompts: openings of {source}, {prompt_lengths.min()} to {prompt_lengths.max()} "
+    f"tokens, mean {prompt_lengths.mean():.1f}"
+)
+print(
+    f"outputs: log-normal, median {S.out_median}, sigma 1, cut to {S.out_max}: "
+    f"{out_lengths.min()} to {out_lengths.max()} tokens, mean {out_lengths.mean():.1f}"
+)
 
 from ragged_toolkit.gpt import GPT
 
@@ -158,16 +215,19 @@ from ragged_site.workloads import fresh_requests
 
 blocks_per_slot = -(-(S.prompt_max + S.out_max) // S.block)  # a full-length request's blocks
 bench_cache = PagedKVCache(cfg, S.slots * blocks_per_slot, S.block, DEVICE, DTYPE)
-*decoding, newcomer = bench = fresh_requests(stream[:S.slots])
+*decoding, newcomer = bench = fresh_requests(stream[: S.slots])
 assert all(bench_cache.reserve(req.rid, len(req.prompt) + 1) for req in bench)
 forward_step(model, bench_cache, [(req, req.pending()) for req in decoding])  # their prefill
 chunk = min(len(newcomer.prompt), S.token_budget - len(decoding))
 step_work = [(req, 1) for req in decoding] + [(newcomer, chunk)]
 tokens, positions, layout = build_step(bench_cache, step_work, DEVICE)
-assert layout.q_offsets.diff().tolist() == [1] * len(decoding) + [chunk]  # packed in the work's order
-print(f"one step, {len(tokens)} tokens: {len(decoding)} decode tokens, then a prompt chunk of {chunk} at positions "
-      f"{int(positions[-chunk])} to {int(positions[-1])};\nkeys in use per request {int(layout.kv_lengths.min())} "
-      f"to {int(layout.kv_lengths.max())}, block table {tuple(layout.block_table.shape)}")
+# packed in the work's order
+assert layout.q_offsets.diff().tolist() == [1] * len(decoding) + [chunk]
+print(
+    f"one step, {len(tokens)} tokens: {len(decoding)} decode tokens, then a prompt chunk of {chunk} at positions "
+    f"{int(positions[-chunk])} to {int(positions[-1])};\nkeys in use per request {int(layout.kv_lengths.min())} "
+    f"to {int(layout.kv_lengths.max())}, block table {tuple(layout.block_table.shape)}"
+)
 
 # %%
 # Attention through the block table
@@ -189,41 +249,27 @@ print(f"one step, {len(tokens)} tokens: {len(decoding)} decode tokens, then a pr
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: varlen_paged_attention
 #
-# Each path runs the model on the step above (``step_logits``), timed, the
-# first call (compiling) apart, and must give each request the logits of
-# decoding it alone (``logits_after``); ``choose`` takes the fastest only
-# outside the noise, else the gathered path.
+# Each path runs the model on the step above (``step_logits``).
+# ``time_and_prove_paths`` times each, the first call (compiling) apart.
+# Each must give every request the logits of decoding it alone
+# (``logits_after``). ``choose`` takes the fastest only outside the noise,
+# else the gathered path.
 
 import functools
 
 from ragged_site.page import tolerances
-from ragged_site.measuring.compiling import compile_counter
 from ragged_site.measuring.noise import choose
-from ragged_site.measuring.tables import print_timings
-from ragged_site.measuring.timing import measure
+from ragged_toolkit.attention.flex import FlexKernel
 from ragged_toolkit.serving.engine import step_logits
 from ragged_toolkit.serving.paged_attention import paged_varlen_support
-from ragged_site.serving.proof import logits_after
+from ragged_site.serving.batching import time_and_prove_paths
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
-expected = torch.stack([logits_after(reference, (req.prompt + req.generated)[:req.computed + n])
-                        for req, n in step_work])  # each request's history once this step has run
-from ragged_toolkit.attention.flex import FlexKernel
-
 FLEX = FlexKernel()  # the server's compiled FlexAttention, built once, passed to every step
 PATHS = {"gathered": None, "flex": None, "varlen": paged_varlen_support(DEVICE, DTYPE, S.block)}
-runnable = {p: functools.partial(step_logits, model, bench_cache, step_work, p, flex=FLEX)
-            for p, why in PATHS.items() if not why}
-with compile_counter() as compiled:
-    timings = measure(runnable, min_run_time=S.run_time, profile=not setup.quick)
-print_timings({p: timings.get(p, why) for p, why in PATHS.items()})
-print("first calls: " + ", ".join(f"{p} {timings[p].first_call_s:.2f} s" for p in runnable)
-      + f"; torch.compile: {compiled}")
-for path, logits_of in runnable.items():
-    note = " (a known bug of paged split-KV: pytorch/pytorch#194167)" * (path == "varlen")
-    for want, what in ((expected, "decoding alone"), (runnable["gathered"]().float(), "gathered")):
-        torch.testing.assert_close(logits_of().float(), want, **PROOF_TOLERANCE,
-                                   msg=lambda m: f"{path}{note}: step logits differ from {what}: {m}")
+logits_of = functools.partial(step_logits, model, bench_cache, step_work, flex=FLEX)  # (path)
+timed = dict(run_time=S.run_time, profile=not setup.quick)  # profiled outside quick mode
+timings = time_and_prove_paths(logits_of, PATHS, reference, step_work, PROOF_TOLERANCE, **timed)
 PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 
 # %%
@@ -258,10 +304,15 @@ from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, reti
 from ragged_toolkit.serving.server import serve, take_turns
 
 serving_blocks = S.slots * blocks_per_slot  # the same cache for all: ``slots`` full-length requests
-SCHEDULERS = {"continuous": functools.partial(plan_continuous, max_running=S.slots, token_budget=S.token_budget),
-              "static": functools.partial(plan_static, batch_size=S.slots, reserve=S.out_max),
-              "static, skipping": functools.partial(plan_static, batch_size=S.slots, reserve=S.out_max,
-                                                    skip_finished=True)}
+SCHEDULERS = {
+    "continuous": functools.partial(
+        plan_continuous, max_running=S.slots, token_budget=S.token_budget
+    ),
+    "static": functools.partial(plan_static, batch_size=S.slots, reserve=S.out_max),
+    "static, skipping": functools.partial(
+        plan_static, batch_size=S.slots, reserve=S.out_max, skip_finished=True
+    ),
+}
 
 
 # A request keeps its tokens, not the logits that chose them. The proof at the
@@ -276,8 +327,16 @@ def starter(plan, requests, n_blocks=serving_blocks, **kw):
     """Starts a run of ``serve``: fresh requests, a cache of their own; a static plan retires whole batches."""
     if plan.func is plan_static:
         kw["retire_step"] = retire_batch
-    return lambda: serve(model, fresh_requests(requests), PagedKVCache(cfg, n_blocks, S.block, DEVICE, DTYPE),
-                         plan, path=PATH, flex=FLEX, on_token=served_logits, **kw)
+    return lambda: serve(
+        model,
+        fresh_requests(requests),
+        PagedKVCache(cfg, n_blocks, S.block, DEVICE, DTYPE),
+        plan,
+        path=PATH,
+        flex=FLEX,
+        on_token=served_logits,
+        **kw,
+    )
 
 
 # %%
@@ -296,15 +355,27 @@ def starter(plan, requests, n_blocks=serving_blocks, **kw):
 from ragged_toolkit.serving.requests import Request
 
 small = blocks_per_slot  # a cache for one full-length request, with preemption for more
-bad = [Request(900, [], 8), Request(901, [65] * 8, cfg.max_seq_len), Request(902, [65, cfg.vocab_size], 8),
-       Request(903, [65] * 8, 0), Request(904, [65] * 8, small * S.block)]
+bad = [
+    Request(900, [], 8),
+    Request(901, [65] * 8, cfg.max_seq_len),
+    Request(902, [65, cfg.vocab_size], 8),
+    Request(903, [65] * 8, 0),
+    Request(904, [65] * 8, small * S.block),
+]
+small_cache = PagedKVCache(cfg, small, S.block, DEVICE, DTYPE)
 try:
-    next(serve(model, bad, PagedKVCache(cfg, small, S.block, DEVICE, DTYPE), SCHEDULERS["continuous"]))
+    next(serve(model, bad, small_cache, SCHEDULERS["continuous"]))
 except ValueError as err:
     print(f"given up front, before any step: {err}")
 late = fresh_requests(bad, [1e-3] * len(bad))  # they arrive once the others run
-[with_refusals], = take_turns(starter(SCHEDULERS["continuous"], stream[:4] + late, small,
-                                      on_refused=lambda req, err: print(f"  refused: {err}")))
+([with_refusals],) = take_turns(
+    starter(
+        SCHEDULERS["continuous"],
+        stream[:4] + late,
+        small,
+        on_refused=lambda req, err: print(f"  refused: {err}"),
+    )
+)
 print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refused)} refused")
 
 # %%
@@ -322,27 +393,29 @@ print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refuse
 # median throughput, printed and drawn.
 
 from ragged_site.measuring.noise import MIN_RUNS, outside_noise
-from ragged_site.serving.metrics import ms_per_token, slot_bound
+from ragged_site.serving.metrics import ms_per_token, rate_spread, slot_bound, speedup_claim
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each scheduler"
-offline = dict(zip(SCHEDULERS, take_turns(*(starter(plan, stream) for plan in SCHEDULERS.values()),
-                                          runs=S.runs)))
+each_run = take_turns(*(starter(plan, stream) for plan in SCHEDULERS.values()), runs=S.runs)
+offline = dict(zip(SCHEDULERS, each_run))
 per_token = {name: ms_per_token(runs) for name, runs in offline.items()}
 tokens_per_s = {name: 1e3 / spread.median_ms for name, spread in per_token.items()}
 for scheduler, spread in per_token.items():
-    print(f"{scheduler}: median {tokens_per_s[scheduler]:.0f} tokens/s, IQR {1e3 / spread.q3_ms:.0f}-"
-          f"{1e3 / spread.q1_ms:.0f}, over {spread.runs} runs")
+    print(f"{scheduler}: {rate_spread(spread)}")
 W, *others = {round(slot_bound(run), 9) for run in offline["static"]}
 assert not others, "static runs of the same requests took different steps"
 R, P = tokens_per_s["continuous"], tokens_per_s["static"]
 apart = outside_noise(per_token["continuous"], per_token["static"])
-print(f"serving: continuous {R:.0f} tokens/s, static {P:.0f} tokens/s, speedup {R / P:.2f}x, "
-      f"slot bound {W:.2f}x, fraction {R / P / W:.2f}" + ("" if apart else " (within noise)"))
+print(
+    f"serving: continuous {R:.0f} tokens/s, static {P:.0f} tokens/s, speedup {R / P:.2f}x, "
+    f"slot bound {W:.2f}x, fraction {R / P / W:.2f}" + ("" if apart else " (within noise)")
+)
 skipping = outside_noise(per_token["continuous"], per_token["static, skipping"])
-print(f"static that skips finished slots: {tokens_per_s['static, skipping']:.0f} tokens/s; continuous is "
-      f"{R / tokens_per_s['static, skipping']:.2f}x that" + ("" if skipping else " (within noise)"))
-print("the speedup over static batches " + ("stands: the IQRs of their runs do not overlap" if apart else
-                                           "is not claimed: the IQRs of their runs overlap"))
+print(
+    f"static that skips finished slots: {tokens_per_s['static, skipping']:.0f} tokens/s; continuous is "
+    f"{R / tokens_per_s['static, skipping']:.2f}x that" + ("" if skipping else " (within noise)")
+)
+print("the speedup over static batches " + speedup_claim(apart, "their runs"))
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE
@@ -351,10 +424,14 @@ from ragged_site.serving.metrics import draw_steps, step_costs
 by_speed = sorted(offline["continuous"], key=lambda run: sum(st.seconds for st in run.steps))
 steps = by_speed[len(by_speed) // 2].steps
 cost = step_costs(steps, S.slots)
-print(f"continuous: {len(steps)} steps, {cost['seconds']:.2f} s; the tail: {cost['tail_steps']} steps, "
-      f"{cost['tail_seconds'] / cost['seconds']:.0%} of the time")
-print(f"{cost['mixed_steps']} steps carried {cost['prompt_tokens']} prompt tokens: {cost['prompt_seconds']:.2f} s "
-      f"more than as many decode-only steps ({cost['decode_step_s'] * 1e3:.2f} ms)")
+print(
+    f"continuous: {len(steps)} steps, {cost['seconds']:.2f} s; the tail: {cost['tail_steps']} steps, "
+    f"{cost['tail_seconds'] / cost['seconds']:.0%} of the time"
+)
+print(
+    f"{cost['mixed_steps']} steps carried {cost['prompt_tokens']} prompt tokens: {cost['prompt_seconds']:.2f} s "
+    f"more than as many decode-only steps ({cost['decode_step_s'] * 1e3:.2f} ms)"
+)
 
 plt.rcParams.update(FIGURE_STYLE)
 draw_steps(steps, S.token_budget, f"Continuous batching, {S.requests} requests at once")
@@ -373,14 +450,20 @@ from ragged_site.serving.metrics import draw_throughput_and_latency, latency_ms
 from ragged_site.workloads import poisson_arrivals
 
 rate = LOAD * R / out_lengths.mean()  # requests/s
-arriving = fresh_requests(stream, poisson_arrivals(np.random.default_rng(setup.seed + 1), S.requests, rate))
-online = dict(zip(("continuous", "static"), take_turns(starter(SCHEDULERS["continuous"], arriving),
-                                                      starter(SCHEDULERS["static"], arriving))))
-latency = {name: latency_ms([req for run in runs for req in run.requests]) for name, runs in online.items()}
+arriving = fresh_requests(
+    stream, poisson_arrivals(np.random.default_rng(setup.seed + 1), S.requests, rate)
+)
+each_run = take_turns(*(starter(SCHEDULERS[name], arriving) for name in ("continuous", "static")))
+online = dict(zip(("continuous", "static"), each_run))
+latency = {
+    name: latency_ms([req for run in runs for req in run.requests]) for name, runs in online.items()
+}
 for name, lat in latency.items():
     (ttft_p50, ttft_p99), (tpot_p50, tpot_p99) = lat["ttft"], lat["tpot"]  # each (p50, p99)
-    print(f"latency of {name} (arrivals at {rate:.1f} requests/s): time to first token p50 {ttft_p50:.0f} ms, "
-          f"p99 {ttft_p99:.0f} ms; time per output token p50 {tpot_p50:.2f} ms, p99 {tpot_p99:.2f} ms")
+    print(
+        f"latency of {name} (arrivals at {rate:.1f} requests/s): time to first token p50 {ttft_p50:.0f} ms, "
+        f"p99 {ttft_p99:.0f} ms; time per output token p50 {tpot_p50:.2f} ms, p99 {tpot_p99:.2f} ms"
+    )
 
 draw_throughput_and_latency(offline, latency, rate)
 plt.show()
@@ -399,29 +482,35 @@ plt.show()
 
 memory_blocks = S.contiguous_slots * blocks_per_slot
 unlimited = functools.partial(plan_continuous, max_running=S.requests, token_budget=S.token_budget)
-snapshots = []  # after each step: the block tables, the free list, each request's keys in use
+from ragged_site.serving.batching import CacheSnapshots
 
-
-def snapshot(step, running, cache):
-    snapshots.append(dict(tables=dict(cache.tables), free=list(cache.free), keys={r.rid: r.computed for r in running}))
-
-
-[paged_run], = take_turns(starter(unlimited, stream, memory_blocks, check=True, observe=snapshot))
+snapshots = CacheSnapshots()  # after each step: block tables, free list, each request's keys in use
+([paged_run],) = take_turns(
+    starter(unlimited, stream, memory_blocks, check=True, observe=snapshots)
+)
 preempted = sum(req.preempted for req in paged_run.requests)
 assert preempted > 0, "no request was preempted: the cache was never full"
 concurrent = int(np.median([rec.running for rec in paged_run.steps if rec.waiting > 0]))
-contiguous = memory_blocks * S.block // (S.prompt_max + S.out_max)  # each reserves its longest length
-in_use = np.mean([rec.used_rows / (rec.held_blocks * S.block) for rec in paged_run.steps if rec.held_blocks])
-mib = 2 * PagedKVCache(cfg, memory_blocks, S.block, "meta", DTYPE).k.nbytes / 2**20  # keys and values, from the shapes
-print(f"paged KV cache: {concurrent} concurrent requests in {mib:.2f} MiB, "
-      f"contiguous {contiguous}; {in_use:.0%} of allocated rows in use")
-print(f"{preempted} preemptions of {sum(req.preempted > 0 for req in paged_run.requests)} requests; "
-      f"{sum(rec.prefill for rec in paged_run.steps) - prompt_lengths.sum()} tokens recomputed; "
-      f"at most {max(rec.running for rec in paged_run.steps)} requests at once")
+# each contiguous request reserves its longest length
+contiguous = memory_blocks * S.block // (S.prompt_max + S.out_max)
+in_use = np.mean(
+    [rec.used_rows / (rec.held_blocks * S.block) for rec in paged_run.steps if rec.held_blocks]
+)
+# keys and values, from the shapes
+mib = 2 * PagedKVCache(cfg, memory_blocks, S.block, "meta", DTYPE).k.nbytes / 2**20
+print(
+    f"paged KV cache: {concurrent} concurrent requests in {mib:.2f} MiB, "
+    f"contiguous {contiguous}; {in_use:.0%} of allocated rows in use"
+)
+print(
+    f"{preempted} preemptions of {sum(req.preempted > 0 for req in paged_run.requests)} requests; "
+    f"{sum(rec.prefill for rec in paged_run.steps) - prompt_lengths.sum()} tokens recomputed; "
+    f"at most {max(rec.running for rec in paged_run.steps)} requests at once"
+)
 
 from ragged_site.figures import draw_paged_cache
 
-shot = max([s for s in snapshots if s["free"]] or snapshots, key=lambda s: len(s["tables"]))  # a free block shows
+shot = snapshots.fullest()  # the step with the most requests and a block free
 draw_paged_cache(shot["tables"], shot["free"], memory_blocks, S.block, shot["keys"])
 plt.show()
 # sphinx_gallery_thumbnail_number = 3
@@ -443,20 +532,25 @@ plt.show()
 # .. literalinclude:: ../ragged_site/serving/proof.py
 #    :pyobject: check_against_alone
 
-from ragged_site.serving.proof import check_against_alone
+from ragged_site.serving.proof import check_against_alone, check_runs_against_alone
 
 checked = [run for runs in (*offline.values(), *online.values()) for run in runs] + [paged_run]
-worst, ties = 0.0, 0
-for served in checked:
-    assert len(served.requests) == S.requests and all(req.done() for req in served.requests)
-    difference, tied = check_against_alone(reference, served.requests, PROOF_TOLERANCE, served_logits)
-    worst, ties = max(worst, difference), ties + tied
-check_against_alone(reference, with_refusals.requests, PROOF_TOLERANCE, served_logits)  # the refusals disturbed nothing
-print(f"every run, {str(DTYPE).removeprefix('torch.')}: every logit within "
-      + ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items()) + " of decoding each request alone")
-print(f"{len(checked)} runs (how many, and the online batches, follow the time): "
-      f"largest difference {worst:.1e}, {ties} ties within atol")
-print(f"requests: {S.requests}/{S.requests} finished, each equal to decoding it alone; preempted {preempted}")
+assert all(len(served.requests) == S.requests for served in checked)
+worst, ties = check_runs_against_alone(reference, checked, PROOF_TOLERANCE, served_logits)
+# the refusals disturbed nothing
+check_against_alone(reference, with_refusals.requests, PROOF_TOLERANCE, served_logits)
+print(
+    f"every run, {str(DTYPE).removeprefix('torch.')}: every logit within "
+    + ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
+    + " of decoding each request alone"
+)
+print(
+    f"{len(checked)} runs (how many, and the online batches, follow the time): "
+    f"largest difference {worst:.1e}, {ties} ties within atol"
+)
+print(
+    f"requests: {S.requests}/{S.requests} finished, each equal to decoding it alone; preempted {preempted}"
+)
 
 # %%
 # Conclusion

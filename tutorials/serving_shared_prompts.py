@@ -57,26 +57,80 @@ and let the requests of a decoding step that share a prefix read it once.
 from ragged_site.page import page_setup
 
 SIZES = {
-    "cuda": dict(model=dict(vocab_size=256, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
-                            ffn_hidden=2816, max_seq_len=4096),
-                 requests=128, systems=4, system_len=1024, user_max=128, out_median=32, out_max=128,
-                 slots=32, token_budget=2048, block=16, conversations=32, turns=4, message_max=128,
-                 runs=5, pressure=0.14, shared_cases=[(4, 1024, 1024), (4, 1024, 128), (16, 1024, 1024),
-                                                    (16, 1024, 128), (64, 2048, 256)]),
-    "cpu": dict(model=dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                           ffn_hidden=352, max_seq_len=512),  # real models: billions of weights
-                requests=64, systems=4, system_len=384, user_max=48, out_median=8, out_max=32,
-                slots=16, token_budget=2048, block=16, conversations=16, turns=4, message_max=48,
-                runs=5, pressure=0.14, shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256),
-                                                  (16, 256, 32), (32, 256, 32)]),
-    "quick": dict(model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176), requests=24,
-                  conversations=8, turns=3, pressure=0.07, shared_cases=[(4, 128, 128), (16, 128, 16)]),
+    "cuda": dict(
+        model=dict(
+            vocab_size=256,
+            dim=1024,
+            n_layers=8,
+            n_heads=16,
+            n_kv_heads=4,
+            ffn_hidden=2816,
+            max_seq_len=4096,
+        ),
+        requests=128,
+        systems=4,
+        system_len=1024,
+        user_max=128,
+        out_median=32,
+        out_max=128,
+        slots=32,
+        token_budget=2048,
+        block=16,
+        conversations=32,
+        turns=4,
+        message_max=128,
+        runs=5,
+        pressure=0.14,
+        shared_cases=[
+            (4, 1024, 1024),
+            (4, 1024, 128),
+            (16, 1024, 1024),
+            (16, 1024, 128),
+            (64, 2048, 256),
+        ],
+    ),
+    "cpu": dict(
+        model=dict(
+            vocab_size=256,
+            dim=128,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=352,
+            max_seq_len=512,
+        ),  # real models: billions of weights
+        requests=64,
+        systems=4,
+        system_len=384,
+        user_max=48,
+        out_median=8,
+        out_max=32,
+        slots=16,
+        token_budget=2048,
+        block=16,
+        conversations=16,
+        turns=4,
+        message_max=48,
+        runs=5,
+        pressure=0.14,
+        shared_cases=[(4, 256, 256), (4, 256, 32), (16, 256, 256), (16, 256, 32), (32, 256, 32)],
+    ),
+    "quick": dict(
+        model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176),
+        requests=24,
+        conversations=8,
+        turns=3,
+        pressure=0.07,
+        shared_cases=[(4, 128, 128), (16, 128, 16)],
+    ),
 }
 setup = page_setup(SIZES)  # device, dtype, quick mode, one thread, seed; prints them
 DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
 LOAD = 0.8  # online arrivals: this fraction of the rate the server without the cache served
-print(f"{S.requests} requests, {S.slots} slots, {S.token_budget} tokens per step, "
-      f"blocks of {S.block} rows")
+print(
+    f"{S.requests} requests, {S.slots} slots, {S.token_budget} tokens per step, "
+    f"blocks of {S.block} rows"
+)
 
 # %%
 # The model is the untrained GPT of :doc:`serving_continuous_batching`, in the
@@ -106,21 +160,39 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 
 import numpy as np
 from ragged_site.corpus import docstring_corpus
-from ragged_site.serving.shared_prompts import (conversation_stream, greedy_answers,
-                                                reusable_tokens, system_prompt_stream)
+from ragged_site.serving.shared_prompts import (
+    conversation_stream,
+    greedy_answers,
+    reusable_tokens,
+    stream_summary,
+    system_prompt_stream,
+)
 
 docs, source = docstring_corpus(min_chars=2)
 rng = np.random.default_rng(setup.seed)
-systems = system_prompt_stream(docs, S.requests, rng, systems=S.systems, system_len=S.system_len,
-                               user_max=S.user_max, out_median=S.out_median, out_max=S.out_max)
-chats = conversation_stream(docs, rng, conversations=S.conversations, turns=S.turns,
-                            message_max=S.message_max, out_median=2 * S.out_median,
-                            out_max=S.out_max, answer=lambda p, n: greedy_answers(model, p, n, DTYPE))
+systems = system_prompt_stream(
+    docs,
+    S.requests,
+    rng,
+    systems=S.systems,
+    system_len=S.system_len,
+    user_max=S.user_max,
+    out_median=S.out_median,
+    out_max=S.out_max,
+)
+chats = conversation_stream(
+    docs,
+    rng,
+    conversations=S.conversations,
+    turns=S.turns,
+    message_max=S.message_max,
+    out_median=2 * S.out_median,
+    out_max=S.out_max,
+    answer=lambda p, n: greedy_answers(model, p, n, DTYPE),
+)
 print(f"prompts and messages: the openings of {source}")
 for name, stream in (("system prompts", systems), ("conversations", chats)):
-    lengths = np.array([len(r.prompt) for r in stream])
-    print(f"{name}: {len(stream)} requests, prompts {lengths.min()} to {lengths.max()} tokens "
-          f"({lengths.sum()} in all), outputs {sum(r.n_out for r in stream)} tokens")
+    print(f"{name}: {stream_summary(stream)}")
 
 # %%
 # The prefix cache
@@ -182,15 +254,22 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 from ragged_toolkit.serving.prefix_cache import PrefixCache, PrefixStats
 from ragged_toolkit.serving.requests import Request
 
-tiny = GPTConfig(vocab_size=64, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=32)
+tiny = GPTConfig(
+    vocab_size=64, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=32
+)
 demo_stats = PrefixStats()
-demo = PrefixCache(tiny, n_blocks=6, block_size=4, device="cpu", dtype=torch.float32, stats=demo_stats)
-first, second = Request(0, [5, 1, 2, 3, 4, 6, 7, 8, 9, 10], 1), Request(1, [5, 1, 2, 3, 4, 6, 7, 8, 42], 1)
+demo = PrefixCache(
+    tiny, n_blocks=6, block_size=4, device="cpu", dtype=torch.float32, stats=demo_stats
+)
+first = Request(0, [5, 1, 2, 3, 4, 6, 7, 8, 9, 10], 1)
+second = Request(1, [5, 1, 2, 3, 4, 6, 7, 8, 42], 1)
 for req in (first, second):
     req.computed = demo.take_prefix(req.rid, req.prompt)  # the second finds two blocks
     assert demo.reserve(req.rid, len(req.prompt))
-    print(f"request {req.rid}: {req.computed} of {len(req.prompt)} tokens cached, table "
-          f"{demo.tables[req.rid]}")
+    print(
+        f"request {req.rid}: {req.computed} of {len(req.prompt)} tokens cached, table "
+        f"{demo.tables[req.rid]}"
+    )
     req.computed = len(req.prompt)  # what its prefill computes
     demo.note_computed(req)
 print(f"readers of blocks 0-3: {demo.refs[:4]}; keyed: {sorted(demo.key_of)}")
@@ -198,8 +277,10 @@ demo.release(0), demo.release(1)
 print(f"both left: idle (cached) {list(demo.idle)}, free {sorted(demo.free)}")
 assert demo.reserve(2, 20) and demo_stats.evictions == 1  # five blocks: one idle block evicted
 demo.check()  # every block free, idle or held, its readers counted right
-print(f"a request of 20 tokens took {demo.tables[2]}, evicting {demo_stats.evictions} idle block; "
-      f"still cached: {list(demo.idle)}")
+print(
+    f"a request of 20 tokens took {demo.tables[2]}, evicting {demo_stats.evictions} idle block; "
+    f"still cached: {list(demo.idle)}"
+)
 
 
 # %%
@@ -223,7 +304,8 @@ from ragged_toolkit.serving.schedulers import plan_continuous
 
 continuous = functools.partial(plan_continuous, max_running=S.slots, token_budget=S.token_budget)
 longest = max(len(r.prompt) + r.n_out for r in systems + chats)
-ample = S.slots * -(-longest // S.block) * 2  # room for every running request, and a cache beside it
+# room for every running request, and a cache beside it
+ample = S.slots * -(-longest // S.block) * 2
 
 # %%
 # With and without the cache, all requests waiting
@@ -244,27 +326,28 @@ ample = S.slots * -(-longest // S.block) * 2  # room for every running request, 
 from ragged_site.measuring.noise import MIN_RUNS, outside_noise
 from ragged_site.serving.prefix_tree import MostSharedTree
 from ragged_site.serving.proof import TokenLogits
+from ragged_site.serving.metrics import rate_spread, speedup_claim
 from ragged_site.serving.runs import prompt_token_seconds, with_and_without
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each server"
 served_logits = TokenLogits()  # every run's logits, for the proof at the end (a server keeps none)
-serve_both = functools.partial(with_and_without, model, plan=continuous, n_blocks=ample,
-                               block_size=S.block, runs=S.runs, on_token=served_logits)
+both = dict(plan=continuous, n_blocks=ample, block_size=S.block, runs=S.runs)
+serve_both = functools.partial(with_and_without, model, on_token=served_logits, **both)
 tree = MostSharedTree()  # the cached blocks at the step where most requests share them, drawn below
 offline = serve_both(systems, observe=tree)
 per_token, ttft = offline.per_token, offline.ttft
 R, P, W = 1e3 / per_token["with"].median_ms, 1e3 / per_token["without"].median_ms, offline.bound
 K, N = offline.prefill["with"], offline.prefill["without"]
-print(f"prefix cache: hit rate {offline.hit:.0%}, prefill tokens {K} of {N} computed, "
-      f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
-      f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
-      f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}")
+print(
+    f"prefix cache: hit rate {offline.hit:.0%}, prefill tokens {K} of {N} computed, "
+    f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
+    f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
+    f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}"
+)
 for name, t in per_token.items():
-    print(f"{name} the cache: median {1e3 / t.median_ms:.0f} tokens/s, IQR {1e3 / t.q3_ms:.0f}-"
-          f"{1e3 / t.q1_ms:.0f}, over {t.runs} runs")
+    print(f"{name} the cache: {rate_spread(t)}")
 apart = outside_noise(per_token["with"], per_token["without"])
-print("the speedup " + ("stands: the IQRs of the runs do not overlap" if apart else
-                        "is not claimed: the IQRs of the runs overlap"))
+print("the speedup " + speedup_claim(apart))
 
 # %%
 # Counting tokens alone, the cache computes ``K`` prompt tokens and the same
@@ -278,11 +361,15 @@ step_ms = np.median([s.seconds for s in without.steps if s.prefill == 0]) * 1e3
 prompt_ms = prompt_token_seconds(without.steps) * 1e3
 ratio = (N + decode_tokens) / (K + decode_tokens)
 print(f"token-count ratio {ratio:.2f}x, work bound {W:.2f}x")
-print(f"a decode-only step costs {step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms "
-      f"({step_ms / prompt_ms:.0f} of them cost a step)")
-print(f"the token count {'overstates' if ratio > W else 'understates'} the time saved: "
-      + ("decode steps, not shortened, cost more than their tokens" if ratio > W
-         else "prompt tokens cost more than their count"))
+print(
+    f"a decode-only step costs {step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms "
+    f"({step_ms / prompt_ms:.0f} of them cost a step)"
+)
+if ratio > W:
+    verdict = "overstates the time saved: decode steps, not shortened, cost more than their tokens"
+else:
+    verdict = "understates the time saved: prompt tokens cost more than their count"
+print(f"the token count {verdict}")
 
 # %%
 # Arriving over time
@@ -298,17 +385,22 @@ from ragged_site.figures import FIGURE_STYLE
 from ragged_site.workloads import fresh_requests, poisson_arrivals
 from ragged_site.serving.runs import busy_seconds, draw_trace
 
-rate = LOAD * S.requests / np.median([busy_seconds(run) for run in offline.runs["without"]])  # requests/s
-arriving = fresh_requests(systems, poisson_arrivals(np.random.default_rng(setup.seed + 1),
-                                                     S.requests, rate))
+# requests/s
+rate = LOAD * S.requests / np.median([busy_seconds(run) for run in offline.runs["without"]])
+arriving = fresh_requests(
+    systems, poisson_arrivals(np.random.default_rng(setup.seed + 1), S.requests, rate)
+)
 online = serve_both(arriving)
 late = {k: t.median_ms for k, t in online.ttft.items()}
-print(f"online, {rate:.1f} requests/s, hit rate {online.hit:.0%}: time to first token p50 "
-      f"{late['with']:.0f} ms with the cache, {late['without']:.0f} ms without")
+print(
+    f"online, {rate:.1f} requests/s, hit rate {online.hit:.0%}: time to first token p50 "
+    f"{late['with']:.0f} ms with the cache, {late['without']:.0f} ms without"
+)
 print(f"  (the median of {len(online.runs['with'])} and {len(online.runs['without'])} runs)")
 
 plt.rcParams.update(FIGURE_STYLE)
-draw_trace(arriving, online, f"System prompts arriving at {rate:.1f} requests/s (without the cache: no hit)")
+title = f"System prompts arriving at {rate:.1f} requests/s (without the cache: no hit)"
+draw_trace(arriving, online, title)
 plt.show()
 
 # %%
@@ -323,11 +415,15 @@ chat = serve_both(chats)
 can = reusable_tokens(chat.runs["with"][0].requests, S.block)
 R2, P2 = (1e3 / chat.per_token[k].median_ms for k in ("with", "without"))
 same = not outside_noise(chat.per_token["with"], chat.per_token["without"])
-print(f"conversations: hit rate {chat.hit:.0%} (a cache that never evicts, each turn after "
-      f"the last: {can / sum(len(r.prompt) for r in chats):.0%}),")
+print(
+    f"conversations: hit rate {chat.hit:.0%} (a cache that never evicts, each turn after "
+    f"the last: {can / sum(len(r.prompt) for r in chats):.0%}),"
+)
 print(f"  prefill tokens {chat.prefill['with']} of {chat.prefill['without']} computed")
-print(f"  throughput {R2:.0f} tokens/s (without: {P2:.0f}), speedup {R2 / P2:.2f}x, "
-      f"work bound {chat.bound:.2f}x" + (" (within the noise)" if same else ""))
+print(
+    f"  throughput {R2:.0f} tokens/s (without: {P2:.0f}), speedup {R2 / P2:.2f}x, "
+    f"work bound {chat.bound:.2f}x" + (" (within the noise)" if same else "")
+)
 
 # %%
 # Which requests share which blocks
@@ -341,12 +437,9 @@ print(f"  throughput {R2:.0f} tokens/s (without: {P2:.0f}), speedup {R2 / P2:.2f
 # .. literalinclude:: ../ragged_site/serving/prefix_tree.py
 #    :pyobject: cached_tree
 
-from ragged_site.serving.prefix_tree import draw_cached_tree
+from ragged_site.serving.prefix_tree import draw_most_shared
 
-copies = [n.kind for n in tree.nodes].count("copy")
-draw_cached_tree(tree.nodes, f"Blocks at step {tree.step}, {tree.running} requests running: "
-                 f"shared (red),\nread by one (blue), idle (gray)"
-                 + (f", {copies} copies (hollow)" if copies else "") + f"; blocks of {S.block} rows")
+draw_most_shared(tree, S.block)
 plt.show()
 
 # sphinx_gallery_thumbnail_number = 2
@@ -367,13 +460,15 @@ from ragged_toolkit.serving.server import serve, take_turns
 
 pressure_stats = PrefixStats()
 pressure = PrefixCache(cfg, int(S.pressure * ample), S.block, DEVICE, DTYPE, stats=pressure_stats)
-[[pressed]] = take_turns(lambda: serve(model, fresh_requests(systems), pressure, continuous,
-                                       retire_caching, check=True, on_token=served_logits))
+under_pressure = (model, fresh_requests(systems), pressure, continuous, retire_caching)
+[[pressed]] = take_turns(lambda: serve(*under_pressure, check=True, on_token=served_logits))
 preempted = sum(r.preempted for r in pressed.requests)
 evictions = pressure_stats.evictions
 assert preempted > 0 and evictions > 0, "the cache was never short: nothing tested eviction"
-print(f"{pressure.n_blocks} blocks: {evictions} evictions, {preempted} preemptions, hit rate "
-      f"{pressure_stats.hit_rate():.0%}")
+print(
+    f"{pressure.n_blocks} blocks: {evictions} evictions, {preempted} preemptions, hit rate "
+    f"{pressure_stats.hit_rate():.0%}"
+)
 
 # %%
 # Proof: every request equals decoding it alone
@@ -390,14 +485,19 @@ from ragged_site.page import tolerances
 from ragged_site.serving.runs import prove_every_run
 
 PROOF_TOLERANCE = tolerances(DTYPE) if DTYPE == torch.float32 else dict(atol=0.1, rtol=0.05)
-every = [run for result in (offline, online, chat) for runs in result.runs.values()
-         for run in runs] + [pressed]
+every = [
+    run for result in (offline, online, chat) for runs in result.runs.values() for run in runs
+] + [pressed]
 worst, ties, checked = prove_every_run(reference, every, PROOF_TOLERANCE, served_logits)
 criterion = ", ".join(f"{k} {v:g}" for k, v in PROOF_TOLERANCE.items())
-print(f"every request of every run, {str(DTYPE).removeprefix('torch.')}: equal to decoding it "
-      f"alone ({criterion})")
-print(f"{len(every)} runs (as many as the time allowed), {checked} requests: largest difference "
-      f"{worst:.1e}, {ties} ties within atol")
+print(
+    f"every request of every run, {str(DTYPE).removeprefix('torch.')}: equal to decoding it "
+    f"alone ({criterion})"
+)
+print(
+    f"{len(every)} runs (as many as the time allowed), {checked} requests: largest difference "
+    f"{worst:.1e}, {ties} ties within atol"
+)
 
 # %%
 # The tests (``tests/test_prefix_cache.py``) also serve with hashes that
@@ -433,40 +533,36 @@ print(f"{len(every)} runs (as many as the time allowed), {checked} requests: lar
 # the rows of keys and values read: the gathered path reads the prefix ``Q``
 # times.
 
-from ragged_site.measuring.timing import measure
 from ragged_toolkit.serving.paged_attention import gathered_attention
-from ragged_toolkit.serving.shared_prefix_attention import plan_shared_prefix, shared_prefix_attention
-from ragged_site.serving.shared_prompts import rows_read, shared_prefix_step
+from ragged_toolkit.serving.shared_prefix_attention import (
+    plan_shared_prefix,
+    shared_prefix_attention,
+)
+from ragged_site.serving.shared_prompts import rows_read, shared_prefix_step, time_shared_prefix
 
 cases = {}
 for n_req, prefix, suffix in S.shared_cases:
     shared, layout = shared_prefix_step(cfg, prefix, [suffix] * n_req, S.block, DEVICE, DTYPE)
     plan = plan_shared_prefix(shared, list(range(n_req)), layout.kv_lengths.tolist(), DEVICE)
     q = torch.randn(n_req, cfg.n_heads, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-    torch.testing.assert_close(shared_prefix_attention(q, shared, 0, plan),
-                               gathered_attention(q, layout, 0), **tolerances(DTYPE))
-    reads = {s: rows_read(len(plan.prefix_rows), plan.suffix_used.sum(1), s) for s in (False, True)}
-    cases[n_req, prefix, suffix] = dict(bound=reads[False] / reads[True], paths={
+    paths = {
         "gathered": functools.partial(gathered_attention, q, layout, 0),
-        "shared": functools.partial(shared_prefix_attention, q, shared, 0, plan)})
+        "shared": functools.partial(shared_prefix_attention, q, shared, 0, plan),
+    }
+    torch.testing.assert_close(paths["shared"](), paths["gathered"](), **tolerances(DTYPE))
+    reads = {s: rows_read(len(plan.prefix_rows), plan.suffix_used.sum(1), s) for s in (False, True)}
+    cases[n_req, prefix, suffix] = dict(bound=reads[False] / reads[True], paths=paths)
 
-timed = {case: measure(c["paths"], min_run_time=1.0, rounds=5, profile=False) for case, c in cases.items()}
-for (n_req, prefix, suffix), t in timed.items():
-    gain, bound = t["gathered"].median_ms / t["shared"].median_ms, cases[n_req, prefix, suffix]["bound"]
-    print(f"shared-prefix attention: {n_req} requests over a prefix of {prefix} tokens, suffixes "
-          f"of {suffix} tokens: {gain:.2f}x the gathered path, work bound {bound:.2f}x, "
-          f"fraction {gain / bound:.2f}" + ("" if outside_noise(t["gathered"], t["shared"]) else " (within noise)"))
+timed = time_shared_prefix(cases)  # each case's two paths take turns; a line each
 
 # %%
 # Where it does not pay: with few requests, or suffixes as long as the prefix,
 # the work bound is small (little is read only once), and the second call and
 # the merge may cost more than the rows they save. The cases measured here:
 
-for tell in ("slower", "faster"):
-    told = [f"{n_req} over {prefix}+{suffix}" for (n_req, prefix, suffix), t in timed.items()
-            if outside_noise(t["gathered"], t["shared"])
-            and (t["shared"].median_ms > t["gathered"].median_ms) == (tell == "slower")]
-    print(f"{tell} than gathered, outside the noise: {', '.join(told) or 'none'}")
+from ragged_site.serving.shared_prompts import print_where_it_pays
+
+print_where_it_pays(timed)
 
 # %%
 # Conclusion

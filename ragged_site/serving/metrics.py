@@ -1,7 +1,8 @@
 """What a serving run measured: throughput (over runs, and its spread from
 run to run), the slot bound of static batches, time to first token and
 time per output token, what a slot bound leaves out (:func:`step_costs`);
-and their pictures (:func:`draw_steps`,
+the words for a spread and for a speedup claimed (:func:`rate_spread`,
+:func:`speedup_claim`); and their pictures (:func:`draw_steps`,
 :func:`draw_throughput_and_latency`)."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ __all__ = [
     "slot_bound",
     "step_costs",
     "latency_ms",
+    "rate_spread",
+    "speedup_claim",
     "draw_steps",
     "draw_throughput_and_latency",
 ]
@@ -84,6 +87,26 @@ def latency_ms(requests):
         name: tuple(np.percentile(np.array(x) * 1e3, [50, 99]).tolist())
         for name, x in (("ttft", ttft), ("tpot", tpot))
     }
+
+
+def rate_spread(timing):
+    """A line's words for the spread of throughput over runs, from
+    :func:`ms_per_token`'s ``timing``: ``"median R tokens/s, IQR a-b, over n
+    runs"``, rates in tokens/s."""
+    t = timing
+    return (
+        f"median {1e3 / t.median_ms:.0f} tokens/s, IQR {1e3 / t.q3_ms:.0f}-"
+        f"{1e3 / t.q1_ms:.0f}, over {t.runs} runs"
+    )
+
+
+def speedup_claim(apart, whose="the runs"):
+    """What the noise rule says of a speedup, in words: it stands where the
+    interquartile ranges of ``whose`` do not overlap (``apart``, from
+    ``outside_noise``), else it is not claimed."""
+    if apart:
+        return f"stands: the IQRs of {whose} do not overlap"
+    return f"is not claimed: the IQRs of {whose} overlap"
 
 
 def draw_steps(steps, token_budget, title):

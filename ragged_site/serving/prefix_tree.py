@@ -2,7 +2,8 @@
 blocks: each cached or held block and the block before it in the prefixes
 that hold it (:func:`cached_tree`), the tree at the step of a run where most
 requests share blocks (:class:`MostSharedTree`), and its picture
-(:func:`draw_cached_tree`): which requests share which blocks at one step."""
+(:func:`draw_cached_tree`, titled by :func:`draw_most_shared`): which
+requests share which blocks at one step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CachedBlock", "cached_tree", "MostSharedTree", "tree_rows", "draw_cached_tree"]
+__all__ = [
+    "CachedBlock",
+    "cached_tree",
+    "MostSharedTree",
+    "tree_rows",
+    "draw_cached_tree",
+    "draw_most_shared",
+]
 
 
 @dataclass
@@ -129,3 +137,17 @@ def draw_cached_tree(nodes, title):
             )
     ax.set(xlabel="block of the prefix", yticks=[], title=title)
     return fig
+
+
+def draw_most_shared(tree, block_size):
+    """:func:`draw_cached_tree` of a :class:`MostSharedTree`'s ``tree``,
+    titled with its step, the requests then running, what each color
+    means, the copies if any and ``block_size``. Returns the figure."""
+    copies = [n.kind for n in tree.nodes].count("copy")
+    return draw_cached_tree(
+        tree.nodes,
+        f"Blocks at step {tree.step}, {tree.running} requests running: "
+        f"shared (red),\nread by one (blue), idle (gray)"
+        + (f", {copies} copies (hollow)" if copies else "")
+        + f"; blocks of {block_size} rows",
+    )

@@ -9,7 +9,13 @@ import torch
 
 from ragged_toolkit.layouts import PaddedLayout
 
-__all__ = ["TokenLogits", "logits_after", "logits_alone", "check_against_alone"]
+__all__ = [
+    "TokenLogits",
+    "logits_after",
+    "logits_alone",
+    "check_against_alone",
+    "check_runs_against_alone",
+]
 
 
 class TokenLogits:
@@ -78,4 +84,15 @@ def check_against_alone(reference, requests, tolerance, logits):
         assert not bad, f"request {req.rid}: token {bad[0]} is not what decoding it alone chooses"
         ties += int((gap > 0).sum())
         worst = max(worst, float((got - ref).abs().max()))
+    return worst, ties
+
+
+def check_runs_against_alone(reference, runs, tolerance, logits):
+    """:func:`check_against_alone` for every request of every run of
+    ``runs`` (``ServingRun`` s served with ``on_token=logits``). Returns
+    ``(largest logit difference, ties)`` over them all."""
+    worst, ties = 0.0, 0
+    for run in runs:
+        difference, tied = check_against_alone(reference, run.requests, tolerance, logits)
+        worst, ties = max(worst, difference), ties + tied
     return worst, ties

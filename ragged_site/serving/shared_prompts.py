@@ -1,10 +1,12 @@
 """Requests that share their beginnings, as real traffic does: a few system
 prompts each in front of many user messages, and conversations whose every
-turn resends the turns before it; and how much of a stream a prefix cache
-could find (:func:`reusable_tokens`); a decoding step of requests that share
+turn resends the turns before it, each stream in a few words
+(:func:`stream_summary`); how much of a stream a prefix cache could find
+(:func:`reusable_tokens`); a decoding step of requests that share
 a prefix, on random keys, to check and time shared-prefix attention
-(:func:`shared_prefix_step`), and the key/value rows it reads
-(:func:`rows_read`)."""
+(:func:`shared_prefix_step`), the key/value rows it reads
+(:func:`rows_read`), and its cases timed against the gathered path
+(:func:`time_shared_prefix`, :func:`print_where_it_pays`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from ragged_toolkit.serving.engine import build_step
 from ragged_toolkit.serving.prefix_cache import PrefixCache
 from ragged_toolkit.serving.requests import Request
 
+from ..measuring.noise import outside_noise
+from ..measuring.timing import measure
 from ..workloads import output_lengths
 
 __all__ = [
@@ -23,8 +27,11 @@ __all__ = [
     "greedy_answers",
     "conversation_stream",
     "reusable_tokens",
+    "stream_summary",
     "rows_read",
     "shared_prefix_step",
+    "time_shared_prefix",
+    "print_where_it_pays",
 ]
 
 
@@ -90,6 +97,16 @@ def conversation_stream(
     return requests
 
 
+def stream_summary(requests):
+    """``requests`` in a few words: how many, their prompts' shortest and
+    longest lengths and total, and the tokens they generate."""
+    lengths = [len(r.prompt) for r in requests]
+    return (
+        f"{len(requests)} requests, prompts {min(lengths)} to {max(lengths)} tokens "
+        f"({sum(lengths)} in all), outputs {sum(r.n_out for r in requests)} tokens"
+    )
+
+
 def reusable_tokens(requests, block_size):
     """Prompt tokens of ``requests`` (in order) in full blocks that an earlier
     request's prompt or answer holds: what a prefix cache that never evicts
@@ -144,3 +161,44 @@ def shared_prefix_step(cfg, prefix, suffixes, block_size, device, dtype, generat
         step.append((req, 1))
     _, _, layout = build_step(cache, step, device)
     return cache, layout
+
+
+def time_shared_prefix(cases):
+    """Time shared-prefix attention against the gathered path, case by case.
+    ``cases`` maps ``(requests, prefix, suffix)`` to a dict: ``bound``, the
+    work bound of sharing (:func:`rows_read`), and ``paths``, ``"gathered"``
+    and ``"shared"``, each a function of no arguments. Each case's paths
+    take turns (:func:`~ragged_site.measuring.timing.measure`, a second,
+    five rounds, not profiled); a line each: the speedup, its bound and
+    their fraction, "(within noise)" where the IQRs overlap. Returns case
+    -> path -> ``Timing``."""
+    timed = {
+        case: measure(c["paths"], min_run_time=1.0, rounds=5, profile=False)
+        for case, c in cases.items()
+    }
+    for (n_req, prefix, suffix), t in timed.items():
+        gain, bound = (
+            t["gathered"].median_ms / t["shared"].median_ms,
+            cases[n_req, prefix, suffix]["bound"],
+        )
+        print(
+            f"shared-prefix attention: {n_req} requests over a prefix of {prefix} tokens, suffixes "
+            f"of {suffix} tokens: {gain:.2f}x the gathered path, work bound {bound:.2f}x, "
+            f"fraction {gain / bound:.2f}"
+            + ("" if outside_noise(t["gathered"], t["shared"]) else " (within noise)")
+        )
+    return timed
+
+
+def print_where_it_pays(timed):
+    """Two lines from :func:`time_shared_prefix`'s ``timed``: the cases in
+    which shared-prefix attention was slower than the gathered path, and
+    those in which it was faster, outside the noise only."""
+    for tell in ("slower", "faster"):
+        told = [
+            f"{n_req} over {prefix}+{suffix}"
+            for (n_req, prefix, suffix), t in timed.items()
+            if outside_noise(t["gathered"], t["shared"])
+            and (t["shared"].median_ms > t["gathered"].median_ms) == (tell == "slower")
+        ]
+        print(f"{tell} than gathered, outside the noise: {', '.join(told) or 'none'}")

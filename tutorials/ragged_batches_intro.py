@@ -261,6 +261,11 @@ print(speedup_line("nn.Linear", times["padded"], times["packed"], bound))
 #       FlexAttention's fused CUDA kernel. A ``backward`` suffix marks the
 #       gradient kernel.
 #
+#    plan
+#       What ``plan_batch`` reads from a batch's offsets once: the lengths,
+#       the backend, causal or not. Every attention call of the batch is
+#       passed it, so no layer reads the offsets again.
+#
 #    quick mode
 #       ``TUTORIALS_QUICK=1``: every page shrinks its sizes so that the test
 #       suite can run it in seconds; every assertion still runs. The

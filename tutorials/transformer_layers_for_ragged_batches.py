@@ -51,8 +51,8 @@ DEVICE, S = setup.device, setup.sizes
 # ----------------------
 # ``torch.nn``'s layers take a padded ``(B, S, E)`` batch. Each attention
 # gets a padding mask. Ours take packed values ``(T, E)`` and the batch's
-# plan. A plan is what ``plan_batch`` builds once per batch: the offsets
-# read once, the backend, causal or not.
+# :term:`plan`. A plan is what ``plan_batch`` builds once per batch: the
+# offsets read once, the backend, causal or not.
 #
 # Everything but attention works token by token, so it needs no change.
 # Attention is the toolkit's ``MultiHeadAttention``. It keeps the sequences

@@ -10,6 +10,8 @@ to copy into a trainer or a server.
   they train and serve on;
 * :mod:`ragged_site.measuring`: timings, the noise rule, compile counts,
   profiles, the work bound, backend comparisons: every figure a page prints;
+* :mod:`ragged_site.records`: every printed figure as a record (JSON
+  Lines), for the GPU check;
 * :mod:`ragged_site.reference`: the attention every backend is checked
   against;
 * :mod:`ragged_site.figures`: the pictures the pages draw (matplotlib);

@@ -109,6 +109,21 @@ def describe_environment() -> dict:
     return info
 
 
+def figures_path(src_dir: str | Path, fname: str) -> Path:
+    """Where a page's figure records go (``ragged_site.records``): beside its
+    output, one JSON object per figure it printed."""
+    return Path(src_dir) / GALLERY_OUT / (Path(fname).stem + ".figures.jsonl")
+
+
+def start_figure_records(src_dir: str | Path, fname: str) -> None:
+    """In the tutorial's process, before its code: its figure records start
+    empty, in :func:`figures_path`, named by ``$RAGGED_SITE_FIGURES``."""
+    path = figures_path(src_dir, fname)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    os.environ["RAGGED_SITE_FIGURES"] = str(path)  # ragged_site.records.FIGURES_ENV
+
+
 def record_environment(src_dir: str | Path, fname: str) -> None:
     path = stamp_path(src_dir, fname)
     path.parent.mkdir(parents=True, exist_ok=True)

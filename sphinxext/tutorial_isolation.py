@@ -290,7 +290,9 @@ class PeakMemory:
             torch.manual_seed(0)
             np.random.seed(0)
             random.seed(0)
-            page_parts.record_environment(_page.pop("src_dir"), _page.pop("fname"))
+            src_dir, fname = _page.pop("src_dir"), _page.pop("fname")
+            page_parts.record_environment(src_dir, fname)
+            page_parts.start_figure_records(src_dir, fname)
             try:
                 with open(CLEAR_REFS, "w") as f:
                     f.write("5")

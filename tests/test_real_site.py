@@ -14,7 +14,7 @@ import nbformat
 import pytest
 import torch
 
-from pages import download_links, external_resources, run_seconds, soup
+from pages import download_links, external_resources, printed, run_seconds, soup
 from sitebuild import REPO, STEMS, build
 
 sys.path.insert(0, str(REPO / "sphinxext"))
@@ -258,3 +258,25 @@ def test_every_page_links_the_glossary(real_site, stem):
     to_glossary = [h for h in hrefs if h.startswith(f"{GLOSSARY_PAGE}.html#term-")
                    or h == f"{GLOSSARY_PAGE}.html#glossary"]
     assert to_glossary, f"{stem}: no link to the glossary on {GLOSSARY_PAGE}"
+
+
+# a figure beside its bound, or a timing: the lines the GPU check and the
+# site's GPU results read, as records (ragged_site.records)
+FIGURE_LINE = re.compile(r"\b(?:work|slot) bound \d|\bms \(IQR ")
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_every_printed_figure_is_recorded(real_site, stem):
+    """Each output line of a page that prints a figure beside its bound, or a
+    timing, is also a record in ``<stem>.figures.jsonl`` beside the page's
+    output: the record, not the printed text, is what the GPU check reads."""
+    from ragged_site.records import read_records
+
+    figures = [ln.strip() for ln in printed(real_site.src, stem).splitlines() if FIGURE_LINE.search(ln)]
+    records = read_records(real_site.src / "auto_tutorials" / f"{stem}.figures.jsonl")
+    recorded = {r["line"].strip() for r in records}
+    missing = [ln for ln in figures if ln not in recorded]
+    assert not missing, f"{stem} prints figures it does not record: {missing}"
+    for r in records:
+        if "fraction" in r and r.get("bound"):
+            assert abs(r["fraction"] - r["speedup"] / r["bound"]) < 1e-9, r

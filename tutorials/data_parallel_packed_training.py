@@ -446,6 +446,7 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 from ragged_toolkit.attention import backend_support
 from ragged_site.data_parallel import check_same_gradients, nccl_ranks
 from ragged_site.data_parallel_launch import DataParallelJob, GradientRun, run_data_parallel
+from ragged_site.records import record
 
 RUNS = [
     GradientRun("DDP", wrap="ddp"),
@@ -491,10 +492,9 @@ def launch(backend, nproc, device, dtype):
     )
     for run in RUNS[:2]:
         gap = check_same_gradients(grads[run.name], reference, GRAD_TOL)
-        print(
-            f"{run.name}:\ndata-parallel step: world size {nproc}, "
-            f"gradient max difference to one process {gap:.1e}"
-        )
+        line = f"data-parallel step: world size {nproc}, gradient max difference to one process {gap:.1e}"
+        print(f"{run.name}:")
+        print(record("data_parallel", line, label=run.name, world_size=nproc, max_difference=gap))
     return reports, grads
 
 
@@ -539,10 +539,13 @@ def summary(reports, label):
         step_ms = step_times_ms(reports, scheme, skip=WARMUP_STEPS)  # each step's slowest rank
         q1, median, q3 = np.percentile(step_ms, [25, 50, 75])
         out[scheme] = held = dict(median_ms=median, **step_load(timed))  # tokens, pairs, imbalance
-        print(
+        rate = held["tokens"] * len(step_ms) / sum(step_ms) * 1e3
+        line = (
             f"  {scheme:15s}: step median {median:6.1f} ms (IQR {q1:.1f}-{q3:.1f}, {len(step_ms)} steps), "
-            f"aggregate {held['tokens'] * len(step_ms) / sum(step_ms) * 1e3:,.0f} tokens/s"
+            f"aggregate {rate:,.0f} tokens/s"
         )
+        figures = dict(median_ms=median, iqr_ms=q3 - q1, runs=len(step_ms), tokens_per_s=rate)
+        print(record("timing", line, label=f"{label} {scheme}", **figures))
         print(
             f"  {'':15s}  imbalance {held['imbalance']:.2f}, attention pairs per step {held['pairs']:,.0f}, "
             f"tokens per step {held['tokens']:,.0f}"

@@ -168,6 +168,7 @@ print("ragged layer and padded path both match nn.MultiheadAttention on every re
 import torch.nn.functional as F
 from ragged_site.measuring.noise import outside_noise
 from ragged_site.measuring.tables import print_timings
+from ragged_site.records import record
 from ragged_site.measuring.timing import measure
 
 hidden = 4 * S.embed  # SwiGLU's hidden width
@@ -223,7 +224,8 @@ print_timings(projections)
 for name, label in (("QKV", "packed QKV projection"), ("SwiGLU input", "packed SwiGLU projection")):
     separate, packed = projections[f"{name}, separate"], projections[f"{name}, packed"]
     speedup = separate.median_ms / packed.median_ms
-    print(f"{label}: speedup {speedup:.2f}x, work bound 1.00x, fraction of bound {speedup:.2f}")
+    line = f"{label}: speedup {speedup:.2f}x, work bound 1.00x, fraction of bound {speedup:.2f}"
+    print(record("speedup", line, label=label, speedup=speedup, bound=1.0, fraction=speedup))
     if not outside_noise(separate, packed):
         print(f"  {name}: the two timings' interquartile ranges overlap (within noise)")
 

@@ -459,15 +459,18 @@ else:
 #    :pyobject: PackedGatedDeltaNet
 
 from ragged_toolkit.recurrent_hf import swap_gated_delta_layers
+from ragged_site.records import record
 
 if STOCK is not None:
     swapped, n_swapped = swap_gated_delta_layers(copy.deepcopy(qwen), chunk=C)
     RESET = document_differences(swapped, docs, boundaries=True)
     assert n_swapped == 3 and max(RESET) < 1e-5, RESET
-    print(
+    line = (
         f"transformers {transformers.__version__} Qwen3-Next Gated DeltaNet on a packed row: max difference "
         f"from each document alone {max(STOCK):.2e} (stock), {max(RESET):.2e} (with resets)"
     )
+    figures = dict(max_difference=max(RESET), stock_max_difference=max(STOCK), tolerance=1e-5)
+    print(record("difference", line, label="Qwen3-Next Gated DeltaNet, with resets", **figures))
 
 # each document's error, stock against reset: this page's layers (over the output's scale) and
 # Qwen3-Next's logits; errors under 1e-12 (zero included) are drawn at 1e-12

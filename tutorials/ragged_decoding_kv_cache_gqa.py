@@ -429,6 +429,7 @@ print(
 
 from ragged_site.measuring.noise import outside_noise
 from ragged_site.measuring.tables import print_timings
+from ragged_site.records import record
 
 gqa_times = measure(
     {name: (lambda model=model: generate(model, S.new_tokens)) for name, model in models.items()},
@@ -438,9 +439,19 @@ gqa_times = measure(
 )
 print_timings(gqa_times)
 throughput = {name: S.prompts * S.new_tokens / t.median_ms * 1e3 for name, t in gqa_times.items()}
-print(
+line = (
     f"new tokens/s: MHA {throughput['MHA']:,.0f}, GQA {throughput['GQA']:,.0f}; GQA / MHA "
     f"{throughput['GQA'] / throughput['MHA']:.2f}x, its cache {cache_ratio:.1f}x smaller"
+)
+ratio = throughput["GQA"] / throughput["MHA"]
+print(
+    record(
+        "throughput",
+        line,
+        label="decoding, GQA against MHA",
+        tokens_per_s=throughput,
+        speedup=ratio,
+    )
 )
 if outside_noise(gqa_times["GQA"], gqa_times["MHA"]):
     word = "faster" if throughput["GQA"] > throughput["MHA"] else "slower"

@@ -394,6 +394,7 @@ print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refuse
 
 from ragged_site.measuring.noise import MIN_RUNS, outside_noise
 from ragged_site.serving.metrics import ms_per_token, rate_spread, slot_bound, speedup_claim
+from ragged_site.records import record
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each scheduler"
 each_run = take_turns(*(starter(plan, stream) for plan in SCHEDULERS.values()), runs=S.runs)
@@ -406,9 +407,21 @@ W, *others = {round(slot_bound(run), 9) for run in offline["static"]}
 assert not others, "static runs of the same requests took different steps"
 R, P = tokens_per_s["continuous"], tokens_per_s["static"]
 apart = outside_noise(per_token["continuous"], per_token["static"])
-print(
+line = (
     f"serving: continuous {R:.0f} tokens/s, static {P:.0f} tokens/s, speedup {R / P:.2f}x, "
     f"slot bound {W:.2f}x, fraction {R / P / W:.2f}" + ("" if apart else " (within noise)")
+)
+rates = {"continuous": R, "static": P}
+print(
+    record(
+        "serving",
+        line,
+        label="serving",
+        tokens_per_s=rates,
+        speedup=R / P,
+        bound=W,
+        fraction=R / P / W,
+    )
 )
 skipping = outside_noise(per_token["continuous"], per_token["static, skipping"])
 print(
@@ -460,10 +473,12 @@ latency = {
 }
 for name, lat in latency.items():
     (ttft_p50, ttft_p99), (tpot_p50, tpot_p99) = lat["ttft"], lat["tpot"]  # each (p50, p99)
-    print(
+    line = (
         f"latency of {name} (arrivals at {rate:.1f} requests/s): time to first token p50 {ttft_p50:.0f} ms, "
         f"p99 {ttft_p99:.0f} ms; time per output token p50 {tpot_p50:.2f} ms, p99 {tpot_p99:.2f} ms"
     )
+    figures = dict(ttft_ms=lat["ttft"], tpot_ms=lat["tpot"], requests_per_s=rate)  # (p50, p99) each
+    print(record("latency", line, label=f"latency of {name}", **figures))
 
 draw_throughput_and_latency(offline, latency, rate)
 plt.show()

@@ -328,6 +328,7 @@ from ragged_site.serving.prefix_tree import MostSharedTree
 from ragged_site.serving.proof import TokenLogits
 from ragged_site.serving.metrics import rate_spread, speedup_claim
 from ragged_site.serving.runs import prompt_token_seconds, with_and_without
+from ragged_site.records import record
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each server"
 served_logits = TokenLogits()  # every run's logits, for the proof at the end (a server keeps none)
@@ -338,12 +339,16 @@ offline = serve_both(systems, observe=tree)
 per_token, ttft = offline.per_token, offline.ttft
 R, P, W = 1e3 / per_token["with"].median_ms, 1e3 / per_token["without"].median_ms, offline.bound
 K, N = offline.prefill["with"], offline.prefill["without"]
-print(
+line = (
     f"prefix cache: hit rate {offline.hit:.0%}, prefill tokens {K} of {N} computed, "
     f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
     f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
     f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}"
 )
+figures = dict(hit_rate=offline.hit, prefill_tokens=K, prefill_tokens_without=N)
+figures.update(ttft_ms={side: t.median_ms for side, t in ttft.items()})
+figures.update(tokens_per_s={"with": R, "without": P}, speedup=R / P, bound=W, fraction=R / P / W)
+print(record("serving", line, label="prefix cache", **figures))
 for name, t in per_token.items():
     print(f"{name} the cache: {rate_spread(t)}")
 apart = outside_noise(per_token["with"], per_token["without"])
@@ -360,7 +365,8 @@ without = offline.runs["without"][0]
 step_ms = np.median([s.seconds for s in without.steps if s.prefill == 0]) * 1e3
 prompt_ms = prompt_token_seconds(without.steps) * 1e3
 ratio = (N + decode_tokens) / (K + decode_tokens)
-print(f"token-count ratio {ratio:.2f}x, work bound {W:.2f}x")
+line = f"token-count ratio {ratio:.2f}x, work bound {W:.2f}x"
+print(record("bound", line, label="prefix cache", token_count_ratio=ratio, bound=W))
 print(
     f"a decode-only step costs {step_ms:.2f} ms, a prompt token adds {prompt_ms:.3f} ms "
     f"({step_ms / prompt_ms:.0f} of them cost a step)"
@@ -420,9 +426,13 @@ print(
     f"the last: {can / sum(len(r.prompt) for r in chats):.0%}),"
 )
 print(f"  prefill tokens {chat.prefill['with']} of {chat.prefill['without']} computed")
-print(
+line = (
     f"  throughput {R2:.0f} tokens/s (without: {P2:.0f}), speedup {R2 / P2:.2f}x, "
     f"work bound {chat.bound:.2f}x" + (" (within the noise)" if same else "")
+)
+figures = dict(tokens_per_s={"with": R2, "without": P2}, speedup=R2 / P2, bound=chat.bound)
+print(
+    record("serving", line, label="conversations", **figures, hit_rate=chat.hit, within_noise=same)
 )
 
 # %%

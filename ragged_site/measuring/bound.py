@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ragged_site.measuring.noise import outside_noise
+from ragged_site.records import record
 
 __all__ = [
     "Work",
@@ -132,8 +133,18 @@ def speedup_line(label, padded, ragged, bound):
     """The speedup of ``ragged`` over ``padded`` (two ``Timing`` s), beside the
     work bound; "(within noise)" where their interquartile ranges overlap."""
     s = padded.median_ms / ragged.median_ms
-    noise = "" if outside_noise(padded, ragged) else " (within noise)"
-    return f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}{noise}"
+    apart = outside_noise(padded, ragged)
+    noise = "" if apart else " (within noise)"
+    line = f"{label}: speedup {s:.2f}x, work bound {bound:.2f}x, fraction of bound {s / bound:.2f}{noise}"
+    return record(
+        "speedup",
+        line,
+        label=label,
+        speedup=s,
+        bound=bound,
+        fraction=s / bound,
+        within_noise=not apart,
+    )
 
 
 def fraction_verdict(label, fraction):
@@ -145,7 +156,9 @@ def fraction_verdict(label, fraction):
         if fraction >= 0.85
         else "short of the bound: costs it does not count weigh on the packed side here"
     )
-    return f"{label}: fraction {fraction:.2f}, {verdict}"
+    return record(
+        "fraction", f"{label}: fraction {fraction:.2f}, {verdict}", label=label, fraction=fraction
+    )
 
 
 def throughput_line(label, fast, slow, bound, names=("ragged", "padded")):
@@ -153,7 +166,17 @@ def throughput_line(label, fast, slow, bound, names=("ragged", "padded")):
     W.WWx, fraction F.FF`` from two rates in tokens/s (``names`` for the two
     sides) and the work bound."""
     s = fast / slow
-    return (
+    line = (
         f"{label}: {names[0]} {fast:.0f} tokens/s, {names[1]} {slow:.0f} tokens/s, speedup {s:.2f}x, "
         f"work bound {bound:.2f}x, fraction {s / bound:.2f}"
+    )
+    rates = {names[0]: fast, names[1]: slow}
+    return record(
+        "throughput",
+        line,
+        label=label,
+        tokens_per_s=rates,
+        speedup=s,
+        bound=bound,
+        fraction=s / bound,
     )

@@ -5,6 +5,7 @@ overlap); otherwise a documented default is kept."""
 from __future__ import annotations
 
 from ragged_site.measuring.timing import Timing
+from ragged_site.records import record
 
 __all__ = ["outside_noise", "MIN_RUNS", "choose"]
 
@@ -57,12 +58,16 @@ def choose(results, default, what="choice"):
         return pick
     if gap > 0:
         print(f"{what}: chosen {best}, outside the noise")
-        print(f"  {q(best)} against {q(runner)}: {gap:.2f} ms between the IQRs")
+        line = f"  {q(best)} against {q(runner)}: {gap:.2f} ms between the IQRs"
+        medians = {n: timed[n].median_ms for n in (best, runner)}
+        print(record("choice", line, label=what, chosen=best, median_ms=medians, gap_ms=gap))
         return best
     tied = [n for n in ranked if not outside_noise(timed[best], timed[n])]
     pick = next((d for d in defaults if d in tied), best)
     why = "the default" if pick in defaults else "no default among them: the lowest median"
     print(f"{what}: within noise, chosen {pick} ({why})")
     more = f", and {len(tied) - 2} more" if len(tied) > 2 else ""
-    print("  IQRs overlap: " + ", ".join(q(n) for n in tied[:2]) + more)
+    line = "  IQRs overlap: " + ", ".join(q(n) for n in tied[:2]) + more
+    medians = {n: timed[n].median_ms for n in tied}
+    print(record("choice", line, label=what, chosen=pick, median_ms=medians, within_noise=True))
     return pick

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from itertools import zip_longest
 
 from ragged_site.measuring.timing import Timing
+from ragged_site.records import record
 
 __all__ = ["print_timings", "Table"]
 
@@ -21,11 +22,14 @@ def print_timings(results):
     width = max(map(len, names.values()), default=0)
     for key, r in results.items():
         name = names[key]
-        print(
-            f"  {name:{width}s} {r}"
-            if isinstance(r, Timing)
-            else f"  {name:{width}s} not available: {r}"
-        )
+        if isinstance(r, Timing):
+            line = f"  {name:{width}s} {r}"
+            figures = dict(median_ms=r.median_ms, iqr_ms=r.iqr_ms, peak_mib=r.peak_mib)
+            print(record("timing", line, label=name, **figures, kernels=r.kernels, runs=r.runs))
+        else:
+            print(
+                record("timing", f"  {name:{width}s} not available: {r}", label=name, reason=str(r))
+            )
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ragged_toolkit.serving.requests import Request
 
 from ..measuring.noise import outside_noise
 from ..measuring.timing import measure
+from ..records import record
 from ..workloads import output_lengths
 
 __all__ = [
@@ -181,12 +182,15 @@ def time_shared_prefix(cases):
             t["gathered"].median_ms / t["shared"].median_ms,
             cases[n_req, prefix, suffix]["bound"],
         )
-        print(
+        apart = outside_noise(t["gathered"], t["shared"])
+        line = (
             f"shared-prefix attention: {n_req} requests over a prefix of {prefix} tokens, suffixes "
             f"of {suffix} tokens: {gain:.2f}x the gathered path, work bound {bound:.2f}x, "
-            f"fraction {gain / bound:.2f}"
-            + ("" if outside_noise(t["gathered"], t["shared"]) else " (within noise)")
+            f"fraction {gain / bound:.2f}" + ("" if apart else " (within noise)")
         )
+        case = dict(requests=n_req, prefix=prefix, suffix=suffix)
+        figures = dict(speedup=gain, bound=bound, fraction=gain / bound, within_noise=not apart)
+        print(record("speedup", line, label="shared-prefix attention", **case, **figures))
     return timed
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ragged_toolkit.batches import token_index
 from ragged_toolkit.data import concat_batches, document_targets
-from ragged_toolkit.data_parallel import token_imbalance, token_loss_sum
+from ragged_toolkit.data_parallel import token_loss_sum
 from ragged_toolkit.layouts import PackedLayout
 
 from .measuring.bound import pairs_scored
@@ -27,6 +27,8 @@ __all__ = [
     "one_process_gradients",
     "check_same_gradients",
     "nccl_ranks",
+    "rank_tokens",
+    "token_imbalance",
 ]
 
 
@@ -167,3 +169,26 @@ def nccl_ranks(gpus, micro_batches):
     lone rank's collectives exchange nothing and a data-parallel figure would
     mean nothing."""
     return min(gpus, micro_batches) if gpus > 1 else None
+
+
+def rank_tokens(steps):
+    """The tokens each rank holds in each step of :func:`deal_to_ranks`: an
+    int64 tensor (steps, ranks)."""
+    per_rank = [[sum(len(t) for t, _ in rank) for rank in step] for step in steps]
+    return torch.tensor(per_rank, dtype=torch.int64).reshape(
+        len(steps), len(steps[0]) if steps else 0
+    )
+
+
+def token_imbalance(steps):
+    """The tokens of each step's busiest rank over the mean of its ranks,
+    summed over the steps (of :func:`deal_to_ranks`): the factor by which the
+    steps take longer than with perfectly balanced work, 1.0 when every rank
+    holds the same tokens in every step."""
+    per_rank = rank_tokens(steps).double()  # (steps, ranks)
+    if per_rank.numel() == 0 or per_rank.sum() == 0:
+        raise ValueError(
+            f"no tokens in {len(steps)} steps: deal_to_ranks had fewer micro-batches "
+            "than one step takes (world * per_rank)"
+        )
+    return float(per_rank.max(1).values.sum() / per_rank.mean(1).sum())

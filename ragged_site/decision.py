@@ -121,7 +121,7 @@ def one_row_paths(q, k, v, offsets, grad, kv_heads):
 
 def padded_decoding(q_one, k_rect, v_rect, used):
     """The baseline of a decoding step, a fixed-shape step as
-    :class:`~ragged_toolkit.kv_cache.CachedStep` runs it: one query per
+    ``CachedStep`` runs it: one query per
     sequence, q_one (B, H, D), against the cache read in place as
     rectangles k_rect, v_rect (B, H, capacity, D); the rows up to the
     longest in use are scored, those past each sequence's ``used`` (B,)

@@ -11,7 +11,8 @@ from ragged_toolkit.attention.dense import bottom_right_causal
 from ragged_toolkit.attention.plan import plan_batch
 from ragged_toolkit.batches import offsets_from_lengths, token_index
 from ragged_toolkit.layouts import PackedLayout
-from ragged_toolkit.recurrent import reference_recurrence
+from ragged_toolkit.recurrent import recurrent_step, reference_recurrence
+from ragged_toolkit.recurrent_hf import packed_kwargs
 
 __all__ = [
     "reference_attention",
@@ -19,6 +20,8 @@ __all__ = [
     "math_check_sequences",
     "teacher_forced_logits",
     "documents_reference",
+    "token_loop",
+    "document_differences",
 ]
 
 
@@ -99,7 +102,7 @@ def teacher_forced_logits(model, prompts, offsets, new_tokens, backend="loop"):
 
 
 def documents_reference(q, k, v, g, offsets, beta=None):
-    """The definition for a packed batch: :func:`~ragged_toolkit.recurrent.reference_recurrence` on
+    """The definition for a packed batch: ``reference_recurrence`` on
     each document alone, in float64. q, k: (T, H, K); v: (T, H, V); g, beta:
     (T, H); offsets: (B + 1,). Returns o (T, H, V) and the final states
     (B, H, K, V), float64."""
@@ -108,3 +111,35 @@ def documents_reference(q, k, v, g, offsets, beta=None):
         for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
     ]
     return torch.cat([o for o, _ in runs]), torch.stack([state for _, state in runs])
+
+
+def token_loop(q, k, v, g, offsets, beta=None):
+    """The recurrence on a packed row, one token at a time, the state zeroed
+    at each document start: the plain way to pack it, in the inputs' dtype.
+    q, k: (T, H, K); v: (T, H, V); g, beta: (T, H); offsets: (B + 1,).
+    Returns o (T, H, V)."""
+    starts = (token_index(offsets, len(q))[1] == 0).tolist()
+    state, out = q.new_zeros(q.shape[1], k.shape[2], v.shape[2]), []
+    for t in range(len(q)):
+        state = state * (not starts[t])  # the reset
+        o, state = recurrent_step(state, q[t], k[t], v[t], g[t], None if beta is None else beta[t])
+        out.append(o)
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def document_differences(model, docs, *, boundaries=False):
+    """The largest absolute logit difference of each document of a packed row from the same
+    document run alone. docs: token ids (L_i,) each. The row gets
+    ``position_ids`` that restart at every document, and with ``boundaries``
+    also ``packed_kwargs``. ``use_cache=False``: with a cache,
+    ``transformers`` does not read documents from ``position_ids``, and its
+    full-attention layers mix them too. Returns a list of B floats."""
+    offsets = offsets_from_lengths([len(d) for d in docs])
+    ids, pos = torch.cat(docs)[None], token_index(offsets)[1][None]  # (1, T) each
+    extra = packed_kwargs(offsets) if boundaries else {}
+    row = model(input_ids=ids, position_ids=pos, use_cache=False, **extra).logits[0]  # (T, vocab)
+    return [
+        float((row[a:b] - model(input_ids=d[None], use_cache=False).logits[0]).abs().max())
+        for d, a, b in zip(docs, offsets[:-1].tolist(), offsets[1:].tolist())
+    ]

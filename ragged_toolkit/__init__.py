@@ -33,7 +33,7 @@ reverse.
 
 import torch
 
-__all__ = ["MINIMUM_TORCH"]
+__all__ = []
 
 MINIMUM_TORCH = (2, 11)
 

@@ -13,7 +13,6 @@ __all__ = [
     "token_index",
     "to_padded",
     "from_padded",
-    "check_offsets",
 ]
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["synchronize", "stopwatch"]
+__all__ = []
 
 
 def synchronize():

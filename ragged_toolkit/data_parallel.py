@@ -12,14 +12,7 @@ from .batches import token_index
 from .data import document_targets
 from .layouts import PackedLayout
 
-__all__ = [
-    "deal_to_ranks",
-    "rank_tokens",
-    "token_imbalance",
-    "token_loss_sum",
-    "data_parallel_step",
-    "wrap_model",
-]
+__all__ = ["deal_to_ranks", "token_loss_sum", "data_parallel_step", "wrap_model"]
 
 # --- micro-batches dealt to the ranks ------------------------------------------------
 
@@ -37,29 +30,6 @@ def deal_to_ranks(micro_batches, world, per_rank):
         [micro_batches[s + r : s + per_step : world] for r in range(world)]
         for s in range(0, len(micro_batches) - per_step + 1, per_step)
     ]
-
-
-def rank_tokens(steps):
-    """The tokens each rank holds in each step of :func:`deal_to_ranks`: an
-    int64 tensor (steps, ranks)."""
-    per_rank = [[sum(len(t) for t, _ in rank) for rank in step] for step in steps]
-    return torch.tensor(per_rank, dtype=torch.int64).reshape(
-        len(steps), len(steps[0]) if steps else 0
-    )
-
-
-def token_imbalance(steps):
-    """The tokens of each step's busiest rank over the mean of its ranks,
-    summed over the steps (of :func:`deal_to_ranks`): the factor by which the
-    steps take longer than with perfectly balanced work, 1.0 when every rank
-    holds the same tokens in every step."""
-    per_rank = rank_tokens(steps).double()  # (steps, ranks)
-    if per_rank.numel() == 0 or per_rank.sum() == 0:
-        raise ValueError(
-            f"no tokens in {len(steps)} steps: deal_to_ranks had fewer micro-batches "
-            "than one step takes (world * per_rank)"
-        )
-    return float(per_rank.max(1).values.sum() / per_rank.mean(1).sum())
 
 
 # --- the loss of a step, on every rank ---------------------------------------------

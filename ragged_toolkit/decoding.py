@@ -2,7 +2,7 @@
 greedy decoding from it: one generation path, whose decoding steps read the
 cache either through ``ragged_attention`` with the rows in use
 (``kv_used``) or with fixed shapes that one compiled graph serves
-(:class:`~ragged_toolkit.kv_cache.CachedStep`); and the teacher-forced
+(``CachedStep``); and the teacher-forced
 logits a generation is proved against."""
 
 from __future__ import annotations

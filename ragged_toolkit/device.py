@@ -6,7 +6,7 @@ import os
 
 import torch
 
-__all__ = ["default_device", "default_dtype"]
+__all__ = []
 
 
 def default_device():

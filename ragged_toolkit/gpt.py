@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-__all__ = ["apply_rope", "GPTConfig", "Attention", "FeedForward", "Block", "GPT"]
+__all__ = ["GPTConfig", "Attention", "Block", "GPT"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class GPTConfig:
         return self.dim // self.n_heads
 
 
-def apply_rope(x, cos, sin):
+def _apply_rope(x, cos, sin):
     """Rotary position embedding: x (..., H, D) rotated by the angles whose
     cosines and sines are (..., 1, D / 2), one row per token's position."""
     # Rotated in the precision of cos and sin (float32), returned in the dtype
@@ -59,8 +59,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layout):
         q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.unflatten(-1, (self.n_heads, -1)), cos, sin)
-        k = apply_rope(k.unflatten(-1, (self.n_kv_heads, -1)), cos, sin)
+        q = _apply_rope(q.unflatten(-1, (self.n_heads, -1)), cos, sin)
+        k = _apply_rope(k.unflatten(-1, (self.n_kv_heads, -1)), cos, sin)
         v = v.unflatten(-1, (self.n_kv_heads, -1))
         return self.wo(layout.attend(q, k, v, self.layer).flatten(-2))
 
@@ -81,7 +81,7 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """A pre-norm decoder block: RMSNorm, :class:`Attention`, residual;
-    RMSNorm, :class:`FeedForward`, residual."""
+    RMSNorm, ``FeedForward``, residual."""
 
     def __init__(self, cfg, layer):
         super().__init__()

@@ -21,14 +21,7 @@ import torch
 from .attention import backend_support, default_backend, plan_batch, ragged_attention
 from .batches import offsets_from_position_ids
 
-__all__ = [
-    "ATTENTION_PARAMETERS",
-    "check_attention_interface",
-    "training_backend",
-    "sequence_offsets",
-    "ragged_attention_forward",
-    "no_mask",
-]
+__all__ = ["check_attention_interface", "training_backend", "ragged_attention_forward", "no_mask"]
 
 #: The first parameters of an attention function, as ``transformers`` calls it.
 ATTENTION_PARAMETERS = ("module", "query", "key", "value", "attention_mask")
@@ -53,7 +46,7 @@ def _interface_changed(what):
 def check_attention_interface(sdpa_forward):
     """Raise ``RuntimeError`` unless ``sdpa_forward``, the stock function of
     ``transformers`` (``ALL_ATTENTION_FUNCTIONS["sdpa"]``), takes
-    :data:`ATTENTION_PARAMETERS` first: the call that
+    ``ATTENTION_PARAMETERS`` first: the call that
     :func:`ragged_attention_forward` is written for."""
     called_with = list(inspect.signature(sdpa_forward).parameters)[: len(ATTENTION_PARAMETERS)]
     if called_with != list(ATTENTION_PARAMETERS):

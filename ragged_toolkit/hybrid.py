@@ -23,7 +23,7 @@ __all__ = ["RecurrentBlock", "HybridGPT", "hybrid_loss"]
 
 class RecurrentBlock(nn.Module):
     """A pre-norm decoder block whose token mixer is a recurrent layer:
-    RMSNorm, ``mixer``, residual; RMSNorm, :class:`~ragged_toolkit.gpt.FeedForward`,
+    RMSNorm, ``mixer``, residual; RMSNorm, ``FeedForward``,
     residual. Called as a :class:`~ragged_toolkit.gpt.Block` is, ``(x, cos,
     sin, layout)``: x (T, dim) packed or (B, S, dim) right-padded; the
     rotary angles are not used (the recurrence is ordered by itself)."""

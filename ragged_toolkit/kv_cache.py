@@ -1,6 +1,6 @@
 """Key/value caches: :class:`KVCache`, room for a fixed number of tokens per
 sequence (a packed batch with spare rows), read by a packed step or by a
-fixed-shape one (:class:`CachedStep`); and :class:`PagedKVCache`, blocks
+fixed-shape one (``CachedStep``); and :class:`PagedKVCache`, blocks
 handed out from a free list to each request's block table, as servers page
 their caches."""
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .attention.dense import shares_heads
 from .batches import offsets_from_lengths, token_index
 
-__all__ = ["KVCache", "CachedStep", "PagedKVCache", "block_table_tensor", "paged_rows"]
+__all__ = ["KVCache", "PagedKVCache", "block_table_tensor"]
 
 
 class KVCache:

@@ -13,11 +13,11 @@ a log decay::
     delta rule:    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
     both:          o_t = S_t^T q_t,  S (K, V), and S = 0 before a document's first token
 
-* the definition: :func:`recurrent_step` and :func:`reference_recurrence`,
-  token by token, one document at a time (:func:`token_loop` on a packed row);
-* the chunked form: :func:`causal_conv`, :func:`chunk_decay`,
+* the definition: ``recurrent_step`` and ``reference_recurrence``,
+  token by token, one document at a time;
+* the chunked form: ``causal_conv``, ``chunk_decay``,
   ``_delta_values``, ``_carry_states``, put together by
-  :func:`chunked_recurrence`, called by :func:`packed_recurrence` (values
+  ``chunked_recurrence``, called by :func:`packed_recurrence` (values
   plus offsets) and :func:`padded_recurrence` (right padding);
 * the layers: :class:`ScalarDecayLayer` and :class:`GatedDeltaLayer`, packed,
   padded, their per-document reference, and decoding from a
@@ -35,18 +35,11 @@ import torch.nn.functional as F
 from .batches import token_index
 
 __all__ = [
-    "recurrent_step",
-    "reference_recurrence",
-    "token_loop",
-    "causal_conv",
-    "chunk_decay",
-    "chunked_recurrence",
     "packed_recurrence",
     "padded_recurrence",
     "RecurrentCache",
     "ScalarDecayLayer",
     "GatedDeltaLayer",
-    "l2norm",
 ]
 
 
@@ -90,20 +83,6 @@ def reference_recurrence(q, k, v, g, beta=None):
         o, state = recurrent_step(state, q[t], k[t], v[t], g[t], None if beta is None else beta[t])
         out.append(o)
     return (torch.stack(out) if out else v.new_zeros(v.shape)), state
-
-
-def token_loop(q, k, v, g, offsets, beta=None):
-    """The recurrence on a packed row, one token at a time, the state zeroed
-    at each document start: the plain way to pack it, in the inputs' dtype.
-    q, k: (T, H, K); v: (T, H, V); g, beta: (T, H); offsets: (B + 1,).
-    Returns o (T, H, V)."""
-    starts = (token_index(offsets, len(q))[1] == 0).tolist()
-    state, out = q.new_zeros(q.shape[1], k.shape[2], v.shape[2]), []
-    for t in range(len(q)):
-        state = state * (not starts[t])  # the reset
-        o, state = recurrent_step(state, q[t], k[t], v[t], g[t], None if beta is None else beta[t])
-        out.append(o)
-    return torch.stack(out)
 
 
 # --- the convolution, cut at document starts ---------------------------------------
@@ -287,7 +266,7 @@ def padded_recurrence(q, k, v, g, lengths=None, beta=None, *, chunk=64):
 # --- the layers ------------------------------------------------------------------------
 
 
-def l2norm(x, eps=1e-6):
+def _l2norm(x, eps=1e-6):
     """x / sqrt(sum x^2 + eps) over the last dim, as Qwen3-Next normalises q and k."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -357,7 +336,7 @@ class _RecurrentLayer(nn.Module):
         a, b = ab.chunk(2, -1) if self.delta else (ab, None)
         step = F.softplus(_wide(a) + self.dt_bias)  # (..., H) the step size
         g = -_wide(self.A_log).exp() * step  # log decay <= 0
-        q, k = l2norm(_wide(q)) * self.head_dim**-0.5, l2norm(_wide(k))
+        q, k = _l2norm(_wide(q)) * self.head_dim**-0.5, _l2norm(_wide(k))
         if self.delta:
             beta = _wide(b).sigmoid()  # (..., H) how much of v_t to write
         else:  # Mamba-2: the input scaled by its step
@@ -401,7 +380,7 @@ class _RecurrentLayer(nn.Module):
 
     def step(self, x, cache):
         """One new token per request: x (B, E) and its cache -> (B, E) and the
-        new cache. The state is updated by :func:`recurrent_step`."""
+        new cache. The state is updated by ``recurrent_step``."""
         window = torch.cat([cache.conv, self.qkv_proj(x)[:, None]], 1)  # (B, W, channels)
         mixed = F.silu(
             (_wide(window) * _wide(self.conv_weight).T).sum(1).to(x.dtype)

@@ -1,13 +1,12 @@
 """Qwen3-Next in ``transformers`` on packed rows: its Gated DeltaNet layers
 swapped for :class:`~ragged_toolkit.recurrent.GatedDeltaLayer` with the
-same weights, which keeps the documents of a row apart, and the measure of
-how far each document's logits move when it shares a row.
+same weights, which keeps the documents of a row apart.
 
 A packed row is ``input_ids`` (1, T) with ``position_ids`` (1, T) that
 restart at 0 at every document (what ``DataCollatorWithFlattening`` gives);
 its boundaries reach the linear-attention layers only as the keyword
 arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (B + 1,) int32, which the
-collator adds with ``return_flash_attn_kwargs=True`` and ``_packed_kwargs``
+collator adds with ``return_flash_attn_kwargs=True`` and ``packed_kwargs``
 makes from offsets. Its decoder layers pass them on to the linear-attention
 layers from ``transformers`` 5.9.0 on (:data:`FORWARDS_CU_SEQ_LENS`); before,
 the swapped layers would see one document per row, so
@@ -20,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .batches import offsets_from_lengths, token_index
 from .recurrent import GatedDeltaLayer
 
 __all__ = [
@@ -28,7 +26,7 @@ __all__ = [
     "forwards_cu_seq_lens",
     "PackedGatedDeltaNet",
     "swap_gated_delta_layers",
-    "document_differences",
+    "packed_kwargs",
 ]
 
 #: The first ``transformers`` release whose Qwen3-Next decoder layers pass the
@@ -144,7 +142,7 @@ def swap_gated_delta_layers(model, chunk=64):
     return model, swapped
 
 
-def _packed_kwargs(offsets):
+def packed_kwargs(offsets):
     """The boundary keyword arguments of a packed row, as
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them:
     offsets (B + 1,) -> ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k``."""
@@ -155,21 +153,3 @@ def _packed_kwargs(offsets):
         "max_length_q": longest,
         "max_length_k": longest,
     }
-
-
-@torch.no_grad()
-def document_differences(model, docs, *, boundaries=False):
-    """The largest absolute logit difference of each document of a packed row from the same
-    document run alone. docs: token ids (L_i,) each. The row gets
-    ``position_ids`` that restart at every document, and with ``boundaries``
-    also ``_packed_kwargs``. ``use_cache=False``: with a cache,
-    ``transformers`` does not read documents from ``position_ids``, and its
-    full-attention layers mix them too. Returns a list of B floats."""
-    offsets = offsets_from_lengths([len(d) for d in docs])
-    ids, pos = torch.cat(docs)[None], token_index(offsets)[1][None]  # (1, T) each
-    extra = _packed_kwargs(offsets) if boundaries else {}
-    row = model(input_ids=ids, position_ids=pos, use_cache=False, **extra).logits[0]  # (T, vocab)
-    return [
-        float((row[a:b] - model(input_ids=d[None], use_cache=False).logits[0]).abs().max())
-        for d, a, b in zip(docs, offsets[:-1].tolist(), offsets[1:].tolist())
-    ]

@@ -31,7 +31,7 @@ from ragged_site.serving.runs import (draw_trace, prompt_token_seconds, prove_ev
                                       skipping_bound, with_and_without)
 from ragged_toolkit.serving.schedulers import plan_continuous
 from ragged_toolkit.serving.server import StepRecord, ServingRun, serve, take_turns
-from ragged_toolkit.serving.shared_prefix_attention import attention_lse, merge_by_lse, plan_shared_prefix, shared_prefix_attention
+from ragged_toolkit.serving.shared_prefix_attention import _attention_lse, _merge_by_lse, plan_shared_prefix, shared_prefix_attention
 from ragged_site.serving.shared_prompts import rows_read, shared_prefix_step
 from ragged_site.serving.shared_prompts import (conversation_stream, greedy_answers,
                                                 reusable_tokens, system_prompt_stream)
@@ -416,14 +416,14 @@ def test_shared_prefix_attention_in_bfloat16_stays_within_its_tolerance():
 def test_merging_two_parts_by_lse_is_the_softmax_over_both():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 5, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    whole, lse = attention_lse(q, k, v)
+    whole, lse = _attention_lse(q, k, v)
     torch.testing.assert_close(whole, torch.softmax(q @ k.mT / 8 ** 0.5, -1) @ v)
     torch.testing.assert_close(lse, (q @ k.mT / 8 ** 0.5).logsumexp(-1))
-    first, second = attention_lse(q, k[:, :2], v[:, :2]), attention_lse(q, k[:, 2:], v[:, 2:])
-    torch.testing.assert_close(merge_by_lse(*first, *second), whole)
+    first, second = _attention_lse(q, k[:, :2], v[:, :2]), _attention_lse(q, k[:, 2:], v[:, 2:])
+    torch.testing.assert_close(_merge_by_lse(*first, *second), whole)
     mask = torch.tensor([True, True, False, False, True])
-    masked, _ = attention_lse(q, k, v, mask=mask)
-    torch.testing.assert_close(masked, attention_lse(q, k[:, mask], v[:, mask])[0])
+    masked, _ = _attention_lse(q, k, v, mask=mask)
+    torch.testing.assert_close(masked, _attention_lse(q, k[:, mask], v[:, mask])[0])
 
 
 def test_requests_that_share_no_block_are_refused_and_the_bound_counts_rows_read():

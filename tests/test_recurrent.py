@@ -28,7 +28,7 @@ import torch
 
 from ragged_toolkit import recurrent
 from ragged_toolkit.batches import offsets_from_lengths, to_padded
-from ragged_site.reference import documents_reference
+from ragged_site.reference import documents_reference, token_loop
 from ragged_site.workloads import sentence_lengths
 from ragged_site.page import tolerances
 
@@ -115,7 +115,7 @@ def recurrence_inputs(rule, lengths, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     q = torch.randn(T, HEADS, HEAD_DIM, generator=gen)
-    k = recurrent.l2norm(torch.randn(T, HEADS, HEAD_DIM, generator=gen))
+    k = recurrent._l2norm(torch.randn(T, HEADS, HEAD_DIM, generator=gen))
     v = torch.randn(T, HEADS, HEAD_DIM + 2, generator=gen)
     g = -torch.rand(T, HEADS, generator=gen)
     beta = torch.rand(T, HEADS, generator=gen) if rule == "delta" else None
@@ -186,7 +186,7 @@ def test_chunked_form_is_the_definition_in_float64(rule, chunk):
 def test_the_token_loop_on_the_packed_row_is_the_definition(rule):
     q, k, v, g, beta = (None if t is None else t.double() for t in recurrence_inputs(rule, LENGTHS))
     offsets = offsets_from_lengths(LENGTHS)
-    out = recurrent.token_loop(q, k, v, g, offsets, beta)
+    out = token_loop(q, k, v, g, offsets, beta)
     torch.testing.assert_close(out, per_document_reference(q, k, v, g, beta, offsets)[0], atol=1e-12, rtol=1e-12)
 
 
@@ -281,7 +281,8 @@ def test_planted_fault_is_caught(fault, monkeypatch):
 
 def test_qwen3_next_keeps_packed_documents_apart_with_the_swapped_layers():
     transformers = pytest.importorskip("transformers")
-    from ragged_toolkit.recurrent_hf import document_differences, swap_gated_delta_layers
+    from ragged_site.reference import document_differences
+    from ragged_toolkit.recurrent_hf import swap_gated_delta_layers
 
     config = transformers.Qwen3NextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,

@@ -424,7 +424,7 @@ def test_planted_resume_at_the_wrong_position_fails(model, stream, monkeypatch):
         req.computed = req.length() - 1  # planted: resumes as if its keys were still cached
         req.preempted += 1
 
-    monkeypatch.setattr(schedulers, "preempt", preempt_keeping_the_position)
+    monkeypatch.setattr(schedulers, "_preempt", preempt_keeping_the_position)
     run, logits = serve_all(model, stream, continuous(), n_blocks=14)
     assert sum(r.preempted for r in run.requests) > 0
     with pytest.raises(AssertionError, match="differ from decoding it alone"):

@@ -7,6 +7,7 @@ API in ``__all__``, each name defined there."""
 from __future__ import annotations
 
 import ast
+import re
 
 import pytest
 
@@ -146,12 +147,43 @@ def names_used_elsewhere(name):
     return used
 
 
+def shown_internals(page_text):
+    """(file, name) of every object a page shows whole, with ``literalinclude``
+    and ``:pyobject:`` (a function or class; not a method)."""
+    found = re.findall(r"\.\. literalinclude:: \.\./(\S+)\n#\s+:pyobject: (\w+)\n", page_text)
+    return {(path, name) for path, name in found}
+
+
+def page_imports(page_text):
+    """(module, name) of every name a page imports from a module of either package."""
+    return {(node.module, a.name) for node in ast.walk(ast.parse(page_text))
+            if isinstance(node, ast.ImportFrom) and node.module in MODULES for a in node.names}
+
+
+PAGE_TEXTS = {p.name: p.read_text() for p in sorted((REPO / "tutorials").glob("*.py"))}
+
+
+#: What the pages show whole, on one page or another.
+SHOWN = {shown for text in PAGE_TEXTS.values() for shown in shown_internals(text)}
+
+
+def names_pages_show_and_call(name):
+    """The unlisted names of module ``name`` that a page imports, to run
+    them, and the pages show whole (:func:`shown_internals`, on that page or
+    the one that teaches them): the internals the pages teach, public but
+    not the supported API."""
+    path = str(FILES[name].relative_to(REPO))
+    return {n for text in PAGE_TEXTS.values() for module, n in page_imports(text)
+            if module == name and (path, n) in SHOWN}
+
+
 @pytest.mark.parametrize("name", sorted(FILES), ids=str)
 def test_every_module_lists_what_it_supports(name):
     """``__all__`` is the API a reader may call: every listed name exists
     and has a docstring (the reference page shows it). In the library it
     lists what is supported, not all that exists: a public function or class
-    left out of it must be one that another module uses (a shared helper);
+    left out of it must be one that another module uses (a shared helper),
+    or an internal a page shows whole and then runs (a step it teaches);
     one that nothing else uses is private (``_``). The harness lists all."""
     module = MODULES[name]
     assert hasattr(module, "__all__"), f"{name} has no __all__"
@@ -164,22 +196,31 @@ def test_every_module_lists_what_it_supports(name):
     if name.split(".")[0] != PACKAGES[0]:
         assert not unlisted, f"{name} defines public functions or classes not in __all__: {sorted(unlisted)}"
     else:
-        unused = sorted(unlisted - names_used_elsewhere(name))
+        unused = sorted(unlisted - names_used_elsewhere(name) - names_pages_show_and_call(name))
         assert not unused, (f"{name} defines public functions or classes that no other module uses and "
                             f"__all__ does not list: {unused} (list them, or rename them _)")
 
 
 def test_pages_import_only_listed_names():
     """A page shows what a reader may call: every name it imports from either
-    package is in that module's ``__all__``."""
+    package is in that module's ``__all__``, or is an internal the pages
+    show whole (``literalinclude`` of that module's file with
+    ``:pyobject:``) and run: a step they teach, not the supported API."""
     found = []
-    for page in sorted((REPO / "tutorials").glob("*.py")):
-        for node in ast.walk(ast.parse(page.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module in MODULES:
-                listed = set(MODULES[node.module].__all__)
-                found += [f"{page.name}: {node.module}.{a.name}" for a in node.names
-                          if a.name not in listed and f"{node.module}.{a.name}" not in MODULES]
-    assert not found, "pages import names their modules do not list: " + ", ".join(found)
+    for page, text in PAGE_TEXTS.items():
+        for module, n in sorted(page_imports(text)):
+            path = str(FILES[module].relative_to(REPO))
+            if n not in MODULES[module].__all__ and f"{module}.{n}" not in MODULES and (path, n) not in SHOWN:
+                found.append(f"{page}: {module}.{n}")
+    assert not found, "pages import names their modules do not list (nor show whole): " + ", ".join(found)
+
+
+def test_an_internal_counts_as_shown_only_where_the_page_includes_it():
+    text = ("# .. literalinclude:: ../ragged_toolkit/recurrent.py\n#    :pyobject: chunk_decay\n"
+            "from ragged_toolkit.recurrent import chunk_decay, chunked_recurrence\n")
+    assert shown_internals(text) == {("ragged_toolkit/recurrent.py", "chunk_decay")}
+    assert page_imports(text) == {("ragged_toolkit.recurrent", "chunk_decay"),
+                                  ("ragged_toolkit.recurrent", "chunked_recurrence")}
 
 
 def test_a_plan_and_a_paged_step_are_built_once_and_only_read():

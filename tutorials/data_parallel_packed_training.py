@@ -225,7 +225,8 @@ print(
 # factor by which a step is longer than with perfectly balanced work.
 
 from ragged_toolkit.data import split_by_documents, split_carrying_documents
-from ragged_toolkit.data_parallel import deal_to_ranks, rank_tokens, token_imbalance
+from ragged_toolkit.data_parallel import deal_to_ranks
+from ragged_site.data_parallel import rank_tokens, token_imbalance
 
 by_documents = split_by_documents(tokens, offsets, S.docs_per_micro_batch)
 BUDGET = int(round(np.mean([len(t) for t, _ in by_documents]) / 64)) * 64

@@ -156,7 +156,7 @@ print(
 # query heads share each key/value head.
 #
 # .. literalinclude:: ../ragged_toolkit/gpt.py
-#    :pyobject: apply_rope
+#    :pyobject: _apply_rope
 #
 # .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: Attention

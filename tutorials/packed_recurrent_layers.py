@@ -136,7 +136,7 @@ import numpy as np
 import torch
 from ragged_toolkit.batches import offsets_from_lengths, token_index
 from ragged_site.figures import FIGURE_STYLE
-from ragged_toolkit.recurrent import chunk_decay, l2norm
+from ragged_toolkit.recurrent import chunk_decay
 
 plt.rcParams.update(FIGURE_STYLE)
 LENGTHS = [40, 1, 23, 150, 7, 35, 64, 20]  # starts 0, 40, 41, 64, 214, 221, 256, 320; 340 tokens
@@ -147,7 +147,7 @@ def random_inputs(lengths, rule, dtype=torch.float32, seed=0):
     tokens), beta (T, H) or None (scalar decay): leaves that take gradients."""
     gen, T = torch.Generator().manual_seed(seed), int(sum(lengths))
     q, v = (torch.randn(T, H, D, generator=gen) for _ in range(2))
-    k = l2norm(torch.randn(T, H, D, generator=gen))
+    k = F.normalize(torch.randn(T, H, D, generator=gen), dim=-1)
     g = -0.1 * torch.rand(T, H, generator=gen)
     beta = torch.rand(T, H, generator=gen) if rule == "delta" else None
     return [
@@ -390,11 +390,8 @@ plt.show()
 
 import textwrap
 import transformers
-from ragged_toolkit.recurrent_hf import (
-    FORWARDS_CU_SEQ_LENS,
-    document_differences,
-    forwards_cu_seq_lens,
-)
+from ragged_toolkit.recurrent_hf import FORWARDS_CU_SEQ_LENS, forwards_cu_seq_lens
+from ragged_site.reference import document_differences
 
 # sphinx_gallery_start_ignore
 transformers.logging.set_verbosity_error()  # its notes that its reference kernels run
@@ -501,14 +498,16 @@ plt.show()
 # the :term:`fraction of the bound`). On CUDA the chunked form runs compiled
 # in ``bfloat16``, beside ``flash-linear-attention`` where installed.
 #
-# .. literalinclude:: ../ragged_toolkit/recurrent.py
+# The token loop is the site's baseline, not library code:
+#
+# .. literalinclude:: ../ragged_site/reference.py
 #    :pyobject: token_loop
 
 from ragged_toolkit.batches import to_padded
 from ragged_site.measuring.bound import Work, fraction_verdict, throughput_line, work_bound
 from ragged_site.measuring.tables import print_timings
 from ragged_site.measuring.timing import measure
-from ragged_toolkit.recurrent import token_loop
+from ragged_site.reference import token_loop
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # flash-linear-attention (Triton)

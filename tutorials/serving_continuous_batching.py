@@ -247,7 +247,7 @@ print(
 #    :pyobject: _paged_block_mask
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
-#    :pyobject: varlen_paged_attention
+#    :pyobject: _varlen_paged_attention
 #
 # Each path runs the model on the step above (``step_logits``).
 # ``time_and_prove_paths`` times each, the first call (compiling) apart.

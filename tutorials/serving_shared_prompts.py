@@ -528,10 +528,10 @@ print(
 # whole denominator, known from each part's log-sum-exp:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
-#    :pyobject: attention_lse
+#    :pyobject: _attention_lse
 #
 # .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
-#    :pyobject: merge_by_lse
+#    :pyobject: _merge_by_lse
 #
 # .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
 #    :pyobject: shared_prefix_attention

@@ -303,7 +303,7 @@ print(f"{S.batch} sequences, {int(lengths.sum())} tokens: {skipped:.0%} of the b
 # it refuses ``is_causal``.
 #
 # .. literalinclude:: ../ragged_toolkit/attention/njt.py
-#    :pyobject: as_nested
+#    :pyobject: _as_nested
 #
 # .. literalinclude:: ../ragged_toolkit/attention/njt.py
 #    :pyobject: sdpa_njt_backend

@@ -76,6 +76,8 @@ guide built from those measurements.
 
 import os
 
+import inspect
+
 import torch
 from ragged_site.page import page_setup
 
@@ -158,7 +160,7 @@ for job, (tensors, keywords) in JOBS.items():
 # release from 2.10 to 2.12 (causal as ``is_causal``, then as
 # ``window_size``; ``enable_gqa``, ``seqused_k`` and ``block_table``
 # later), so the toolkit adapts every call in one place to the keywords of
-# the installed release (``VARLEN_KEYWORDS``, read from its signature); a
+# the installed release, read from its signature; a
 # feature the release lacks raises ``VarlenUnavailable``, naming it, and is
 # never dropped. What this release takes:
 #
@@ -166,16 +168,16 @@ for job, (tensors, keywords) in JOBS.items():
 #    :pyobject: varlen_kwargs
 
 from ragged_toolkit.attention import backend_support
-from ragged_toolkit.attention.varlen import (
-    VARLEN_KEYWORDS,
-    VarlenUnavailable,
-    varlen_kwargs,
-    varlen_missing,
-)
+from ragged_toolkit.attention.varlen import VarlenUnavailable, varlen_kwargs, varlen_missing
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # a release without it
+    varlen_attn = None
+parameters = inspect.signature(varlen_attn).parameters if varlen_attn else {}
 print(
     f"varlen_attn in PyTorch {torch.__version__}: "
-    + (f"{len(VARLEN_KEYWORDS)} parameters" if VARLEN_KEYWORDS else "none in this build")
+    + (f"{len(parameters)} parameters" if parameters else "none in this build")
 )
 WITHOUT = {  # what the toolkit does where the release lacks a feature
     "causal": "no causal job runs on varlen",
@@ -354,7 +356,7 @@ print_timings(table["score_mod"])
 # through a paged block mask:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
-#    :pyobject: flex_paged_attention
+#    :pyobject: _flex_paged_attention
 #
 # The baseline is the padded layout a server without ragged attention runs:
 # the decode tokens as one-query rows against their keys padded to the

@@ -171,7 +171,7 @@ def measure(fns, *, min_run_time=1.0, rounds=3, profile=True, threads=TIMING_THR
 
 class StepTimer:
     """The steps of a training loop, timed: ``with timer.step(tokens): ...``
-    times the block with :func:`~ragged_toolkit.clock.stopwatch` and counts the graphs
+    times the block with ``stopwatch`` and counts the graphs
     ``torch.compile`` compiled and the graph breaks it met inside it."""
 
     def __init__(self):

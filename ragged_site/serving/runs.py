@@ -76,7 +76,7 @@ def skipping_bound(run, skipped):
 class CachingRuns:
     """What :func:`with_and_without` served and measured, each figure by the
     name of its server (``"with"`` the prefix cache, ``"without"``):
-    ``runs``, its :class:`~ragged_toolkit.serving.server.ServingRun` s;
+    ``runs``, its ``ServingRun`` s;
     ``prefill``, the prompt tokens its first run computed; ``per_token``, the
     spread over its runs of the milliseconds per generated token
     (:func:`~ragged_site.serving.metrics.ms_per_token`); ``ttft``, the

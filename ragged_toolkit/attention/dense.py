@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["dense_attention"]
+__all__ = []
 
 #: SDPA's kernel order for a backend that calls it on a new shape for
 #: nearly every sequence length (``loop``, ``bucketed``): cuDNN attention,

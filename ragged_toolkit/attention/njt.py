@@ -3,10 +3,10 @@
 import torch
 import torch.nn.functional as F
 
-__all__ = ["as_nested"]
+__all__ = []
 
 
-def as_nested(x, offsets, max_len):
+def _as_nested(x, offsets, max_len):
     """Packed (T, H, D) as a nested jagged tensor (B, H, j, D), ``j`` the ragged
     dimension: the same values and offsets (B + 1,), no copy."""
     nt = torch.nested.nested_tensor_from_jagged(x.contiguous(), offsets, max_seqlen=max_len)
@@ -28,9 +28,9 @@ def sdpa_njt_backend(q, k, v, plan, scale=None):
     values and offsets: q (T_q, H, D), k and v (T_kv, H, D) -> (T_q, H, D)."""
     causal = plan.is_causal and plan.max_q > 1  # one query per sequence sees every key
     out = F.scaled_dot_product_attention(
-        as_nested(q, plan.q_offsets, plan.max_q),
-        as_nested(k, plan.kv_offsets, plan.max_kv),
-        as_nested(v, plan.kv_offsets, plan.max_kv),
+        _as_nested(q, plan.q_offsets, plan.max_q),
+        _as_nested(k, plan.kv_offsets, plan.max_kv),
+        _as_nested(v, plan.kv_offsets, plan.max_kv),
         is_causal=causal,
         scale=scale,
     )

@@ -10,7 +10,7 @@ import inspect
 
 import torch
 
-__all__ = ["VARLEN_KEYWORDS", "VarlenUnavailable", "varlen_kwargs", "varlen_missing"]
+__all__ = ["VarlenUnavailable", "varlen_kwargs", "varlen_missing"]
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -35,7 +35,7 @@ def varlen_missing(features, keywords=None):
     """The features among ``features`` (``"causal"``, ``"scale"``,
     ``"enable_gqa"``, ``"seqused_k"``, ``"block_table"``, ``"num_splits"``)
     that a ``varlen_attn`` with keyword arguments ``keywords`` (default:
-    this release's, :data:`VARLEN_KEYWORDS`) cannot take."""
+    this release's, ``VARLEN_KEYWORDS``) cannot take."""
     keywords = VARLEN_KEYWORDS if keywords is None else keywords
     has = {"causal": bool({"window_size", "is_causal"} & keywords)}
     return [f for f in features if not has.get(f, f in keywords)]

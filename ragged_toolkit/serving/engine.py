@@ -15,7 +15,7 @@ from ..kv_cache import block_table_tensor
 from .paged_attention import PagedLayout, prepare_paged
 from .requests import next_tokens
 
-__all__ = ["build_step", "step_logits", "forward_step"]
+__all__ = ["step_logits"]
 
 
 def build_step(cache, work, device, path="gathered", backend=None, *, flex=None):

@@ -18,14 +18,7 @@ from ..attention.varlen import varlen_attn, varlen_kwargs, varlen_missing
 from ..batches import offsets_from_lengths, token_index
 from ..kv_cache import PagedKVCache, paged_rows
 
-__all__ = [
-    "PagedLayout",
-    "gathered_attention",
-    "flex_paged_attention",
-    "varlen_paged_attention",
-    "PAGED_PATHS",
-    "paged_varlen_support",
-]
+__all__ = ["PagedLayout", "PAGED_PATHS", "paged_varlen_support"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +33,7 @@ class PagedLayout:
     path (and of a gathered step's plan on the flex backend); ``prepared`` is what
     that path builds once per step, for every layer (``prepare_paged``).
     Frozen: built once per step, by
-    :func:`~ragged_toolkit.serving.engine.build_step`, and only read after."""
+    ``build_step``, and only read after."""
 
     cache: PagedKVCache
     q_offsets: torch.Tensor
@@ -94,7 +87,7 @@ def _paged_block_mask(step):
     )
 
 
-def flex_paged_attention(q, step, layer):
+def _flex_paged_attention(q, step, layer):
     """FlexAttention reading the cache in place with ``_paged_block_mask``,
     the new queries as one padded sequence: q (T, H, D) -> (T, H, D)."""
     mask = step.prepared
@@ -113,7 +106,7 @@ def flex_paged_attention(q, step, layer):
     return out[0, :, : len(q)].transpose(0, 1)
 
 
-def varlen_paged_attention(q, step, layer):
+def _varlen_paged_attention(q, step, layer):
     """``varlen_attn`` reading the cache in place through ``block_table``
     and ``seqused_k`` (FlashAttention's paged kernel), one split of the keys
     (``num_splits=1``: split-KV on the paged path has left rows unwritten,
@@ -142,8 +135,8 @@ def varlen_paged_attention(q, step, layer):
 #: How a :class:`PagedLayout` reads the cache: name -> ``fn(q, step, layer)``.
 PAGED_PATHS = {
     "gathered": gathered_attention,
-    "flex": flex_paged_attention,
-    "varlen": varlen_paged_attention,
+    "flex": _flex_paged_attention,
+    "varlen": _varlen_paged_attention,
 }
 
 

@@ -250,7 +250,7 @@ class PrefixCache(PagedKVCache):
 def retire_caching(running, cache):
     """The server's step end with a :class:`PrefixCache`: key the blocks each
     running request's computed tokens filled, then let finished requests
-    leave (:func:`~ragged_toolkit.serving.schedulers.retire_finished`)."""
+    leave (``retire_finished``)."""
     for req in running:
         cache.note_computed(req)
     retire_finished(running, cache)

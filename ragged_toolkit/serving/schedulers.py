@@ -4,10 +4,10 @@ list of ``(request, n)``: feed ``request`` its next ``n`` tokens."""
 
 from __future__ import annotations
 
-__all__ = ["preempt", "plan_continuous", "plan_static", "retire_finished", "retire_batch"]
+__all__ = ["plan_continuous", "plan_static", "retire_batch"]
 
 
-def preempt(req, cache):
+def _preempt(req, cache):
     """Free a request's blocks: when admitted again, it recomputes its keys
     from position 0 of ``prompt + generated``."""
     cache.release(req.rid)
@@ -35,7 +35,7 @@ def plan_continuous(running, waiting, cache, now, *, max_running, token_budget):
         if len(running) == 1:
             raise RuntimeError(f"request {req.rid} alone needs more than the cache's blocks")
         victim = running.pop()  # the most recently admitted
-        preempt(victim, cache)
+        _preempt(victim, cache)
         waiting.appendleft(victim)
         preempted = True
     while (

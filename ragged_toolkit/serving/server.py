@@ -42,7 +42,7 @@ class ServingRun:
 
 
 def _record_step(seconds, fed, slots, running, waiting, cache, now):
-    """The :class:`StepRecord` of a step that fed ``fed``, a list of
+    """The ``StepRecord`` of a step that fed ``fed``, a list of
     ``(request, n, whether that was a decode token)``, in ``slots`` slots."""
     decode = sum(n for _, n, was_decode in fed if was_decode)
     arrived = sum(r.arrival <= now for r in waiting)
@@ -84,14 +84,14 @@ def serve(
     """Serve ``requests`` on a simulated clock that advances by each step's
     measured time and jumps to the next arrival when nothing runs. A generator
     yielding after each step (:func:`take_turns`), returning a
-    :class:`ServingRun`. ``plan(running, waiting, cache, now)`` picks a step's
+    ``ServingRun``. ``plan(running, waiting, cache, now)`` picks a step's
     work, ``retire_step(running, cache)`` ends it; ``path``, ``backend``
     and ``flex`` (a :class:`~ragged_toolkit.attention.flex.FlexKernel`, for
     FlexAttention) say how attention reads the cache
-    (:func:`~.engine.build_step`); ``check``: verify the
+    (``build_step``); ``check``: verify the
     blocks after each step; ``observe(step, running, cache)``: called after each;
     ``on_token(request, logits)``: called with each token's logits
-    (:func:`~.engine.forward_step`).
+    (``forward_step``).
 
     A request the server cannot serve (``check_request``) is
     refused by name: without ``on_refused``, every request is checked before
@@ -142,7 +142,7 @@ def take_turns(*starts, runs=1):
     that start a run (a fresh :func:`serve` generator); a run that ends
     starts again until each has ended ``runs`` times, so that all span the
     same stretch of time and whatever else the machine does weighs on them
-    alike. Returns, for each, its finished :class:`ServingRun` s (at least
+    alike. Returns, for each, its finished ``ServingRun`` s (at least
     ``runs``; a repeat still running at the end is dropped)."""
     finished, live = [[] for _ in starts], [start() for start in starts]
     while any(len(done) < runs for done in finished):

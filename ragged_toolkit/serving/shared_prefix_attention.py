@@ -11,16 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "attention_lse",
-    "merge_by_lse",
-    "SharedPrefixPlan",
-    "plan_shared_prefix",
-    "shared_prefix_attention",
-]
+__all__ = ["SharedPrefixPlan", "plan_shared_prefix", "shared_prefix_attention"]
 
 
-def attention_lse(q, k, v, mask=None, scale=None):
+def _attention_lse(q, k, v, mask=None, scale=None):
     """Attention with its log-sum-exp: q (..., Lq, D), k and v (..., Lk, D),
     ``mask`` (broadcast to (..., Lq, Lk)) True where a query sees a key;
     every query sees at least one. Returns the output (..., Lq, D) and the
@@ -36,7 +30,7 @@ def attention_lse(q, k, v, mask=None, scale=None):
     return p.to(v.dtype) @ v, lse
 
 
-def merge_by_lse(out_a, lse_a, out_b, lse_b):
+def _merge_by_lse(out_a, lse_a, out_b, lse_b):
     """Attention over the keys of two parts, from each part's output (..., D)
     and log-sum-exp (...): each part weighs by its share of the whole
     softmax denominator, ``exp(lse_a) / (exp(lse_a) + exp(lse_b))`` for the
@@ -92,7 +86,7 @@ def shared_prefix_attention(q, cache, layer, plan, scale=None):
     """Decoding attention of Q requests sharing a prefix: q (Q, H, D), one
     query each, against their keys in ``cache``'s layer ``layer``, read as
     ``plan`` says. The prefix's keys, read once, meet all Q queries in one
-    call; each request's suffix its own; merged by :func:`merge_by_lse`.
+    call; each request's suffix its own; merged by ``_merge_by_lse``.
     Returns (Q, H, D), equal to attention over each request's whole rows."""
     n, heads, dim = q.shape
     k, v = cache.k[layer], cache.v[layer]  # (rows, H_kv, D)
@@ -101,7 +95,9 @@ def shared_prefix_attention(q, cache, layer, plan, scale=None):
     # the prefix: every query of a key/value head's group, all requests, one call
     kp, vp = (t.index_select(0, plan.prefix_rows).transpose(0, 1) for t in (k, v))  # (H_kv, L, D)
     qp = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, n * group, dim)
-    out_p, lse_p = attention_lse(qp, kp, vp, scale=scale)  # (H_kv, Q * group, D), (H_kv, Q * group)
+    out_p, lse_p = _attention_lse(
+        qp, kp, vp, scale=scale
+    )  # (H_kv, Q * group, D), (H_kv, Q * group)
     out_p = out_p.view(kv_heads, n, group, dim).permute(1, 0, 2, 3)  # (Q, H_kv, group, D)
     lse_p = lse_p.view(kv_heads, n, group).permute(1, 0, 2)
     # each request's own keys after the prefix, padded
@@ -109,11 +105,11 @@ def shared_prefix_attention(q, cache, layer, plan, scale=None):
         t.index_select(0, plan.suffix_rows.flatten()).view(n, -1, kv_heads, dim).transpose(1, 2)
         for t in (k, v)
     )  # (Q, H_kv, S_max, D)
-    out_s, lse_s = attention_lse(
+    out_s, lse_s = _attention_lse(
         q.view(n, kv_heads, group, dim),
         ks,
         vs,
         mask=plan.suffix_used[:, None, None, :],
         scale=scale,
     )
-    return merge_by_lse(out_p, lse_p, out_s, lse_s).reshape(n, heads, dim)
+    return _merge_by_lse(out_p, lse_p, out_s, lse_s).reshape(n, heads, dim)

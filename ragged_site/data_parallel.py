@@ -102,7 +102,7 @@ def step_load(steps):
     """What the steps of :func:`~ragged_toolkit.data_parallel.deal_to_ranks` hold, as named values: the
     ``tokens`` of every rank and the query-key ``pairs`` that causal attention
     scores (each sequence on its own), both per step, averaged over the
-    steps, and the steps' ``imbalance`` (:func:`~ragged_toolkit.data_parallel.token_imbalance`)."""
+    steps, and the steps' ``imbalance`` (:func:`token_imbalance`)."""
     imbalance = token_imbalance(steps)  # refuses steps without tokens
     micro_batches = [mb for step in steps for rank in step for mb in rank]
     return {
@@ -172,7 +172,7 @@ def nccl_ranks(gpus, micro_batches):
 
 
 def rank_tokens(steps):
-    """The tokens each rank holds in each step of :func:`deal_to_ranks`: an
+    """The tokens each rank holds in each step of :func:`~ragged_toolkit.data_parallel.deal_to_ranks`: an
     int64 tensor (steps, ranks)."""
     per_rank = [[sum(len(t) for t, _ in rank) for rank in step] for step in steps]
     return torch.tensor(per_rank, dtype=torch.int64).reshape(
@@ -182,7 +182,7 @@ def rank_tokens(steps):
 
 def token_imbalance(steps):
     """The tokens of each step's busiest rank over the mean of its ranks,
-    summed over the steps (of :func:`deal_to_ranks`): the factor by which the
+    summed over the steps (of :func:`~ragged_toolkit.data_parallel.deal_to_ranks`): the factor by which the
     steps take longer than with perfectly balanced work, 1.0 when every rank
     holds the same tokens in every step."""
     per_rank = rank_tokens(steps).double()  # (steps, ranks)

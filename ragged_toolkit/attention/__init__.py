@@ -15,7 +15,14 @@ from .padded import bucketed_backend, padded_backend
 from .plan import BACKENDS, BatchPlan, plan_batch
 from .varlen import varlen_attn, varlen_backend
 
-__all__ = ["BACKENDS", "plan_batch", "ragged_attention", "backend_support", "default_backend"]
+__all__ = [
+    "BACKENDS",
+    "BatchPlan",
+    "plan_batch",
+    "ragged_attention",
+    "backend_support",
+    "default_backend",
+]
 
 # Each backend's function: ``fn(q, k, v, plan, scale)``.
 _ATTEND = {

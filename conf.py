@@ -87,6 +87,7 @@ html_theme = "pydata_sphinx_theme"
 html_title = project
 html_static_path = ["_static"]
 html_css_files = ["site.css"]
+html_js_files = ["site.js"]  # each figure opens at full size on a click
 html_favicon = "_static/favicon.svg"
 # The theme warns in the console when no colour mode is set.
 html_context = {"default_mode": "auto"}

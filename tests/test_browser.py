@@ -315,6 +315,41 @@ def test_figures_shown_at_drawn_size(at_width, browser, rel):
             f"{Path(f['src']).name} {f['shown']} px of {f['drawn']} px" for f in shrunk), pytrace=False)
 
 
+# Each printed output block whose text is wider than the block (it scrolls
+# sideways), with its widest line; each figure and the link around it.
+OUTPUT_SCROLLS_JS = r"""
+const out = [];
+for (const pre of document.querySelectorAll('.sphx-glr-script-out div.highlight pre')) {
+  if (pre.scrollWidth <= pre.clientWidth + 1) continue;
+  const widest = pre.textContent.split('\n').reduce((a, b) => (b.length > a.length ? b : a), '');
+  out.push({over: pre.scrollWidth - pre.clientWidth, line: widest.slice(0, 120)});
+}
+return out;
+"""
+FIGURE_LINKS_JS = r"""
+return [...document.querySelectorAll('img.sphx-glr-single-img, img.sphx-glr-multi-img')].map(img => {
+  const a = img.closest('a');
+  return {src: img.getAttribute('src'), href: a ? a.href : null,
+          resolved: new URL(img.getAttribute('src'), document.baseURI).href};
+});
+"""
+
+
+@pytest.mark.parametrize("rel", TUTORIAL_PAGES)
+def test_output_wraps_and_figures_open_full_size_on_a_phone(at_width, browser, rel):
+    """At a 400 px window no printed output block scrolls sideways (a result
+    line wraps under itself; code may scroll), and every figure is a link
+    to its own image file, which opens at full size."""
+    at_width(rel, NARROW)
+    driver = browser[0]
+    scrolling = driver.execute_script(OUTPUT_SCROLLS_JS)
+    assert not scrolling, f"{rel} at {NARROW} px: output blocks that scroll sideways: " + "; ".join(
+        f"{b['over']} px, {b['line']!r}" for b in scrolling[:4])
+    figures = driver.execute_script(FIGURE_LINKS_JS)
+    unlinked = [f["src"] for f in figures if f["href"] != f["resolved"]]
+    assert not unlinked, f"{rel}: figures that do not open at full size: {unlinked}"
+
+
 # The outermost elements that stick out of the window on either side, apart
 # from those inside a box that scrolls or clips them, for the failure message.
 STICKING_OUT_JS = r"""

@@ -114,6 +114,12 @@ mathjax3_config = {
 }
 
 # -- Sphinx-Gallery ------------------------------------------------------------
+# The tags line under each page in words: Sphinx-Gallery writes an emoji there,
+# which shows as a missing-glyph box where no emoji font is installed.
+import sphinx_gallery.gen_rst  # noqa: E402
+
+sphinx_gallery.gen_rst.TAGS_CONTENT = sphinx_gallery.gen_rst.TAGS_CONTENT.replace("\U0001f3f7 ", "")
+
 sphinx_gallery_conf = {
     "examples_dirs": GALLERY_SRC,
     "gallery_dirs": GALLERY_OUT,

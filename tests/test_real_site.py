@@ -280,3 +280,13 @@ def test_every_printed_figure_is_recorded(real_site, stem):
     for r in records:
         if "fraction" in r and r.get("bound"):
             assert abs(r["fraction"] - r["speedup"] / r["bound"]) < 1e-9, r
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_tags_line_is_words(real_site, stem):
+    """The tags under a page are words: no emoji, which shows as a
+    missing-glyph box where no emoji font is installed (conf.py)."""
+    page = soup(real_site.html / "auto_tutorials" / f"{stem}.html")
+    tags = page.select_one(".sphx-glr-example-tags")
+    if tags is not None:
+        assert tags.get_text(" ", strip=True).startswith("Tags:"), tags.get_text(" ", strip=True)

@@ -302,6 +302,13 @@ plt.show()
 #    :pyobject: compiled_graphs
 
 from ragged_site.data_parallel import compiled_graphs
+
+
+def plural(n, word):
+    """``1 graph``, ``2 graphs``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 from ragged_toolkit.data_parallel import token_loss_sum
 from ragged_toolkit.layouts import PackedRows
 
@@ -328,8 +335,8 @@ for path, (layout_of, dynamic) in PATHS.items():
         assert count.breaks == 0 and not count.fallbacks, f"{scheme}, {path}: {count}"
         graphs[scheme, path] = count.graphs
         print(
-            f"compiled trainer {scheme}, {path}: {count.graphs} graphs for {COMPILE_STEPS} steps, "
-            f"{count.breaks} graph breaks"
+            f"compiled trainer {scheme}, {path}: {plural(count.graphs, 'graph')} for {COMPILE_STEPS} "
+            f"steps, {plural(count.breaks, 'graph break')}"
         )
 
 # %%
@@ -347,9 +354,9 @@ held = {
 }
 loop = {scheme: graphs[scheme, "loop plan, default shapes"] for scheme in schemes}
 print(
-    f"loop plan: fixed documents hold {held['fixed documents']} sequences, {loop['fixed documents']} "
-    f"graphs;\nthe budget's micro-batches hold {held['token budget']} sequences, "
-    f"{loop['token budget']} graphs: "
+    f"loop plan: fixed documents hold {held['fixed documents']} sequences, "
+    f"{plural(loop['fixed documents'], 'graph')};\nthe budget's micro-batches hold "
+    f"{held['token budget']} sequences, {plural(loop['token budget'], 'graph')}: "
     + (
         "a fixed token count saved no graph there"
         if loop["token budget"] >= loop["fixed documents"]

@@ -505,7 +505,8 @@ print(
     f"alone ({criterion})"
 )
 print(
-    f"{len(every)} runs (as many as the time allowed), {checked} requests: largest difference "
+    f"{len(every)} runs (the faster server ran more often in the same time), {checked} requests: "
+    f"largest difference "
     f"{worst:.1e}, {ties} ties within atol"
 )
 

@@ -187,10 +187,10 @@ WITHOUT = {  # what the toolkit does where the release lacks a feature
 }
 for feature, instead in WITHOUT.items():
     print(f"  {feature:11s} {'no: ' + instead if varlen_missing([feature]) else 'yes'}")
-try:  # a call that needs what 2.11's varlen_attn lacks
+try:  # a call that needs what 2.11's varlen_attn lacks, against 2.11's keywords
     varlen_kwargs(is_causal=True, enable_gqa=True, keywords={"return_aux", "scale", "window_size"})
 except VarlenUnavailable as err:
-    print(f"with the keywords of 2.11: {err}")
+    print(f"an older release, simulated with the keywords of 2.11: {err}")
 why_not = backend_support("varlen", DEVICE, DTYPE, is_causal=True, head_dim=S.head_dim)
 print(f"varlen_attn on this device: {why_not or 'runs'}")
 
@@ -280,7 +280,7 @@ padded = padded_paths(q, k, v, offsets, grad_packed, KV_HEADS)
 padded["decoding"] = padded_decoding(q_one, k_rect, v_rect, used)
 one_row = one_row_paths(q, k, v, offsets, grad_packed, KV_HEADS)
 OTHER_PATHS = {  # (job, path) -> the call, and how its output becomes the reference's layout
-    **{(job, "padded tensors"): padded[job] for job in JOBS},
+    **{(job, "padded baseline"): padded[job] for job in JOBS},
     **{(job, "one row + mask"): call for job, call in one_row.items()},
     ("decoding", "flex (refreshed)"): (
         flex_refreshed,
@@ -333,7 +333,7 @@ NOT_FOR_SCORE_MOD = {  # path -> why it does not take this job here
     "varlen": "no score function or bias argument",
     "sdpa_njt": "SDPA on nested tensors takes no mask or bias",
     "bucketed": "possible with a bias per bucket; not written here",
-    "padded": "takes no bias (the padded tensors do)",
+    "padded": "takes no bias (the padded baseline does)",
 }
 table["score_mod"] = NOT_FOR_SCORE_MOD | compare_calls(
     alibi, dtype=DTYPE, min_run_time=S.run_time, profile=not setup.quick
@@ -427,7 +427,7 @@ serving_reference = reference_attention(
 )
 padded_serving = PaddedServing(step, q_step)  # two SDPA calls: the decode rows, the prompt chunks
 serving_paths = {
-    "padded tensors": (padded_serving, padded_serving.packed),
+    "padded baseline": (padded_serving, padded_serving.packed),
     "flex": paged_call("flex"),
     **{name: paged_call("gathered", name) for name in ("loop", "bucketed", "padded")},
 }
@@ -454,7 +454,7 @@ print_timings(table["serving"])
 # The decision guide, from this build
 # -----------------------------------
 # For each job: the path chosen here, its median and kernels, its speedup
-# over the padded tensors beside the job's :term:`work bound` and the
+# over the padded baseline beside the job's :term:`work bound` and the
 # :term:`fraction of the bound` it reaches, what to use next, and which
 # paths cannot take the job here (the lines above say why). ``choose`` takes
 # the fastest path only where its interquartile range (IQR) does not overlap
@@ -493,7 +493,7 @@ decision_guide(table, BOUND, (default_backend(DEVICE, DTYPE, S.head_dim), "loop"
 # %%
 # The same speedups for every path
 # --------------------------------
-# Each cell is a path's measured speedup over the padded tensors for that
+# Each cell is a path's measured speedup over the padded baseline for that
 # job (higher is better) and, in brackets, its fraction of the job's work
 # bound (what that fraction tells, and what it does not:
 # :doc:`measuring_ragged_batches`).
@@ -504,7 +504,7 @@ from ragged_site.figures import FIGURE_STYLE, draw_speedups
 
 plt.rcParams.update(FIGURE_STYLE)
 ROWS = (
-    "padded tensors",
+    "padded baseline",
     "one row + mask",
     *BACKENDS,
     "flex (refreshed)",
@@ -514,7 +514,7 @@ draw_speedups(
     ROWS,
     list(table),
     [BOUND[job] for job in table],
-    f"Measured speedup over padded tensors, {DEVICE}, {str(DTYPE).removeprefix('torch.')}\n"
+    f"Measured speedup over the padded baseline, {DEVICE}, {str(DTYPE).removeprefix('torch.')}\n"
     "(in brackets: fraction of the computed work bound)",
 )
 plt.show()

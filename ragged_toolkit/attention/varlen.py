@@ -56,6 +56,7 @@ def varlen_kwargs(
     ``window_size=(-1, 0)`` (2.11 on) or ``is_causal=True`` (2.10), and each
     other feature under its own name. Raises :class:`VarlenUnavailable`
     naming what the release lacks; nothing is dropped silently."""
+    whose = "this release's" if keywords is None else "a"
     keywords = VARLEN_KEYWORDS if keywords is None else keywords
     wanted = {
         "scale": scale,
@@ -68,7 +69,7 @@ def varlen_kwargs(
     missing = varlen_missing(["causal"] * is_causal + list(wanted), keywords)
     if missing:
         raise VarlenUnavailable(
-            f"this release's varlen_attn has no {', '.join(missing)} "
+            f"{whose} varlen_attn has no {', '.join(missing)} "
             f"(its keywords: {', '.join(sorted(keywords)) or 'none'})"
         )
     if is_causal:

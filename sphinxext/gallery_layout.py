@@ -21,23 +21,37 @@ HARNESS = "ragged_site"  # the site's machinery the pages import, beside it (not
 PACKAGES = (TOOLKIT, HARNESS)  # the packages whose modules the pages run and their downloads carry
 TOOLKIT_MD5 = TOOLKIT + ".md5.json"  # in GALLERY_OUT: each module's MD5 when the pages last ran
 # A page not listed comes after the listed ones, by name; a listed name with no file is ignored.
-READING_ORDER = [
-    "ragged_batches_intro",
-    "transformer_building_blocks",
-    "packed_attention_layer",
-    "measuring_ragged_batches",
-    "transformer_layers_for_ragged_batches",
-    "ragged_transformer_training",
-    "packed_gpt_training",
-    "hf_packed_training",
-    "data_parallel_packed_training",
-    "packed_recurrent_layers",
-    "packed_hybrid_model",
-    "ragged_decoding_kv_cache_gqa",
-    "serving_continuous_batching",
-    "serving_shared_prompts",
-    "which_attention_path",
-]
+# The reading order, in tracks: a new page joins one. The landing page lists
+# them numbered, and each page shows them with its own place marked.
+TRACKS = {
+    "Foundations": [
+        "ragged_batches_intro",
+        "transformer_building_blocks",
+        "packed_attention_layer",
+        "measuring_ragged_batches",
+        "transformer_layers_for_ragged_batches",
+    ],
+    "Training": [
+        "ragged_transformer_training",
+        "packed_gpt_training",
+        "hf_packed_training",
+        "data_parallel_packed_training",
+        "packed_recurrent_layers",
+        "packed_hybrid_model",
+    ],
+    "Serving": [
+        "ragged_decoding_kv_cache_gqa",
+        "serving_continuous_batching",
+        "serving_shared_prompts",
+        "which_attention_path",
+    ],
+}
+READING_ORDER = [stem for stems in TRACKS.values() for stem in stems]
+
+
+def track_of(stem: str) -> tuple[str, int] | None:
+    """The track a page is in and its place there (1 for the first), or None."""
+    return next(((name, stems.index(stem) + 1) for name, stems in TRACKS.items() if stem in stems), None)
 
 
 def reading_order_key(stem: str) -> tuple[int, str]:

@@ -21,7 +21,9 @@ from sphinx.errors import ExtensionError
 
 from downloads import wheel_path
 from gpu_results import stamp_paragraph
-from gallery_layout import GALLERY_OUT, GALLERY_SRC, reading_order_key, tutorial_sources, tutorial_stem
+from gallery_layout import (
+    GALLERY_OUT, GALLERY_SRC, TRACKS, reading_order_key, track_of, tutorial_sources, tutorial_stem,
+)
 
 CARDS = Path("_generated") / "cards.rst"
 CHECKED_VERSIONS = Path(".github") / "checked-versions.json"
@@ -51,11 +53,29 @@ def card_info(path: Path) -> dict:
     return {"stem": path.stem, "title": title, "description": intro, "tags": tags}
 
 
+def tracks_of(src_dir: Path) -> dict[str, list[Path]]:
+    """Track name -> its pages' sources in order (:data:`gallery_layout.TRACKS`);
+    pages in no track last, under "More"."""
+    sources = sorted(tutorial_sources(src_dir), key=lambda p: reading_order_key(p.stem))
+    out = {name: [p for p in sources if p.stem in stems] for name, stems in TRACKS.items()}
+    out["More"] = [p for p in sources if track_of(p.stem) is None]
+    return {name: paths for name, paths in out.items() if paths}
+
+
 def cards_rst(src_dir: Path) -> str:
+    tracks = tracks_of(src_dir)
+    first = next(iter(tracks.values()))[0].stem
+    out = [f"**Start here:** :doc:`/{GALLERY_OUT}/{first}`, then follow a track in order.", ""]
+    for number, (name, paths) in enumerate(tracks.items(), 1):
+        out += [f".. rubric:: {number}. {name}", ""] + _cards(paths, number)
+    return "\n".join(out) + "\n"
+
+
+def _cards(paths: list[Path], track: int) -> list[str]:
     out = [".. grid:: 1 2 2 3", "   :gutter: 3", ""]
-    for path in sorted(tutorial_sources(src_dir), key=lambda p: reading_order_key(p.stem)):
+    for place, path in enumerate(paths, 1):
         card, stem = card_info(path), path.stem
-        out += [f"   .. grid-item-card:: {card['title']}",
+        out += [f"   .. grid-item-card:: {track}.{place} {card['title']}",
                 f"      :link: {GALLERY_OUT}/{stem}",
                 "      :link-type: doc",
                 f"      :img-top: /{GALLERY_OUT}/images/thumb/sphx_glr_{stem}_thumb.png",
@@ -65,7 +85,7 @@ def cards_rst(src_dir: Path) -> str:
         if card["tags"]:
             out += ["      " + " ".join(f":bdg-link-secondary:`{tag} <{GALLERY_OUT}/index.html?sg-tags="
                                          f"{quote(tag)}>`" for tag in card["tags"]), ""]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def write_cards(app) -> None:
@@ -74,6 +94,49 @@ def write_cards(app) -> None:
     text = cards_rst(Path(app.srcdir))
     if not target.exists() or target.read_text() != text:
         target.write_text(text)
+
+
+# --- the reading order on each page ------------------------------------------------
+
+def _doc_link(docname: str, stem: str, text: str) -> addnodes.pending_xref:
+    ref = addnodes.pending_xref("", refdomain="std", reftype="doc", reftarget=f"/{GALLERY_OUT}/{stem}",
+                                refexplicit=True, refdoc=docname)
+    ref += nodes.inline(text=text)
+    return ref
+
+
+def reading_order(src_dir: Path, docname: str, stem: str) -> tuple[nodes.paragraph, nodes.admonition]:
+    """What a tutorial's page shows of the reading order: a line under its
+    title (its track and place) and, at its end, every track with this page
+    marked and the next page of its track."""
+    tracks = tracks_of(src_dir)
+    track, paths = next((n, ps) for n, ps in tracks.items() if stem in [p.stem for p in ps])
+    place = [p.stem for p in paths].index(stem)
+    where = nodes.paragraph(classes=["reading-place"])
+    where += nodes.Text(f"Track {list(tracks).index(track) + 1}, {track}: page {place + 1} of "
+                        f"{len(paths)}. The reading order is at the end of the page.")
+    box = nodes.admonition(classes=["reading-order"])
+    box += nodes.title(text="Reading order")
+    if place + 1 < len(paths):
+        after = paths[place + 1].stem
+        line = nodes.paragraph(classes=["next-in-track"])
+        line += [nodes.Text("Next in this track: "), _doc_link(docname, after, card_info(paths[place + 1])["title"])]
+        box += line
+    for number, (name, members) in enumerate(tracks.items(), 1):
+        box += nodes.paragraph(text=f"{number}. {name}")
+        items = nodes.enumerated_list()
+        for path in members:
+            item, para = nodes.list_item(), nodes.paragraph()
+            title = card_info(path)["title"]
+            if path.stem == stem:
+                para += [nodes.strong(text=title), nodes.Text(" (this page)")]
+                item["classes"].append("this-page")
+            else:
+                para += _doc_link(docname, path.stem, title)
+            item += para
+            items += item
+        box += items
+    return where, box
 
 
 # --- the build stamp ---------------------------------------------------------------
@@ -199,10 +262,16 @@ def decorate_page(app, doctree) -> None:
     note += nodes.title(text="How this page was built")
     note += [nodes.paragraph(text=line) for line in stamp_text(src_dir, stem)]
     note += stamp_paragraph(app.env, docname, stem)  # where its GPU figures are (sphinxext/gpu_results.py)
+    where, order = reading_order(src_dir, docname, stem)
+    section = next(iter(doctree.findall(nodes.section)), None)
+    if section is not None:
+        title = next((i for i, c in enumerate(section.children) if isinstance(c, nodes.title)), -1)
+        section.insert(title + 1, where)
     footer = next((n for n in doctree.findall(nodes.container) if "sphx-glr-footer" in n["classes"]), None)
     if footer is None:
-        next(iter(doctree.findall(nodes.section)), doctree).append(note)
+        (section if section is not None else doctree).extend([order, note])
         return
+    footer.parent.insert(footer.parent.index(footer), order)
     footer.parent.insert(footer.parent.index(footer), note)
     wheel = wheel_path(src_dir)  # the toolkit's wheel (sphinxext/downloads.py)
     if wheel is not None:

@@ -153,8 +153,10 @@ def test_tutorials_in_other_galleries_styles_build(styles_site):
     for path in STYLES + TINY:
         p = page(styles_site, path.stem)
         title = p.find("h1").get_text(strip=True).rstrip("#")
-        # The card carries the title Sphinx-Gallery rendered on the page.
-        assert cards[path.stem].select_one(".sd-card-title").get_text(strip=True) == title
+        # The card carries the title Sphinx-Gallery rendered on the page,
+        # after its place in the reading order ("1.2 ").
+        shown = cards[path.stem].select_one(".sd-card-title").get_text(strip=True)
+        assert re.fullmatch(r"\d+\.\d+ ", shown[: -len(title)]) and shown.endswith(title), (shown, title)
         # The environment stamp sits after the page's content, right before
         # its download links, whatever the page's style.
         stamp = p.select_one(".build-stamp")

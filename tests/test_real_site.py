@@ -290,3 +290,38 @@ def test_tags_line_is_words(real_site, stem):
     tags = page.select_one(".sphx-glr-example-tags")
     if tags is not None:
         assert tags.get_text(" ", strip=True).startswith("Tags:"), tags.get_text(" ", strip=True)
+
+
+def test_landing_page_starts_here_then_tracks(real_site):
+    """The landing page says where to start and lists the pages in numbered
+    tracks (gallery_layout.TRACKS), in reading order."""
+    from gallery_layout import TRACKS
+
+    page = soup(real_site.html / "index.html")
+    start = next(p for p in page.select("p") if p.get_text().startswith("Start here:"))
+    first = next(iter(TRACKS.values()))[0]
+    assert start.select_one("a")["href"].endswith(f"auto_tutorials/{first}.html"), start
+    rubrics = [r.get_text(strip=True) for r in page.select("p.rubric")]
+    assert rubrics[: len(TRACKS)] == [f"{i}. {name}" for i, name in enumerate(TRACKS, 1)], rubrics
+    cards = [Path(a["href"]).stem for a in page.select(".sd-card a.sd-stretched-link")]
+    assert cards == [s for stems in TRACKS.values() for s in stems if s in STEMS], cards
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_every_page_shows_the_reading_order_and_its_place(real_site, stem):
+    """Under its title, the page's track and place; at its end, every track
+    with this page marked (not linked) and the next page of its track linked."""
+    from gallery_layout import TRACKS, track_of
+
+    page = soup(real_site.html / "auto_tutorials" / f"{stem}.html")
+    track, place = track_of(stem)
+    where = page.select_one("p.reading-place")
+    assert where is not None and f"{track}: page {place} of {len(TRACKS[track])}" in where.get_text(), where
+    box = page.select_one(".reading-order")
+    assert box is not None, f"{stem}: no reading order"
+    linked = [Path(a["href"]).stem for a in box.select("li a")]
+    assert linked == [s for stems in TRACKS.values() for s in stems if s != stem and s in STEMS], linked
+    assert "(this page)" in box.select_one("li.this-page").get_text()
+    following = TRACKS[track][place:place + 1]
+    nxt = box.select_one(".next-in-track a")
+    assert ([Path(nxt["href"]).stem] if nxt else []) == following, (nxt, following)

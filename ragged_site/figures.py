@@ -14,6 +14,7 @@ __all__ = [
     "draw_token_budget",
     "draw_speedups",
     "draw_paged_cache",
+    "draw_floor",
 ]
 
 # 12-point text at 100 dpi is about 17 px, as large as the page's body text
@@ -31,6 +32,24 @@ FIGURE_STYLE = {
     "ytick.labelsize": 12,
     "legend.fontsize": 12,
 }
+
+
+def draw_floor(ax, floor):
+    """On ``ax``, a log axis of differences drawn at least at ``floor``
+    (``max(d, floor)``): a dashed line at the floor, labelled for the legend
+    with its value, and a gray band below it, so that a difference drawn at
+    the floor (zero included) reads as "at most this", never as a value."""
+    mantissa, exponent = f"{floor:e}".split("e")
+    ax.axhspan(floor / 10, floor, color="0.93", zorder=0, lw=0)
+    ax.axhline(
+        floor,
+        color="k",
+        ls="--",
+        lw=1,
+        zorder=4,
+        label=f"floor {float(mantissa):g}e{int(exponent)}: differences at or below it,"
+        " zero included, are drawn here",
+    )
 
 
 def _cell(ax, x, y, color, text="", ink="white", width=0.92, height=0.86):
@@ -105,8 +124,8 @@ def _block_grid(block_mask):
 
 def draw_block_mask(block_mask, title=""):
     """A FlexAttention ``BlockMask`` drawn block by block: computed whole,
-    computed with the mask inside, skipped. Returns the figure and the
-    fraction of blocks skipped."""
+    computed with the mask inside, skipped; the legend names only the kinds
+    the mask has. Returns the figure and the fraction of blocks skipped."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
@@ -125,14 +144,13 @@ def draw_block_mask(block_mask, title=""):
     ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
     skipped = float((grid == 0).mean())
     ax.set_title(title or f"{skipped:.0%} of the blocks skipped")
+    names = ("skipped", "computed, mask applied", "computed whole")
+    drawn = [kind for kind in (2, 1, 0) if (grid == kind).any()]  # a legend lists only these
     ax.legend(
-        handles=[
-            Patch(color=c, label=t)
-            for c, t in zip(colors[::-1], ("computed whole", "computed, mask applied", "skipped"))
-        ],
+        handles=[Patch(color=colors[kind], label=names[kind]) for kind in drawn],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.12),
-        ncols=3,
+        ncols=len(drawn),
         fontsize=11,
         frameon=False,
     )

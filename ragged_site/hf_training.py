@@ -9,6 +9,7 @@ import copy
 import numpy as np
 import torch
 
+from .figures import draw_floor
 from .measuring.timing import StepTimer, warm_every_shape
 
 __all__ = [
@@ -117,15 +118,18 @@ def check_losses(ragged, padded, dtype, tolerance):
 
 def draw_logit_gaps(gaps, starts, ours, title):
     """A figure of each implementation's largest logit difference per token
-    of the packed row (``gaps``: name -> (T,)), on a log scale (an exact 0
-    drawn at 1e-9), with a gray line where each document ``starts``; the
-    implementation ``ours`` is labelled as ``ragged_attention``."""
+    of the packed row (``gaps``: name -> (T,)), on a log scale (a difference
+    at most 1e-9, an exact 0 included, drawn at the floor 1e-9, its dashed
+    line in the legend), with a gray line where each document ``starts``;
+    the implementation ``ours`` is labelled as ``ragged_attention``."""
     import matplotlib.pyplot as plt
 
+    floor = 1e-9
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for (name, gap), style in zip(gaps.items(), ("-", "--", "-")):
         label = name + " (ragged_attention)" * (name == ours)
-        ax.plot(gap.clamp(min=1e-9).cpu(), style, label=label, lw=1.2)
+        ax.plot(gap.clamp(min=floor).cpu(), style, label=label, lw=1.2)
+    draw_floor(ax, floor)
     for start in starts:
         ax.axvline(start, color="0.85", lw=0.6, zorder=0)
     ax.set(
@@ -140,18 +144,32 @@ def draw_logit_gaps(gaps, starts, ours, title):
 
 def draw_training(runs, device):
     """A figure of the trainers of :func:`train_taking_turns`: each one's
-    training loss per step, and its real tokens per second on ``device``."""
+    training loss per step, and its real tokens per second on ``device``.
+    A trainer whose ``label`` the page's proof marked ``WRONG`` (it attends
+    across documents) is drawn as wrong: its bar hatched and pale,
+    labelled with why, and named wrong in the legend of the losses."""
     import matplotlib.pyplot as plt
 
+    wrong = {name for name, run in runs.items() if "WRONG" in run.get("label", "")}
+    why = "wrong: attends\nacross documents"
     fig, (ax_loss, ax_speed) = plt.subplots(
         1, 2, figsize=(8, 4.2), layout="constrained", width_ratios=[3, 2]
     )
     for (name, run), style in zip(runs.items(), ("-", "-.", "--", ":", "-.")):
-        ax_loss.plot(run["losses"], style, label=name, lw=2)
-    ax_loss.set(xlabel="step", ylabel="training loss", title="Same weights, same documents")
+        label = f"{name} (wrong)" if name in wrong else name
+        ax_loss.plot(run["losses"], style, label=label, lw=2)
+    ax_loss.set(
+        xlabel="step", ylabel="training loss (nats per token)", title="Same weights, same documents"
+    )
     ax_loss.legend(fontsize=10)
-    colors = [f"C{i}" for i in range(len(runs))]
-    ax_speed.barh(list(runs), [run["tokens/s"] for run in runs.values()], color=colors)
+    speeds = [run["tokens/s"] for run in runs.values()]
+    bars = ax_speed.barh(list(runs), speeds, color=[f"C{i}" for i in range(len(runs))])
+    for bar, name in zip(bars, runs):
+        if name in wrong:
+            bar.set(hatch="//", alpha=0.35, edgecolor="k")
+            ax_speed.text(
+                0.02 * max(speeds), bar.get_y() + bar.get_height() / 2, why, va="center", fontsize=9
+            )
     ax_speed.invert_yaxis()
     ax_speed.set(xlabel="real tokens/s", title=f"Training speed ({device})")
     return fig

@@ -268,6 +268,7 @@ for r, marker in zip(range(WORLD), "os"):  # the first 20 steps
     ax.plot(rank_tokens(steps_docs[:20])[:, r], marker=marker, label=f"rank {r}, fixed documents")
 ax.plot(rank_tokens(steps_budget[:20])[:, 0], "k--", label="every rank, token budget")
 ax.set(xlabel="step", ylabel="tokens on the rank", ylim=(0, None))
+ax.set_title(f"Tokens per rank, first 20 steps: fixed documents or {BUDGET} tokens per micro-batch")
 ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
 ax.legend(loc="lower right", ncols=2, fontsize=10)
 fig.tight_layout()

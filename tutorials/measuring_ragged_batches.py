@@ -350,9 +350,14 @@ ax2.scatter(
     zorder=3,
     label=f"measured, {DEVICE}",
 )
-for a, v in measured.items():
+for a, v in measured.items():  # each label on its point's side toward the middle: inside
+    right, low = v["bound"] > (1 + top) / 2, v["speedup"] < (1 + top) / 2
     ax2.annotate(
-        f"Zipf {a}", (v["bound"], v["speedup"]), textcoords="offset points", xytext=(6, -12)
+        f"Zipf {a}",
+        (v["bound"], v["speedup"]),
+        textcoords="offset points",
+        xytext=(-6 if right else 6, 6 if low else -12),
+        ha="right" if right else "left",
     )
 ax2.set(
     xlabel="work bound of the batch (x)",

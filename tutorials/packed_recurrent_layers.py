@@ -135,7 +135,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from ragged_toolkit.batches import offsets_from_lengths, token_index
-from ragged_site.figures import FIGURE_STYLE
+from ragged_site.figures import FIGURE_STYLE, draw_floor
 from ragged_toolkit.recurrent import chunk_decay
 
 plt.rcParams.update(FIGURE_STYLE)
@@ -482,8 +482,10 @@ for ax, (title, (stock, reset)) in zip(axes, panels.items()):
     ax.bar(at - 0.2, np.maximum(stock, 1e-12), 0.4, label="stock (no resets)")
     ax.bar(at + 0.2, np.maximum(reset, 1e-12), 0.4, label="with resets")
     ax.set(yscale="log", title=title, xlabel="document", xticks=at, xticklabels=at + 1)
+    draw_floor(ax, 1e-12)
 axes[0].set_ylabel("largest difference from the document alone")
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncols=2)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3)
+fig.suptitle("Each document of a packed row against the document alone: stock or with resets")
 plt.show()
 
 # %%

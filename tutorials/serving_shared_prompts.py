@@ -442,7 +442,7 @@ print(
 # the prefixes that hold it. At the offline step where most requests read a
 # shared block, each system prompt is a trunk that branches into user
 # messages. Requests admitted in one step all compute their prompts: the
-# first to finish a block keys it, the others keep copies (hollow).
+# first to finish a block keys it, the others keep copies (drawn hollow, if any).
 #
 # .. literalinclude:: ../ragged_site/serving/prefix_tree.py
 #    :pyobject: cached_tree

@@ -142,7 +142,8 @@ def draw_throughput_and_latency(runs, latency, rate):
     (name -> its ``ServingRun`` s, all requests at once): each run's
     generated tokens/s a point, their median a bar. Right, ``latency`` (name
     -> :func:`latency_ms` of requests arriving at ``rate`` requests/s): time
-    to first token and per output token, p50 and p99, in ms on a log scale.
+    to first token and per output token, p50 and p99, in ms on a log scale
+    with labelled ticks 1, 2, 5 per decade, each bar's value on it.
     Returns the figure."""
     import matplotlib.pyplot as plt
 
@@ -163,16 +164,25 @@ def draw_throughput_and_latency(runs, latency, rate):
     ax1.set(ylabel="generated tokens/s", ylim=(0, None), title="All at once, every run")
     width = 0.8 / len(latency)
     for col, (name, lat) in enumerate(latency.items()):
-        ax2.bar(
+        bars = ax2.bar(
             np.arange(4) + width * (col + 0.5) - 0.4,
             [*lat["ttft"], *lat["tpot"]],
             width,
             color=colors[col],
             label=name,
         )
+        ax2.bar_label(bars, fmt="%.3g", fontsize=8, padding=1)
     ax2.set_xticks(
         range(4), ["first\ntoken p50", "first\ntoken p99", "per token\np50", "per token\np99"]
     )
-    ax2.set(yscale="log", ylabel="ms", title=f"Arrivals at {rate:.1f} requests/s")
-    ax2.legend()
+    values = [v for lat in latency.values() for v in (*lat["ttft"], *lat["tpot"]) if v > 0]
+    ax2.set(yscale="log", ylabel="ms (log scale)", title=f"Arrivals at {rate:.1f} requests/s")
+    if values:  # labelled ticks 1, 2, 5 per decade, where the values are
+        lo, hi = min(values) / 1.6, max(values) * 2.5  # room below the lowest, above the labels
+        decades = range(int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi))) + 1)
+        ticks = [m * 10.0**e for e in decades for m in (1, 2, 5) if lo <= m * 10.0**e <= hi]
+        ax2.set_ylim(lo, hi)
+        ax2.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax2.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax2.legend(loc="upper right")
     return fig

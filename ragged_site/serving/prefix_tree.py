@@ -135,19 +135,20 @@ def draw_cached_tree(nodes, title):
                 textcoords="offset points",
                 fontsize=10,
             )
-    ax.set(xlabel="block of the prefix", yticks=[], title=title)
+    ax.set(xlabel="block of the prefix", ylabel="prefixes (a row per leaf)", yticks=[], title=title)
     return fig
 
 
 def draw_most_shared(tree, block_size):
     """:func:`draw_cached_tree` of a :class:`MostSharedTree`'s ``tree``,
     titled with its step, the requests then running, what each color
-    means, the copies if any and ``block_size``. Returns the figure."""
+    means, the copies (or that there are none) and ``block_size``. Returns
+    the figure."""
     copies = [n.kind for n in tree.nodes].count("copy")
     return draw_cached_tree(
         tree.nodes,
         f"Blocks at step {tree.step}, {tree.running} requests running: "
         f"shared (red),\nread by one (blue), idle (gray)"
-        + (f", {copies} copies (hollow)" if copies else "")
+        + (f", {copies} copies (hollow)" if copies else ", no copies at this step")
         + f"; blocks of {block_size} rows",
     )

@@ -30,7 +30,7 @@ it found:
 3. ``quick``: ``TUTORIALS_QUICK=1`` for the pages that did not get a full-size
    run (only those), in the same order, each while its expected time fits.
 
-A page's expected time (:func:`expected_times`) is the duration a recorded
+A page's expected time (:class:`Expected`) is the duration a recorded
 GPU run measured for it in that mode (``gpu-results/summary.json``, a run
 that passed), else its CPU build's duration (``.github/tutorial-durations.json``)
 times :data:`GPU_FACTOR` for the mode, and at least
@@ -46,8 +46,12 @@ stopped with every process it started, and fails, named; what it printed is
 kept. Every page compiles into one cache, ``compile-cache/`` under ``--out``.
 Under ``--out``: ``summary.json``, ``preflight.txt``, and for each page and
 mode ``PAGE/MODE/output.txt`` (its standard output and error),
-``figure_N.png`` (each figure it shows) and ``peak.json`` (the peak memory
-of its process).
+``figures.jsonl`` (the figures it printed, as records: ``$RAGGED_SITE_FIGURES``
+names it, :mod:`ragged_site.records` writes it), ``figure_N.png`` (each
+figure it shows) and ``peak.json`` (the peak memory of its process). A
+page's line and its entry in ``summary.json`` are made from its records,
+not from its printed text: the fractions of the work bound, the training,
+serving and data-parallel lines, and the lines the site shows (``key_lines``).
 
 A page that imports a package this Python lacks beyond PyTorch, numpy and
 matplotlib (``transformers`` for ``hf_packed_training``) is not run: its
@@ -84,8 +88,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sphinxext"))
+sys.path[:0] = [str(ROOT), str(ROOT / "sphinxext")]
 from gallery_layout import reading_order_key, tutorial_sources  # noqa: E402  (standard library only)
+
+from ragged_site.records import FIGURES_ENV, read_records  # noqa: E402  (standard library only)
 
 # Full size (stage 2): these pages first, in this order (the decision page),
 # then every other page, shortest expected first: the most pages at full size.
@@ -138,29 +144,7 @@ BUNDLE_ARCHIVE = "gpu-check.tgz"  # under --bundle: the run without its compile 
 LEASE_COMMAND = 'python scripts/gpu_check.py --out "${TMPDIR:-/tmp}/gpu-check" --bundle "$OUT" --commit SHA'
 RESULTS = ROOT / "gpu-results"  # where `record` writes; sphinxext/gpu_results.py reads it (RESULTS_DIR)
 RECORD_FILE = "summary.json"
-
-FRACTION = re.compile(r"fraction(?: of bound)? (\d+\.\d+)")
-# "training: ragged ...", "hf training against length-grouped padding: ragged ...",
-# "hybrid training: packed ..."
-TRAINING = re.compile(r"^(?:\w+ )?training(?: against [\w-]+ padding)?: (?:ragged|packed) .*$", re.M)
-# the data-parallel page: one line per wrapper and launch (gloo on the CPU, NCCL per GPU)
-DATA_PARALLEL = re.compile(r"^data-parallel step: world size (\d+), gradient max difference "
-                           r"to one process (\S+)$", re.M)
-# The key lines of a page's output, by kind, in the summary and on the site.
-KEY_LINES = {
-    "speedup": re.compile(r"^.*\bspeedup \d.*$", re.M),
-    "training": TRAINING,
-    "serving": re.compile(r"^\s*(?:[\w-]+ )*serving\b.*\d.*$", re.M | re.I),
-    # the shared-prompts page: the prefix cache and shared-prefix attention
-    "prefix": re.compile(r"^(?:prefix cache: hit rate|shared-prefix attention: \d).*$", re.M),
-    # the recurrent page: each layer packed against padded, and transformers with and without resets
-    "recurrent": re.compile(r"^(?:recurrent layer [\w ]+: packed|transformers \S+ .* on a packed row: ).*$", re.M),
-    # the timings (median, IQR, peak) with the attention kernels that ran in
-    # brackets, a label wrapped onto a line of its own, and lines naming them
-    "kernels": re.compile(r"^(?:.*\bms \(IQR\b.*|.*MiB\b.*\[[^\]]+\][ \t]*|[ \t]+\[[^\]]+\][ \t]*"
-                          r"|.*\bkernels\b.*)$", re.M),
-    "data_parallel": re.compile(r"^data-parallel step: .*$", re.M),
-}
+FIGURES = "figures.jsonl"  # beside a page's output.txt: the figures it printed, as records (ragged_site/records.py)
 
 
 # --- the machine ---------------------------------------------------------------------
@@ -191,10 +175,9 @@ def probe_environment() -> tuple[dict | None, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), ""
 
 
-def cuda_status(info: dict | None = None, reason: str = "") -> tuple[bool, str]:
-    """Whether this Python's PyTorch sees a CUDA GPU, and a line that says so."""
-    if info is None and not reason:
-        info, reason = probe_environment()
+def cuda_status(info: dict | None, reason: str) -> tuple[bool, str]:
+    """Whether this Python's PyTorch sees a CUDA GPU (``info`` and ``reason``
+    from :func:`probe_environment`), and a line that says so."""
     if info is None:
         return False, (f"gpu-check needs PyTorch with CUDA, and PyTorch does not import in {sys.executable} "
                        f"({reason}); run it with the Python that has it")
@@ -251,31 +234,48 @@ def missing_packages(path: Path) -> list[str]:
     return sorted(name for name in imported & set(OPTIONAL) if importlib.util.find_spec(name) is None)
 
 
-# --- what a page printed -------------------------------------------------------------
+# --- what a page recorded ----------------------------------------------------------
 
-def key_lines(output: str) -> dict[str, list[str]]:
-    """The key lines of a page's output, by kind (:data:`KEY_LINES`)."""
-    return {kind: [m.group(0).rstrip() for m in rx.finditer(output)] for kind, rx in KEY_LINES.items()}
+def page_records(folder: Path) -> tuple[list[dict], str]:
+    """The records of the page run in ``folder`` (:data:`FIGURES`), and why
+    they could not be read ('' where they could): a run goes on past one
+    page's unreadable file."""
+    try:
+        return read_records(folder / FIGURES), ""
+    except (OSError, ValueError) as err:
+        return [], f"{FIGURES} unreadable: {err}"
 
 
-def ordered_key_lines(output: str) -> list[str]:
-    """The key lines in the order the page printed them; before an indented
-    one, the line it sits under ("inference (causal, forward):")."""
-    keep = {line for lines in key_lines(output).values() for line in lines}
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def fractions(records: list[dict]) -> list[float]:
+    """The fractions of the work bound the records hold, as the page printed them."""
+    return [round(r["fraction"], 2) for r in records if _number(r.get("fraction"))]
+
+
+def key_lines(records: list[dict], output: str) -> list[str]:
+    """The lines the site shows of a run: each record's line, in the order
+    the page printed them; before an indented one (a timing's row), the line
+    of the output it sits under ("inference (causal, forward):"), once."""
     lines = [ln.rstrip() for ln in output.splitlines()]
 
     def indent(line):
         return len(line) - len(line.lstrip())
 
-    chosen = set()
-    for i, line in enumerate(lines):
-        if line in keep:
-            chosen.add(i)
-            header = next((j for j in range(i - 1, -1, -1)
-                           if lines[j].strip() and indent(lines[j]) < indent(line)), None)
-            if header is not None:
-                chosen.add(header)
-    return [lines[i] for i in sorted(chosen)]
+    shown, taken, at = [], set(), 0
+    for line in (str(r.get("line", "")).rstrip() for r in records):
+        if line in lines[at:]:
+            i = lines.index(line, at)
+            header = next((j for j in range(i - 1, -1, -1) if lines[j].strip() and indent(lines[j]) < indent(line)),
+                          None)
+            if header is not None and header not in taken:
+                shown.append(lines[header])
+            taken |= {i, header}
+            at = i + 1
+        shown.append(line)
+    return shown
 
 
 def peak_text(peak: dict | None) -> str:
@@ -287,28 +287,27 @@ def peak_text(peak: dict | None) -> str:
     return f"peak {peak['rss_mib']:.1f} MiB RSS" if peak.get("rss_mib") is not None else ""
 
 
-def summarize(stem: str, ok: bool, seconds: float, output: str, *, mode: str = "",
-              peak: dict | None = None, status: str | None = None) -> str:
-    """The one-line summary of a page: status, mode, time, peak memory, the
-    fractions of the work bound, the training and serving lines it printed."""
+def summarize(stem: str, ok: bool, seconds: float, records: list[dict], *, mode: str = "",
+              peak: dict | None = None, status: str | None = None, last: str = "") -> str:
+    """The one-line summary of a page, from its records: status, mode, time,
+    peak memory, the fractions of the work bound, its training and serving
+    lines, the data-parallel gradients; where it failed, ``last`` (the last
+    line it printed)."""
     status = status or ("PASS" if ok else "FAIL")
     line = f"{status:4s} {stem:40s}" + (f" {mode:5s}" if mode else "") + f" {seconds:7.1f} s"
     if peak_text(peak):
         line += f"  {peak_text(peak)}"
-    fractions = FRACTION.findall(output)
-    if fractions:
-        line += "  fractions of bound: " + ", ".join(fractions)
-    training = TRAINING.search(output)
-    if training:
-        line += f"  | {training.group(0)}"
-    for serving in KEY_LINES["serving"].findall(output):
-        line += f"  | {serving.strip()}"
-    steps = DATA_PARALLEL.findall(output)
+    if fractions(records):
+        line += "  fractions of bound: " + ", ".join(f"{f:.2f}" for f in fractions(records))
+    training = [r for r in records if r.get("kind") == "throughput" and "training" in str(r.get("label"))]
+    for r in training + [r for r in records if r.get("kind") == "serving"]:
+        line += f"  | {str(r.get('line', '')).strip()}"
+    steps = [(r.get("world_size"), r.get("max_difference")) for r in records if r.get("kind") == "data_parallel"]
     if steps:
-        line += "  | data-parallel gradients: " + ", ".join(f"world size {w} {d}" for w, d in steps)
+        line += "  | data-parallel gradients: " + ", ".join(
+            f"world size {w} {f'{d:.1e}' if _number(d) else 'not measured'}" for w, d in steps)
     if not ok:
-        last = [ln for ln in output.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
-        line += f"  | {last[0][:160]}"
+        line += f"  | {last[:160] or '(no output)'}"
     return line
 
 
@@ -364,22 +363,17 @@ finally:
 
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the page's process group (the page and everything it
-    started), SIGKILL to what is left after ``GRACE_S``."""
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, None)):
+    started), SIGKILL to what is left after ``GRACE_S`` or once the page ends."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
+            proc.wait(timeout=GRACE_S)
         except subprocess.TimeoutExpired:
-            continue
-        if sig == signal.SIGTERM:  # the page ended: end what it left behind
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return
+            pass
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing of the group is left
+        pass
+    proc.wait()
 
 
 def run_script(argv: list[str], folder: Path, limit: float, env: dict, log_name: str) -> tuple[int | None, float]:
@@ -409,9 +403,11 @@ class PageRun(NamedTuple):
 
 def run_page(path: Path, folder: Path, limit: float, env: dict, *, why: str = "its limit") -> PageRun:
     """Run one page in ``folder``, stopped past ``limit`` seconds (``why``:
-    whose limit, for the line that says so)."""
-    for old in [*folder.glob("figure_*.png"), folder / "peak.json"]:
+    whose limit, for the line that says so); the figures it prints are
+    recorded in ``folder/figures.jsonl`` (:data:`FIGURES`)."""
+    for old in [*folder.glob("figure_*.png"), folder / "peak.json", folder / FIGURES]:
         old.unlink(missing_ok=True)  # a second run into the same folder
+    env = {**env, FIGURES_ENV: str((folder / FIGURES).resolve())}
     returncode, seconds = run_script([sys.executable, "-c", RUNNER, str(path)], folder, limit, env, "output.txt")
     if returncode is None:
         with open(folder / "output.txt", "a", encoding="utf-8") as log:
@@ -472,13 +468,9 @@ def varlen():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError as err:
         return f"not in this PyTorch ({err})"
-    params = [p.name if p.default is p.empty else f"{p.name}={p.default!r}"
-              for p in inspect.signature(varlen_attn).parameters.values()]
-    star = next((i for i, p in enumerate(inspect.signature(varlen_attn).parameters.values())
-                 if p.kind == p.KEYWORD_ONLY), None)
-    if star is not None:
-        params.insert(star, "*")
-    return f"varlen_attn({', '.join(params)})"
+    sig = inspect.signature(varlen_attn)  # without annotations: the names, defaults and the *
+    sig = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()])
+    return f"varlen_attn{sig.replace(return_annotation=sig.empty)}"
 probe("varlen_attn", varlen)
 
 def sdpa_kernel():
@@ -490,9 +482,8 @@ def sdpa_kernel():
     with profile(activities=activities) as prof:
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         sync()
-    ops = sorted({e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
-                  or e.name.startswith("aten::_flash") or e.name.startswith("aten::_efficient")
-                  or e.name.startswith("aten::_cudnn")})
+    prefixes = ("aten::_scaled_dot_product", "aten::_flash", "aten::_efficient", "aten::_cudnn")
+    ops = sorted({e.name for e in prof.events() if e.name.startswith(prefixes)})
     return f"bfloat16, causal, (2, 8, 1024, 64): {', '.join(ops) or 'no SDPA op seen'}"
 probe("SDPA kernel", sdpa_kernel)
 
@@ -590,7 +581,6 @@ def load_gpu_record(src_dir: Path) -> tuple[dict[tuple[str, str], float], float 
 class Estimate(NamedTuple):
     seconds: float
     source: str  # where the figure comes from, as the dry run and a not-run line say it
-    measured: bool  # a recorded GPU run's own duration
 
 
 class Expected:
@@ -606,16 +596,16 @@ class Expected:
 
     def page(self, stem: str, mode: str) -> Estimate:
         if (stem, mode) in self.gpu:
-            return Estimate(self.gpu[stem, mode], "recorded GPU run", True)
+            return Estimate(self.gpu[stem, mode], "recorded GPU run")
         factor = max(GPU_FACTOR[mode], CUDA_COMPILES_FACTOR.get(stem, 0.0))
         if stem in self.cpu:
-            return Estimate(self.cpu[stem] * factor, f"CPU {self.cpu[stem]:.1f} s x {factor:.1f}", False)
-        return Estimate(UNKNOWN_CPU_S * factor, f"no CPU duration: {UNKNOWN_CPU_S:.0f} s x {factor:.1f}", False)
+            return Estimate(self.cpu[stem] * factor, f"CPU {self.cpu[stem]:.1f} s x {factor:.1f}")
+        return Estimate(UNKNOWN_CPU_S * factor, f"no CPU duration: {UNKNOWN_CPU_S:.0f} s x {factor:.1f}")
 
     def preflight(self) -> Estimate:
         if self.gpu_preflight is not None:
-            return Estimate(self.gpu_preflight, "recorded GPU run", True)
-        return Estimate(PREFLIGHT_EXPECTED_S, "assumed", False)
+            return Estimate(self.gpu_preflight, "recorded GPU run")
+        return Estimate(PREFLIGHT_EXPECTED_S, "assumed")
 
     def known(self, stem: str) -> bool:
         return stem in self.cpu or any(s == stem for s, _ in self.gpu)
@@ -636,21 +626,13 @@ class Expected:
                    f"{PREFLIGHT_EXPECTED_S:.0f} s (assumed)"))
 
 
-def full_size_order(stems: list[str], expected: Expected) -> list[str]:
+def page_order(stems: list[str], expected: Expected, mode: str) -> list[str]:
     """:data:`FULL_SIZE_FIRST` in its order, then the other pages, shortest
-    expected first (a page with no duration on record after those with one)."""
+    expected in ``mode`` first (a page with no duration on record after
+    those with one)."""
     def key(stem):
         first = FULL_SIZE_FIRST.index(stem) if stem in FULL_SIZE_FIRST else len(FULL_SIZE_FIRST)
-        return (first, not expected.known(stem), expected.page(stem, "full").seconds, reading_order_key(stem))
-    return sorted(stems, key=key)
-
-
-def quick_order(stems: list[str], expected: Expected) -> list[str]:
-    """The pages for quick mode in the order of :func:`full_size_order`,
-    the others by their expected time in quick mode."""
-    def key(stem):
-        first = FULL_SIZE_FIRST.index(stem) if stem in FULL_SIZE_FIRST else len(FULL_SIZE_FIRST)
-        return (first, not expected.known(stem), expected.page(stem, "quick").seconds, reading_order_key(stem))
+        return (first, not expected.known(stem), expected.page(stem, mode).seconds, reading_order_key(stem))
     return sorted(stems, key=key)
 
 
@@ -666,12 +648,29 @@ class Step(NamedTuple):
     start: float | None  # seconds from the start of the run; None where it does not fit
 
 
+def schedule(stems: list[str], expected: Expected, stages: list[str], take, announce=None) -> None:
+    """The steps of a run, for the plan and the run alike: every page at full
+    size (:func:`page_order`), then quick mode for the pages that did not
+    get a full-size run, in the same order. ``take(stem, mode, estimate)``
+    runs a step where it fits and says whether it did; ``announce(mode,
+    stems)`` starts each stage."""
+    quick = stems
+    if "full" in stages:
+        if announce:
+            announce("full", stems)
+        quick = [s for s in page_order(stems, expected, "full") if not take(s, "full", expected.page(s, "full"))]
+    if "quick" in stages:
+        if announce:
+            announce("quick", quick)
+        for stem in page_order(quick, expected, "quick"):
+            take(stem, "quick", expected.page(stem, "quick"))
+
+
 def plan(stems: list[str], expected: Expected, limit: float, stages: list[str],
          preflight_limit: float = PREFLIGHT_LIMIT_S) -> list[Step]:
-    """The run's timeline as expected: the preflight, every page at full size
-    whose expected time fits what is left (:func:`full_size_order`), then
-    quick mode for the pages that did not fit at full size, while they fit.
-    A step that does not fit has ``start`` None; the run's own decisions are
+    """The run's timeline as expected (:func:`schedule`): the preflight, then
+    each step that fits what is left of ``limit``, by its expected time. A
+    step that does not fit has ``start`` None; the run's own decisions are
     the same ones, taken against its real clock."""
     steps, now = [], 0.0
 
@@ -685,13 +684,7 @@ def plan(stems: list[str], expected: Expected, limit: float, stages: list[str],
     if "preflight" in stages:
         pre = expected.preflight()
         take("preflight", "", pre._replace(seconds=min(pre.seconds, preflight_limit)))
-    quick = stems
-    if "full" in stages:
-        quick = [stem for stem in full_size_order(stems, expected)
-                 if not take(stem, "full", expected.page(stem, "full"))]
-    if "quick" in stages:
-        for stem in quick_order(quick, expected):
-            take(stem, "quick", expected.page(stem, "quick"))
+    schedule(stems, expected, stages, take)
     return steps
 
 
@@ -744,13 +737,10 @@ def print_plan(args, pages: list[Path], expected: Expected, status: str) -> list
     if missed:
         print(f"will not fit at full size ({len(missed)} pages):")
         for s in missed:
-            if (s.stem, "quick") in ran:
-                instead = f"runs in quick mode instead (expected {expected.page(s.stem, 'quick').seconds:.0f} s)"
-            elif "quick" in args.stages:
-                instead = (f"not run in quick mode either (expected {expected.page(s.stem, 'quick').seconds:.0f} "
-                           "s, does not fit)")
-            else:
-                instead = "not run (no quick stage)"
+            quick = f"expected {expected.page(s.stem, 'quick').seconds:.0f} s"
+            instead = (f"runs in quick mode instead ({quick})" if (s.stem, "quick") in ran else
+                       f"not run in quick mode either ({quick}, does not fit)" if "quick" in args.stages else
+                       "not run (no quick stage)")
             print(f"  {s.stem}: expected {s.expected.seconds:.0f} s at full size ({s.expected.source}); {instead}")
     elif "full" in args.stages:
         print("every page fits at full size")
@@ -762,8 +752,8 @@ def print_plan(args, pages: list[Path], expected: Expected, status: str) -> list
         print(f"skipped, a package missing in this Python: {stem} needs {', '.join(missing)}")
     for stem, why in too_few.items():
         print(f"skipped: {stem} {why}")
-    print(f"files: {out}/PAGE/MODE/{{output.txt, figure_N.png, peak.json}}; summary -> {out / 'summary.json'} "
-          "(rewritten after every step)")
+    print(f"files: {out}/PAGE/MODE/{{output.txt, {FIGURES}, figure_N.png, peak.json}}; "
+          f"summary -> {out / 'summary.json'} (rewritten after every step)")
     if args.bundle:
         print(f"brought back: {args.bundle / 'summary.json'} and {args.bundle / BUNDLE_ARCHIVE} (the run without "
               "its compile cache), rewritten after every step")
@@ -792,7 +782,6 @@ class Run:
         self.summary["totals"] = totals(self.summary["pages"])
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
-
         if self.args.bundle:
             write_bundle(self.out, self.args.bundle)
 
@@ -806,30 +795,30 @@ class Run:
         self.add({"page": path.stem, "mode": mode, "status": "not run", "passed": None, "reason": reason,
                   "seconds": 0.0, "md5": source_md5(path), "summary": line})
 
-    def page(self, path: Path, mode: str, own_limit: float | None, expected: Estimate | None = None) -> dict:
-        """Run one page until ``own_limit`` (None: none of its own) or the
-        overall limit, whichever comes first; ``expected``: what the plan
-        expected it to take, kept in the summary beside what it took."""
-        left = self.left()
-        overall = own_limit is None or left < own_limit
-        limit = left if overall else own_limit
+    def page(self, path: Path, mode: str, own_limit: float, expected: Estimate) -> dict:
+        """Run one page until ``own_limit`` or the overall limit, whichever
+        comes first; ``expected``: what the plan expected it to take, kept in
+        the summary beside what it took."""
+        overall = self.left() < own_limit
+        limit = self.left() if overall else own_limit
         why = "the overall limit of the run" if overall else f"its limit in {mode} mode"
         folder = self.out / path.stem / mode
         ran = run_page(path, folder, limit, page_env(self.out, mode == "quick"), why=why)
         status = "pass" if ran.passed else "cut" if ran.stopped and overall else "fail"
         peak = json.loads((folder / "peak.json").read_text()) if (folder / "peak.json").exists() else None
+        records, unreadable = page_records(folder)
+        last = ([ln for ln in ran.output.strip().splitlines() if ln.strip()][-1:] or ["(no output)"])[0]
         entry = {"page": path.stem, "mode": mode, "status": status,
                  "passed": True if ran.passed else (None if status == "cut" else False),
                  "seconds": round(ran.seconds, 1), "limit_s": round(limit, 1),
-                 **({"expected_s": round(expected.seconds, 1), "expected_from": expected.source} if expected else {}),
-                 "fractions": [float(f) for f in FRACTION.findall(ran.output)], **key_lines(ran.output),
-                 "key_lines": ordered_key_lines(ran.output), "peak_mib": peak, "figures": figures(folder),
-                 "folder": f"{path.stem}/{mode}", "md5": source_md5(path),
-                 "summary": summarize(path.stem, ran.passed, ran.seconds, ran.output, mode=mode, peak=peak,
-                                      status="CUT" if status == "cut" else None)}
+                 "expected_s": round(expected.seconds, 1), "expected_from": expected.source,
+                 "fractions": fractions(records), "key_lines": key_lines(records, ran.output), "records": records,
+                 **({"records_unreadable": unreadable} if unreadable else {}),
+                 "peak_mib": peak, "figures": figures(folder), "folder": f"{path.stem}/{mode}", "md5": source_md5(path),
+                 "summary": summarize(path.stem, ran.passed, ran.seconds, records, mode=mode, peak=peak,
+                                      status="CUT" if status == "cut" else None, last=last)}
         if not ran.passed:
-            entry["reason"] = ([ln for ln in ran.output.strip().splitlines() if ln.strip()][-1:]
-                               or ["(no output)"])[0]
+            entry["reason"] = last
         self.add(entry)
         return entry
 
@@ -895,17 +884,15 @@ def check(args) -> int:
     start = time.monotonic()  # the overall limit counts from here
     info, reason = probe_environment()
     ok, status = cuda_status(info, reason)
-    expected = Expected(args.source)
+    expected, pages = Expected(args.source), pages_of(args.source, args.pages)
     if args.dry_run:
         if args.gpus is None:
             args.gpus = info.get("gpus", 0) if ok else LENT_GPUS
-        pages = pages_of(args.source, args.pages)
         print_plan(args, pages, expected, status)
         return 0 if pages else 1
     if not ok and not args.allow_cpu:
         print(f"error: {status}", file=sys.stderr)
         return 2
-    pages = pages_of(args.source, args.pages)
     if not pages:
         print(f"error: no tutorial matches {args.pages!r}", file=sys.stderr)
         return 1
@@ -923,41 +910,30 @@ def check(args) -> int:
     runnable, gpus = {}, (info or {}).get("gpus", 0)
     for path in pages:
         missing, too_few = missing_packages(path), needs_more_gpus(path, gpus)
-        if missing:
-            skipped = f"needs {', '.join(missing)}"
-            line = (f"SKIP {path.stem:40s} needs {', '.join(missing)}, not installed here: "
-                    + "; ".join(OPTIONAL[m] for m in missing))
-        elif too_few:
-            skipped, line = too_few, f"SKIP {path.stem:40s} {too_few}"
-        else:
+        if not missing and not too_few:
             runnable[path.stem] = path
             continue
+        skipped = f"needs {', '.join(missing)}" if missing else too_few
+        why = f"{skipped}, not installed here: " + "; ".join(OPTIONAL[m] for m in missing) if missing else too_few
         run.add({"page": path.stem, "mode": "full" if "full" in args.stages else "quick", "status": "skip",
                  "passed": None, "skipped": skipped, "seconds": 0.0, "fractions": [],
-                 "md5": source_md5(path), "summary": line})
-    quick = list(runnable)  # the pages quick mode is for: those without a full-size run
-    if "full" in args.stages:
-        print(f"== full size, {len(runnable)} pages while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
-        quick = []
-        for stem in full_size_order(list(runnable), expected):
-            estimate = expected.page(stem, "full")
-            if fits(estimate, run.left()):
-                run.page(runnable[stem], "full", args.page_limit, estimate)
-            else:
-                instead = "; quick mode instead, if it fits" if "quick" in args.stages else ""
-                run.not_run(runnable[stem], "full", f"expected {estimate.seconds:.0f} s ({estimate.source}), "
-                            f"{max(run.left(), 0):.0f} s left of the overall limit{instead}")
-                quick.append(stem)
-    if "quick" in args.stages:
-        print(f"== quick mode, {len(quick)} pages {'without a full-size run ' if 'full' in args.stages else ''}"
-              f"while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
-        for stem in quick_order(quick, expected):
-            estimate = expected.page(stem, "quick")
-            if fits(estimate, run.left()):
-                run.page(runnable[stem], "quick", args.page_limit, estimate)
-            else:
-                run.not_run(runnable[stem], "quick", f"expected {estimate.seconds:.0f} s ({estimate.source}), "
-                            f"{max(run.left(), 0):.0f} s left of the overall limit")
+                 "md5": source_md5(path), "summary": f"SKIP {path.stem:40s} {why}"})
+
+    def announce(mode, stems):
+        stage = "full size" if mode == "full" else "quick mode"
+        without = "without a full-size run " if mode == "quick" and "full" in args.stages else ""
+        print(f"== {stage}, {len(stems)} pages {without}while they fit ({max(run.left(), 0):.0f} s left)", flush=True)
+
+    def take(stem, mode, estimate):
+        if fits(estimate, run.left()):
+            run.page(runnable[stem], mode, args.page_limit, estimate)
+            return True
+        instead = "; quick mode instead, if it fits" if mode == "full" and "quick" in args.stages else ""
+        run.not_run(runnable[stem], mode, f"expected {estimate.seconds:.0f} s ({estimate.source}), "
+                    f"{max(run.left(), 0):.0f} s left of the overall limit{instead}")
+        return False
+
+    schedule(list(runnable), expected, args.stages, take, announce)
     run.save()
     print(total_line(run), flush=True)
     failed = any(e["status"] == "fail" for e in run.summary["pages"])
@@ -992,9 +968,7 @@ def record(out: Path, into: Path, commit: str | None = None, allow_cpu: bool = F
     for entry in summary["pages"]:
         page = pages.setdefault(entry["page"], {"md5": entry.get("md5"), "runs": []})
         run = {k: entry[k] for k in ("mode", "status", "seconds", "limit_s", "reason", "skipped") if k in entry}
-        run["peak_mib"] = entry.get("peak_mib")
-        run["key_lines"] = entry.get("key_lines", [])
-        page["runs"].append(run)
+        page["runs"].append({**run, "peak_mib": entry.get("peak_mib"), "key_lines": entry.get("key_lines", [])})
     figures_dir = into / "figures"
     if figures_dir.exists():
         shutil.rmtree(figures_dir)

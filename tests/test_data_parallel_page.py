@@ -206,10 +206,10 @@ def test_gpu_check_summarizes_every_data_parallel_line():
     sys.path.insert(0, str(REPO / "scripts"))
     import gpu_check
 
-    output = ("DDP:\ndata-parallel step: world size 2, gradient max difference to one process 2.2e-08\n"
-              "FSDP2:\ndata-parallel step: world size 2, gradient max difference to one process 3.1e-08\n"
-              "data-parallel step: world size 1, gradient max difference to one process 4.0e-07\n")
-    line = gpu_check.summarize("data_parallel_packed_training", True, 61.0, output)
+    records = [{"kind": "data_parallel", "label": name, "world_size": n, "max_difference": d,
+                "line": f"data-parallel step: world size {n}, gradient max difference to one process {d:.1e}"}
+               for name, n, d in (("DDP", 2, 2.2e-08), ("FSDP2", 2, 3.1e-08), ("DDP", 1, 4.0e-07))]
+    line = gpu_check.summarize("data_parallel_packed_training", True, 61.0, records)
     assert line.endswith("| data-parallel gradients: world size 2 2.2e-08, world size 2 3.1e-08, "
                          "world size 1 4.0e-07"), line
 

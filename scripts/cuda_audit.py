@@ -2,40 +2,29 @@
 mode, checked on a machine without a GPU against what the GPU run will ask
 of them, before a lent GPU's minutes are spent finding out.
 
-A page states its sizes in one literal dict at its top (CONTRIBUTING.md,
-"Device and sizes")::
+A page states its sizes in one literal dict at its top, ``SIZES = {"cuda":
+{...}, "cpu": {...}, "quick": {...}}`` (CONTRIBUTING.md, "Device and
+sizes"). The audit reads it with ``ast.literal_eval`` (nothing of the page
+runs), merges it as the page will on a GPU (``page_sizes(SIZES, "cuda",
+quick)``), and checks, for ``full`` and ``quick``:
 
-    SIZES = {"cuda": {...}, "cpu": {...}, "quick": {...}}
-
-The audit reads it from the page's source with ``ast.literal_eval`` (nothing
-of the page runs), merges it as the page will on a GPU
-(``ragged_site.page.page_sizes(SIZES, "cuda", quick)``), and checks,
-for ``full`` and ``quick``:
-
-* attention: every head configuration the sizes describe, found anywhere in
-  them (a dict with a width ``dim``, ``hidden_size``, ``embed`` or
-  ``d_model`` and a head count ``n_heads``, ``num_attention_heads``,
-  ``heads`` or ``nhead``, or an explicit ``head_dim``; key/value heads
-  ``n_kv_heads``, ``num_key_value_heads`` or ``kv_heads``): the width
-  divides into the heads, the heads into the key/value heads, and the head
-  size passes ``backend_support`` for ``varlen`` and ``flex`` on a CUDA GPU
-  of compute capability 9.0 (the lent H100/H200) in ``bfloat16``, causal,
-  with and without gradients;
+* attention: every head configuration, at any depth (a dict with a width
+  of :data:`WIDTH` and a head count of :data:`HEADS`, or a ``head_dim``;
+  key/value heads :data:`KV_HEADS`): the width divides into the heads, the
+  heads into the key/value heads, and the head size passes
+  ``backend_support`` for ``varlen`` and ``flex`` on a CUDA GPU of compute
+  capability 9.0 (the lent H100/H200) in ``bfloat16``, causal, with and
+  without gradients;
 * data: ``train_tokens`` at most the tokens (bytes) of
-  ``docstring_corpus(min_chars, limit=corpus_documents)``, and
-  ``corpus_documents`` and ``requests`` at most the documents there are
-  (``min_chars`` and ``corpus_documents`` where the sizes state them, else
-  ``docstring_corpus``'s defaults). The corpus is read once per process, from
-  this Python's standard library.
+  ``docstring_corpus(min_chars, limit=corpus_documents)``, ``corpus_documents``
+  and ``requests`` at most its documents (see :func:`data_faults`); the
+  corpus is this Python's standard library, read once per process.
 
 A page with no ``SIZES`` literal fails, named. With ``--fake`` (a CUDA build
-of PyTorch, no GPU needed), each model the CUDA sizes describe as a
-``GPTConfig`` is also built on a fake CUDA device in ``bfloat16``
-(``FakeTensorMode``: shapes, dtypes and devices, no data) and run: a packed
-forward through ``PackedLayout(plan_batch(offsets, backend=b,
-is_causal=True))`` for ``varlen`` and ``flex``, and decode steps against a
-``KVCache`` (the fixed-shape ``CachedStep``, and a packed step through each
-backend). See :func:`fake_forward` for how far that reaches.
+of PyTorch, no GPU needed), each ``GPTConfig`` the CUDA sizes describe is
+also built and run on a fake CUDA device (``FakeTensorMode``: shapes, dtypes
+and devices, no data), through the library's public API alone, patching
+nothing of it: :func:`fake_forward` says what runs and how far it reaches.
 
 ``python scripts/cuda_audit.py [--fake] [--pages PATTERN] [PAGE.py ...]``
 prints a line per page and mode and each fault, and exits 1 if there is any
@@ -47,11 +36,13 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
 import re
 import sys
+import unittest.mock
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,11 +50,19 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask
 
-from ragged_toolkit.attention import backend_support  # noqa: E402
 from ragged_site.corpus import docstring_corpus
-from ragged_site.page import page_sizes  # noqa: E402
+from ragged_site.page import page_sizes
+from ragged_toolkit.attention import BatchPlan, backend_support, plan_batch
+from ragged_toolkit.attention.flex import FlexKernel
+from ragged_toolkit.batches import offsets_from_lengths
+from ragged_toolkit.gpt import GPT, GPTConfig
+from ragged_toolkit.kv_cache import CachedStep, KVCache
+from ragged_toolkit.layouts import PackedLayout
 
 MODES = ("full", "quick")
 BACKENDS = ("varlen", "flex")  # the CUDA paths the pages call through ragged_attention
@@ -73,7 +72,6 @@ DTYPE = torch.bfloat16  # default_dtype on such a GPU
 WIDTH = ("dim", "hidden_size", "embed", "d_model")
 HEADS = ("n_heads", "num_attention_heads", "heads", "nhead")
 KV_HEADS = ("n_kv_heads", "num_key_value_heads", "kv_heads")
-HEAD_DIM = ("head_dim",)
 _CORPUS_DEFAULTS = {name: p.default for name, p in inspect.signature(docstring_corpus).parameters.items()}
 
 
@@ -83,8 +81,8 @@ class NoSizes(ValueError):
 
 def read_sizes(path: Path) -> dict:
     """The ``SIZES`` dict a page assigns at its top level, read from its
-    source with ``ast.literal_eval``. Raises :class:`NoSizes` naming the page
-    and what is wrong."""
+    source with ``ast.literal_eval`` (``dict(key=literal, ...)`` read as a
+    dict display). Raises :class:`NoSizes` naming the page and what is wrong."""
     tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
     found = [node for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
              and any(isinstance(t, ast.Name) and t.id == "SIZES"
@@ -93,24 +91,23 @@ def read_sizes(path: Path) -> dict:
         raise NoSizes(f"{Path(path).name}: no SIZES literal at the top level: state the CUDA, CPU and quick sizes "
                       "in one dict, SIZES = {'cuda': {...}, 'cpu': {...}, 'quick': {...}} "
                       "(CONTRIBUTING.md, 'Device and sizes')")
+    where = f"{Path(path).name}, line {found[0].lineno}"
     try:
-        sizes = ast.literal_eval(_dict_calls_as_literals(found[0].value))
+        sizes = ast.literal_eval(ast.fix_missing_locations(_DictCalls().visit(copy.deepcopy(found[0].value))))
     except ValueError as err:
-        raise NoSizes(f"{Path(path).name}, line {found[0].lineno}: SIZES is not a literal ({err}): write its "
-                      "values out, so that it can be read without running the page") from None
-    if not isinstance(sizes, dict) or not isinstance(sizes.get("cuda"), dict) or \
-            not isinstance(sizes.get("cpu"), dict) or not isinstance(sizes.get("quick", {}), dict):
-        raise NoSizes(f"{Path(path).name}, line {found[0].lineno}: SIZES must be a dict with 'cuda' and 'cpu' dicts "
-                      "and an optional 'quick' dict")
+        raise NoSizes(f"{where}: SIZES is not a literal ({err}): write its values out, so that it can be read "
+                      "without running the page") from None
+    if not isinstance(sizes, dict) or not {"cuda", "cpu"} <= set(sizes) \
+            or not all(isinstance(sizes.get(k, {}), dict) for k in ("cuda", "cpu", "quick")):
+        raise NoSizes(f"{where}: SIZES must be a dict with 'cuda' and 'cpu' dicts and an optional 'quick' dict")
     unknown = set(sizes) - {"cuda", "cpu", "quick"}
     if unknown:
-        raise NoSizes(f"{Path(path).name}, line {found[0].lineno}: SIZES has keys {sorted(unknown)}; "
-                      "only 'cuda', 'cpu' and 'quick'")
+        raise NoSizes(f"{where}: SIZES has keys {sorted(unknown)}; only 'cuda', 'cpu' and 'quick'")
     return sizes
 
 
 class _DictCalls(ast.NodeTransformer):
-    # dict(a=1, b=2), as CONTRIBUTING.md writes SIZES, is {"a": 1, "b": 2}
+    # dict(a=1, b=2), as CONTRIBUTING.md writes SIZES, is {"a": 1, "b": 2}; any other call stays, and fails
     def visit_Call(self, node):
         self.generic_visit(node)
         if isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args \
@@ -120,17 +117,19 @@ class _DictCalls(ast.NodeTransformer):
         return node
 
 
-def _dict_calls_as_literals(node: ast.expr) -> ast.expr:
-    """``node`` with every ``dict(key=literal, ...)`` written as a dict display,
-    for ``ast.literal_eval``; any other call stays, and fails there."""
-    import copy
+def nested(sizes: dict, where: str = ""):
+    """``(where, d)`` for ``sizes`` and every dict nested in it, ``where``
+    its dotted path ("" at the top)."""
+    yield where, sizes
+    for key, value in sizes.items():
+        if isinstance(value, dict):
+            yield from nested(value, f"{where}.{key}" if where else key)
 
-    return ast.fix_missing_locations(_DictCalls().visit(copy.deepcopy(node)))
 
-
-def cuda_sizes(sizes: dict, mode: str) -> dict:
-    """The sizes a page picks on a GPU, at full size or in quick mode."""
-    return page_sizes(sizes, "cuda", mode == "quick")
+def not_integers(values: dict, least: int) -> list[str]:
+    """A fault for each of ``values`` that is not an integer of at least ``least`` (1 or 0)."""
+    kind = "positive" if least else "non-negative"
+    return [f"{k} {v!r} is not a {kind} integer" for k, v in values.items() if type(v) is not int or v < least]
 
 
 # --- attention -------------------------------------------------------------------------
@@ -143,54 +142,32 @@ class Heads(NamedTuple):
     head_dim: int | None  # as stated
 
 
-def _first(node: dict, names: tuple[str, ...]):
-    return next(((name, node[name]) for name in names if name in node), (None, None))
-
-
-def find_heads(sizes: dict, where: str = "") -> list[Heads]:
+def find_heads(sizes: dict) -> list[Heads]:
     """Every head configuration in ``sizes``, its nested dicts too."""
-    found = []
-    (_, width), (_, heads), (_, kv), (_, head_dim) = (_first(sizes, names) for names in
-                                                       (WIDTH, HEADS, KV_HEADS, HEAD_DIM))
-    if heads is not None or head_dim is not None:
-        found.append(Heads(where or "top level", width, heads, kv, head_dim))
-    for key, value in sizes.items():
-        if isinstance(value, dict):
-            found += find_heads(value, f"{where}.{key}" if where else key)
-    return found
+    first = lambda d, names: next((d[n] for n in names if n in d), None)
+    return [Heads(where or "top level", first(d, WIDTH), first(d, HEADS), first(d, KV_HEADS), d.get("head_dim"))
+            for where, d in nested(sizes) if first(d, HEADS) is not None or "head_dim" in d]
 
 
-@contextlib.contextmanager
-def capability(cap=CAPABILITY):
-    """``torch.cuda.get_device_capability`` answering ``cap``, as on the GPU
+def capability():
+    """``torch.cuda.get_device_capability`` answering 9.0, as on the GPU
     machine (``tests/test_gpu_rules.py`` does the same)."""
-    real = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda device=None: cap
-    try:
-        yield
-    finally:
-        torch.cuda.get_device_capability = real
+    return unittest.mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: CAPABILITY)
 
 
 def head_faults(h: Heads) -> tuple[int | None, list[str]]:
     """The head size of ``h`` and what is wrong with it on the GPU machine."""
-    names = dict(zip(("width", "heads", "kv_heads", "head_dim"), h[1:]))
-    bad = [f"{k} {v!r} is not a positive integer" for k, v in names.items()
-           if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0)]
+    bad = not_integers({k: v for k, v in zip(Heads._fields[1:], h[1:]) if v is not None}, 1)
     if bad:
         return None, [f"{h.where}: {', '.join(bad)}"]
-    faults = []
-    if h.head_dim is not None:
-        head_dim = h.head_dim
-    elif h.width is None:
+    if h.head_dim is None and h.width is None:
         return None, [f"{h.where}: {h.heads} heads but no width ({', '.join(WIDTH)}) or head_dim to size them"]
-    else:
-        head_dim = h.width // h.heads
-        if h.width % h.heads:
-            faults.append(f"{h.where}: width {h.width} does not divide into {h.heads} heads")
-    if h.kv_heads is not None and h.heads is not None and h.heads % h.kv_heads:
+    head_dim = h.head_dim or h.width // h.heads
+    faults = [f"{h.where}: width {h.width} does not divide into {h.heads} heads"] \
+        if h.head_dim is None and h.width % h.heads else []
+    gqa = None not in (h.heads, h.kv_heads) and h.kv_heads != h.heads
+    if gqa and h.heads % h.kv_heads:
         faults.append(f"{h.where}: {h.heads} query heads do not divide into {h.kv_heads} key/value heads")
-    gqa = h.kv_heads is not None and h.heads is not None and h.kv_heads != h.heads
     with capability():
         for backend in BACKENDS:
             why = {backend_support(backend, "cuda", DTYPE, is_causal=True, needs_grad=grad, gqa=gqa,
@@ -201,20 +178,12 @@ def head_faults(h: Heads) -> tuple[int | None, list[str]]:
 
 # --- data ------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def corpus_lengths(min_chars: int) -> tuple[int, ...]:
     """The length in tokens (bytes) of every document of the corpus with at
     least ``min_chars`` characters, all of them: read once per process."""
     documents, _ = docstring_corpus(min_chars=min_chars, limit=None)
     return tuple(len(d) for d in documents)
-
-
-def _find(sizes: dict, names: tuple[str, ...]) -> list[tuple[str, object]]:
-    found = [(name, sizes[name]) for name in names if name in sizes]
-    for key, value in sizes.items():
-        if isinstance(value, dict):
-            found += [(f"{key}.{n}", v) for n, v in _find(value, names)]
-    return found
 
 
 def corpus_call(path: Path) -> dict:
@@ -235,13 +204,12 @@ def data_faults(sizes: dict, call: dict | None = None) -> tuple[str, list[str]]:
     ``corpus_documents``), else the constants of the page's call
     (``call``, :func:`corpus_call`), else ``docstring_corpus``'s defaults."""
     call = {**_CORPUS_DEFAULTS, **(call or {})}
-    asks = {name: value for name, value in _find(sizes, ("train_tokens", "corpus_documents", "requests",
-                                                         "min_chars", "corpus_min_chars"))}
+    asks = {f"{where}.{n}" if where else n: d[n] for where, d in nested(sizes)
+            for n in ("train_tokens", "corpus_documents", "requests", "min_chars", "corpus_min_chars") if n in d}
     short = {name.split(".")[-1]: value for name, value in asks.items()}
     if not {"train_tokens", "corpus_documents", "requests"} & set(short):
         return "no corpus sizes", []
-    bad = [f"{n} {v!r} is not a non-negative integer" for n, v in asks.items()
-           if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    bad = not_integers(asks, 0)
     if bad:
         return "corpus sizes", bad
     min_chars = short.get("corpus_min_chars", short.get("min_chars", call["min_chars"]))
@@ -249,20 +217,18 @@ def data_faults(sizes: dict, call: dict | None = None) -> tuple[str, list[str]]:
     lengths = corpus_lengths(min_chars)
     read = lengths[:limit]
     tokens = sum(read)
-    line = (f"corpus (min_chars {min_chars}): {len(lengths)} documents; the first {len(read)} hold {tokens:,} "
-            f"tokens")
+    read_as = f"docstring_corpus(min_chars={min_chars}, limit={limit})"
     faults = []
-    if "corpus_documents" in short and short["corpus_documents"] > len(lengths):
+    if short.get("corpus_documents", 0) > len(lengths):
         faults.append(f"corpus_documents {short['corpus_documents']:,} > the {len(lengths):,} documents of at "
                       f"least {min_chars} characters the corpus has")
-    if "train_tokens" in short and short["train_tokens"] > tokens:
+    if short.get("train_tokens", 0) > tokens:
         faults.append(f"train_tokens {short['train_tokens']:,} > the {tokens:,} tokens of the {len(read):,} "
-                      f"documents read (docstring_corpus(min_chars={min_chars}, limit={limit})): "
-                      f"{short['train_tokens'] / max(tokens, 1):.2f}x the corpus")
-    if "requests" in short and short["requests"] > len(read):
-        faults.append(f"requests {short['requests']:,} > the {len(read):,} documents read "
-                      f"(docstring_corpus(min_chars={min_chars}, limit={limit}))")
-    return line, faults
+                      f"documents read ({read_as}): {short['train_tokens'] / max(tokens, 1):.2f}x the corpus")
+    if short.get("requests", 0) > len(read):
+        faults.append(f"requests {short['requests']:,} > the {len(read):,} documents read ({read_as})")
+    return (f"corpus (min_chars {min_chars}): {len(lengths)} documents; the first {len(read)} hold {tokens:,} "
+            "tokens"), faults
 
 
 # --- a page ----------------------------------------------------------------------------
@@ -270,12 +236,13 @@ def data_faults(sizes: dict, call: dict | None = None) -> tuple[str, list[str]]:
 @dataclasses.dataclass
 class PageAudit:
     stem: str
-    lines: list[str]  # what was checked, one line per mode
+    lines: list[str]  # what was checked, one line per mode (and, with fake, per model and backend)
     faults: list[str]  # "page (mode): what is wrong"
 
 
-def audit_page(path: Path) -> PageAudit:
-    """The audit of one page's CUDA sizes, at full size and in quick mode."""
+def audit_page(path: Path, fake: bool = False) -> PageAudit:
+    """The audit of one page's CUDA sizes, at full size and in quick mode;
+    ``fake``: with :func:`fake_forward` of each GPT model they describe."""
     stem = Path(path).stem
     try:
         sizes = read_sizes(path)
@@ -283,10 +250,9 @@ def audit_page(path: Path) -> PageAudit:
         return PageAudit(stem, [], [str(err)])
     lines, faults, call = [], [], corpus_call(path)
     for mode in MODES:
-        chosen = cuda_sizes(sizes, mode)
-        found = find_heads(chosen)
+        chosen = page_sizes(sizes, "cuda", mode == "quick")
         heads = []
-        for h in found:
+        for h in find_heads(chosen):
             head_dim, wrong = head_faults(h)
             faults += [f"{stem} ({mode}): {w}" for w in wrong]
             if head_dim is not None:
@@ -295,11 +261,18 @@ def audit_page(path: Path) -> PageAudit:
         data, wrong = data_faults(chosen, call)
         faults += [f"{stem} ({mode}): {w}" for w in wrong]
         lines.append(f"{stem} ({mode}): {'; '.join(heads) or 'no attention sizes'}; {data}")
+        models = gpt_models(chosen) if fake else []
+        if fake and not models:
+            lines.append(f"{stem} ({mode}): no GPTConfig in the CUDA sizes")
+        for where, model in models:
+            ok, wrong = fake_forward(model)
+            lines += [f"{stem} ({mode}) {where}: {line}" for line in ok]
+            faults += [f"{stem} ({mode}) {where}: {w}" for w in wrong]
     return PageAudit(stem, lines, faults)
 
 
-def audit(paths: list[Path]) -> list[PageAudit]:
-    return [audit_page(p) for p in paths]
+def audit(paths: list[Path], fake: bool = False) -> list[PageAudit]:
+    return [audit_page(p, fake) for p in paths]
 
 
 def page_paths(source: Path = ROOT, pattern: str = "") -> list[Path]:
@@ -311,197 +284,91 @@ def page_paths(source: Path = ROOT, pattern: str = "") -> list[Path]:
 
 def fake_cuda_reason() -> str | None:
     """Why fake CUDA tensors cannot be made with this PyTorch (None if they can)."""
-    if torch.version.cuda is None:
-        return (f"PyTorch {torch.__version__} is a CPU build: fake CUDA tensors need a CUDA build "
-                "(no GPU needed), e.g. 2.11.0+cu130, the GPU machine's")
-    return None
+    return None if torch.version.cuda else (f"PyTorch {torch.__version__} is a CPU build: fake CUDA tensors need "
+                                            "a CUDA build (no GPU needed), e.g. 2.11.0+cu130, the GPU machine's")
 
 
-def gpt_models(sizes: dict, where: str = "") -> list[tuple[str, dict]]:
+def gpt_models(sizes: dict) -> list[tuple[str, dict]]:
     """The dicts in ``sizes`` that describe a ``GPTConfig`` (every field
     without a default is there)."""
-    from ragged_toolkit.gpt import GPTConfig
-
     need = {f.name for f in dataclasses.fields(GPTConfig) if f.default is dataclasses.MISSING}
-    found = [(where or "top level", sizes)] if need <= set(sizes) else []
-    for key, value in sizes.items():
-        if isinstance(value, dict):
-            found += gpt_models(value, f"{where}.{key}" if where else key)
-    return found
+    return [(where or "top level", d) for where, d in nested(sizes) if need <= set(d)]
 
 
-class _Host:
-    """Inside ``FakeTensorMode``: tensors on the fake CUDA device that keep
-    their real values on the host, for the few reads ``plan_batch`` makes
-    on the host (lengths as Python ints): ``plan._lengths``, ``kv_used.tolist()``,
-    and the tables ``flex`` builds from the offsets with ``token_index``."""
-
-    def __init__(self, mode, unset):
-        self.mode, self.unset = mode, unset
-
-    def tensor(self, values) -> torch.Tensor:
-        """A fake CUDA tensor of ``values`` (a list or a real CPU tensor) that
-        keeps them on the host."""
-        with self.unset():
-            host = torch.as_tensor(values)
-        fake = host.to("cuda")  # a real CPU tensor in the mode: a fake CUDA copy
-        fake._audit_host = host
-        fake.tolist = host.tolist
-        return fake
-
-    def offsets_from_lengths(self, lengths, device=None):
-        from ragged_toolkit import batches
-
-        if isinstance(lengths, torch.Tensor):
-            lengths = getattr(lengths, "_audit_host", lengths)
-        with self.unset():
-            host = batches.offsets_from_lengths(lengths)
-        return self.tensor(host) if torch.device(device or "cpu").type == "cuda" else host
-
-    def token_index(self, offsets):
-        from ragged_toolkit import batches
-
-        host = getattr(offsets, "_audit_host", None)
-        if host is None:
-            return batches.token_index(offsets)
-        with self.unset():
-            seq, pos = batches.token_index(host)
-        return seq.to("cuda"), pos.to("cuda")
-
-    def lengths(self, real):
-        def _lengths(q_offsets, kv_offsets):
-            q, kv = (getattr(t, "_audit_host", None) for t in (q_offsets, kv_offsets))
-            if q is None or kv is None:
-                raise RuntimeError("cuda_audit: an offsets tensor with no host values reached plan_batch")
-            with self.unset():
-                return real(q, kv)
-        return _lengths
-
-
-@contextlib.contextmanager
-def fake_cuda():
-    """``FakeTensorMode`` with CUDA as the lent machine has it (compute
-    capability 9.0), the host reads of a plan answered from real values
-    (:class:`_Host`). Yields the :class:`_Host`. The plans' FlexAttention
-    kernel is the audit's own (:func:`fake_flex_kernel`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-
-    from ragged_toolkit.attention import flex, plan
-
-    host = _Host(None, unset_fake_temporarily)
-    patches = [(plan, "_lengths", host.lengths(plan._lengths)),
-               (plan, "offsets_from_lengths", host.offsets_from_lengths),
-               (flex, "offsets_from_lengths", host.offsets_from_lengths), (flex, "token_index", host.token_index)]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    for module, name, value in patches:
-        setattr(module, name, value)
-    torch._dynamo.reset()
-    try:
-        with capability(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            host.mode = mode
-            yield host
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-        torch._dynamo.reset()
-
-
-def fake_flex_kernel():
-    """FlexAttention compiled as on CUDA (``dynamic=True``) but to
-    ``aot_eager``: inductor's lowering asks the driver for the GPU's
-    properties. The library's public seam: ``FlexKernel``'s
-    ``compile_backend``."""
-    from ragged_toolkit.attention.flex import FlexKernel
-
-    return FlexKernel(dynamic=True, compile_backend="aot_eager")
-
-
-def _model_on_fake_cuda(cfg):
-    from ragged_toolkit.gpt import GPT
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPE)  # parameters made in bfloat16 (.to() cannot swap fake parameters)
-    try:
-        with torch.device("cuda"):
-            return GPT(cfg)
-    finally:
-        torch.set_default_dtype(default)
+def on_fake_cuda(x):
+    """``x`` with every tensor copied to the fake CUDA device (call inside
+    ``FakeTensorMode``): a tensor, a ``BlockMask``, a tuple, or a
+    ``BatchPlan``, field by field (its ``prepared`` and ``nonempty`` too).
+    TODO(issue 38): were ``plan_batch`` to take the lengths its caller holds
+    on the host, the plans could be built on the fake device, and this go."""
+    if isinstance(x, (torch.Tensor, BlockMask)):
+        return x.to("cuda")  # a real CPU tensor in the mode: a fake CUDA copy
+    if isinstance(x, tuple):
+        return tuple(on_fake_cuda(y) for y in x)
+    if isinstance(x, BatchPlan):
+        return dataclasses.replace(x, **{f.name: on_fake_cuda(getattr(x, f.name))
+                                         for f in dataclasses.fields(x) if f.init})
+    return x
 
 
 def fake_forward(model: dict, backends=BACKENDS) -> tuple[list[str], list[str]]:
     """Build ``GPT(GPTConfig(**model))`` on a fake CUDA device in bfloat16 and
-    run, for each backend, a packed forward of three sequences (the longest
-    ``max_seq_len``, one of about half, one of a single token) through
-    ``PackedLayout(plan_batch(offsets, backend=b, is_causal=True))`` and one
-    of two other sequences (FlexAttention should trace no second graph for
-    it, as it compiles with dynamic shapes on CUDA), then a
-    decode step for each sequence against a ``KVCache``: the fixed-shape
-    ``CachedStep`` (SDPA with a mask) and a packed step through the backend
-    (``plan_batch`` with ``kv_used``). Checks each output's shape, dtype and
-    device. Returns (lines, faults).
+    run, for each backend, packed forwards of three sequences (``max_seq_len``
+    tokens, about half, one) and of two others through ``PackedLayout(plan)``,
+    then a decode step per sequence against a ``KVCache``: ``CachedStep``
+    (SDPA with a mask) and a packed step through the backend (``kv_used``).
+    Checks each output's shape, dtype and device. Returns (lines, faults).
 
-    How far it reaches: the toolkit's own code runs as on the GPU (the
-    checks of ``ragged_attention`` and ``backend_support`` with a CUDA
-    device, ``varlen``'s keyword adaptation to this release, the plan's
-    index tensors, the ``BlockMask`` ``create_block_mask`` builds on CUDA,
-    dynamo tracing FlexAttention with dynamic shapes). Not reached: any
-    kernel (fake kernels check shapes and dtypes, not the CUDA kernels'
-    limits, which :func:`head_faults` checks from ``backend_support``),
-    inductor and triton (lowering asks the driver), a backward pass,
-    memory, and numbers."""
-    from ragged_toolkit.attention import plan_batch
-    from ragged_toolkit.gpt import GPTConfig
-    from ragged_toolkit.kv_cache import CachedStep, KVCache
-    from ragged_toolkit.layouts import PackedLayout
-
+    Reached: the model and ``ragged_attention`` as on the GPU (its checks and
+    ``backend_support`` with a CUDA device, ``varlen``'s keyword adaptation
+    to this release, dynamo tracing FlexAttention with dynamic shapes, to
+    ``aot_eager``: inductor's lowering asks the driver). Not reached:
+    ``plan_batch`` on a CUDA device (each plan is built on the host from real
+    CPU offsets, as a fake tensor has no lengths to read, and copied to the
+    fake device with :func:`on_fake_cuda`: the index tensors and
+    ``BlockMask`` are built on the CPU, and the mask's function reads tables
+    left there); any kernel (fake kernels check shapes and dtypes, not the
+    CUDA kernels' limits: :func:`head_faults` does); inductor and triton; a
+    backward pass; memory; numbers."""
     try:
         cfg = GPTConfig(**model)
     except TypeError as err:
         return [], [f"GPTConfig(**model): {err}"]
-    longest = cfg.max_seq_len
-    lengths = [longest, longest // 2 + 1, 1]
-    lines, faults = [], []
+    longest, vocab = cfg.max_seq_len, cfg.vocab_size
+    batches = ([longest, longest // 2 + 1, 1], [max(2, longest // 3), 7])
+    prompts = batches[0]  # decode: one new token per sequence after its prompt
+    b, lines, faults, default = len(prompts), [], [], torch.get_default_dtype()
     for backend in backends:
         try:
-            with fake_cuda() as host:
-                flex = fake_flex_kernel()
-                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                net = _model_on_fake_cuda(cfg)
-                # two packed batches of different sizes: one graph for both, with dynamic shapes
-                for batch in (lengths, [max(2, longest // 3), 7]):
-                    n = sum(batch)
-                    tokens = torch.zeros(n, dtype=torch.long, device="cuda")
-                    positions = torch.cat([torch.arange(k, device="cuda") for k in batch])
-                    offsets = host.offsets_from_lengths(batch, "cuda")
-                    with torch.no_grad(), _flash_only(backend):
-                        layout = PackedLayout(plan_batch(offsets, backend=backend, is_causal=True, flex=flex))
-                        _expect(net(tokens, positions, layout), (n, cfg.vocab_size), f"packed forward of {batch}")
-                forward_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-                # decode: one new token per sequence after its prompt
-                b = len(lengths)
+            plan = functools.partial(plan_batch, backend=backend, is_causal=True,
+                                     flex=FlexKernel(dynamic=True, compile_backend="aot_eager"))
+            plans = [plan(offsets_from_lengths(batch)) for batch in batches]
+            decode_plan = plan(offsets_from_lengths([1] * b), offsets_from_lengths([longest + 1] * b),
+                               kv_used=torch.tensor([k + 1 for k in prompts]))
+            with capability(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+                torch.set_default_dtype(DTYPE)  # parameters made in bfloat16 (.to() cannot swap fake ones)
+                with torch.device("cuda"):
+                    net = GPT(cfg)
+                torch.set_default_dtype(default)
                 cache = KVCache(cfg, b, longest + 1, "cuda", DTYPE)
-                cache.row_offsets = host.tensor([i * cache.capacity for i in range(b + 1)])
-                slots = torch.tensor(lengths, device="cuda")
+                slots = torch.tensor(prompts, device="cuda")
                 new = torch.zeros(b, dtype=torch.long, device="cuda")
-                with torch.no_grad():
-                    step = net(new, slots, CachedStep(cache, slots))
-                    _expect(step, (b, cfg.vocab_size), "CachedStep decode")
-                    one_each = host.tensor(list(range(b + 1)))
-                    used = host.tensor([k + 1 for k in lengths])
-                    decode_plan = plan_batch(one_each, cache.row_offsets, backend=backend, is_causal=True,
-                                             kv_used=used, flex=flex)
-                    rows = cache.row_offsets[:-1] + slots
-                    with _flash_only(backend):
-                        step = net(new, slots, PackedLayout(decode_plan, cache, rows))
-                    _expect(step, (b, cfg.vocab_size), "packed decode")
-                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-            compiled = (f"; FlexAttention traced {forward_graphs} graph(s) for both forwards, {graphs} with the "
-                        "decode steps (dynamic shapes)") if backend == "flex" else ""
-            lines.append(f"{backend}: packed forwards of {lengths} and {[max(2, longest // 3), 7]} tokens, decode "
-                         f"steps -> ({b}, {cfg.vocab_size}), {str(DTYPE).removeprefix('torch.')} on cuda{compiled}")
+                _expect(net(new, slots, CachedStep(cache, slots)), (b, vocab), "CachedStep decode")
+                with _flash_only(backend):
+                    for batch, batch_plan in zip(batches, plans):
+                        tokens = torch.zeros(sum(batch), dtype=torch.long, device="cuda")
+                        positions = torch.cat([torch.arange(k, device="cuda") for k in batch])
+                        out = net(tokens, positions, PackedLayout(on_fake_cuda(batch_plan)))
+                        _expect(out, (sum(batch), vocab), f"packed forward of {batch}")
+                    layout = PackedLayout(on_fake_cuda(decode_plan), cache, cache.row_offsets[:-1] + slots)
+                    _expect(net(new, slots, layout), (b, vocab), "packed decode")
+            lines.append(f"{backend}: packed forwards of {batches[0]} and {batches[1]} tokens, decode steps -> "
+                         f"({b}, {vocab}), {str(DTYPE).removeprefix('torch.')} on cuda")
         except Exception as err:  # noqa: BLE001 - the fault is the finding
             text = str(err).strip().splitlines()
             faults.append(f"{backend}: {type(err).__name__}: {text[0][:300] if text else ''}")
+        finally:
+            torch.set_default_dtype(default)
     return lines, faults
 
 
@@ -510,37 +377,12 @@ def _flash_only(backend: str):
     device. From 2.15 ``varlen_attn`` chooses between cuDNN and flash for a
     decode step (one query per sequence) by asking the driver, which a
     machine without a GPU has not; 2.11 has flash alone."""
-    if backend != "varlen":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if backend == "varlen" else contextlib.nullcontext()
 
 
 def _expect(t: torch.Tensor, shape: tuple, what: str) -> None:
     if tuple(t.shape) != shape or t.dtype != DTYPE or t.device.type != "cuda":
         raise AssertionError(f"{what}: {tuple(t.shape)} {t.dtype} on {t.device}, expected {shape} {DTYPE} on cuda")
-
-
-def fake_audit_page(path: Path) -> PageAudit:
-    """:func:`fake_forward` for each GPT model of a page's CUDA sizes, at full
-    size and in quick mode (a page without SIZES: nothing; :func:`audit_page`
-    names it)."""
-    stem = Path(path).stem
-    try:
-        sizes = read_sizes(path)
-    except NoSizes:
-        return PageAudit(stem, [], [])  # named by audit_page
-    lines, faults = [], []
-    for mode in MODES:
-        models = gpt_models(cuda_sizes(sizes, mode))
-        if not models:
-            lines.append(f"{stem} ({mode}): no GPTConfig in the CUDA sizes")
-        for where, model in models:
-            ok, wrong = fake_forward(model)
-            lines += [f"{stem} ({mode}) {where}: {line}" for line in ok]
-            faults += [f"{stem} ({mode}) {where}: {w}" for w in wrong]
-    return PageAudit(stem, lines, faults)
 
 
 # --- the command line ------------------------------------------------------------------
@@ -557,17 +399,13 @@ def main(argv=None) -> int:
     print(f"cuda audit: PyTorch {torch.__version__}, a CUDA GPU of compute capability "
           f"{'.'.join(map(str, CAPABILITY))} assumed, {str(DTYPE).removeprefix('torch.')}; "
           f"the corpus of Python {sys.version.split()[0]}'s standard library")
-    results = audit(paths)
-    if args.fake:
-        reason = fake_cuda_reason()
-        if reason:
-            print(f"fake CUDA: not run: {reason}")
-        else:
-            results += [fake_audit_page(p) for p in paths]
+    reason = fake_cuda_reason() if args.fake else None
+    if reason:
+        print(f"fake CUDA: not run: {reason}")
+    results = audit(paths, fake=args.fake and not reason)
     faults = [f for r in results for f in r.faults]
-    for r in results:
-        for line in r.lines:
-            print(f"  {line}")
+    for line in (line for r in results for line in r.lines):
+        print(f"  {line}")
     for fault in faults:
         print(f"FAULT {fault}")
     print(f"cuda audit: {len(paths)} pages, {len(faults)} faults")

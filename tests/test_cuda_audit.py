@@ -7,6 +7,7 @@ CUDA build."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from sitebuild import FIXTURES, REPO
+from test_toolkit_state import PACKAGES, private_reaches  # the toolkit's packages, and its own check
 
 sys.path.insert(0, str(REPO / "scripts"))
 import cuda_audit  # noqa: E402
@@ -142,6 +144,66 @@ def test_every_page_states_cuda_sizes_that_suit_the_gpu_machine():
     print("\n".join(line for r in results for line in r.lines))
     faults = [f for r in results for f in r.faults]
     assert not faults, f"{len(faults)} faults in the CUDA sizes of the pages:\n" + "\n".join(faults)
+
+
+# --- the audit reaches nothing private of the library ------------------------------------
+
+def patches(path) -> list[tuple[int, str]]:
+    """Where a script reaches into the toolkit's packages or patches them:
+    ``private_reaches`` (a ``_name`` imported from a module, or read from
+    one), a ``_name`` read through any imported name of theirs, any
+    ``setattr``/``delattr``, a ``getattr`` of a ``_name``, and a ``patch``
+    of, or an assignment to an attribute of, one of their names or
+    ``torch.Tensor``, or any ``.tolist``. ``(line, what)`` each."""
+    tree = ast.parse(path.read_text())
+    theirs = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+              for a in n.names if (getattr(n, "module", None) or a.name).split(".")[0] in PACKAGES}
+
+    def reaches(node):  # one of their names or torch.Tensor, an attribute of one, or a dotted name of theirs
+        while isinstance(node, ast.Attribute) and ast.unparse(node) != "torch.Tensor":
+            node = node.value
+        return isinstance(node, ast.Attribute) or getattr(node, "id", None) in theirs | {"Tensor"} \
+            or str(getattr(node, "value", "")).split(".")[0] in PACKAGES
+
+    found = set(private_reaches(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name, args = ast.unparse(node.func), node.args
+            if name in ("setattr", "delattr") or (name == "getattr" and len(args) > 1 and
+                                                  str(getattr(args[1], "value", "")).startswith("_")) \
+                    or (name.split(".")[-1] in ("patch", "object") and any(reaches(a) for a in args)):
+                found.add((node.lineno, f"{name}(...)"))
+        if isinstance(node, ast.Attribute) and reaches(node.value) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            found.add((node.lineno, ast.unparse(node)))
+        targets = getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(node, ast.stmt) else []
+        found |= {(node.lineno, f"{ast.unparse(t)} =") for t in targets
+                  if isinstance(t, ast.Attribute) and (t.attr == "tolist" or reaches(t.value))}
+    return sorted(found)
+
+
+def test_the_audit_reaches_nothing_private_of_the_library():
+    """The fake audit runs the library through its public API only: no
+    private name, no patch of a module or of ``Tensor.tolist`` (issue 38)."""
+    found = patches(SCRIPT)
+    assert not found, "cuda_audit.py reaches into the library: " + "; ".join(f"line {n}: {w}" for n, w in found)
+
+
+def test_the_reach_check_finds_each_kind(tmp_path):
+    script = tmp_path / "reach.py"
+    script.write_text("import unittest.mock\nimport ragged_toolkit.batches as batches\n"
+                      "from ragged_toolkit.attention import flex, plan\nfrom ragged_toolkit.gpt import GPT\n\n\n"
+                      "def f(t):\n    setattr(plan, 'offsets_from_lengths', None)\n    t.tolist = list\n"
+                      "    flex.token_index = None\n    GPT._init = getattr(plan, '_lengths')\n"
+                      "    unittest.mock.patch.object(batches, 'token_index')\n"
+                      "    unittest.mock.patch('ragged_toolkit.attention.plan.check_offsets')\n"
+                      "    torch.Tensor.item = None\n    unittest.mock.patch.object(torch.Tensor, 'tolist')\n"
+                      "    return plan._lengths, GPT._weights, batches._cache\n")
+    assert patches(script) == [
+        (8, "setattr(...)"), (9, "t.tolist ="), (10, "flex.token_index ="), (11, "GPT._init"),
+        (11, "GPT._init ="), (11, "getattr(...)"), (12, "unittest.mock.patch.object(...)"),
+        (13, "unittest.mock.patch(...)"), (14, "torch.Tensor.item ="), (15, "unittest.mock.patch.object(...)"),
+        (16, "GPT._weights"), (16, "batches._cache"), (16, "plan._lengths")]
 
 
 # --- fake CUDA tensors -------------------------------------------------------------------

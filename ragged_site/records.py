@@ -55,9 +55,12 @@ def record(kind, line, **figures):
 
 def read_records(path):
     """The records of one page's run, in the order it printed them (an empty
-    list where the file does not exist: the page recorded nothing)."""
+    list where the file does not exist: the page recorded nothing). A last
+    line without its newline is a record cut off when the page was stopped:
+    it is left out, and every complete one kept."""
     try:
         with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+            lines = f.read().split("\n")
     except FileNotFoundError:
         return []
+    return [json.loads(line) for line in lines[:-1] if line.strip()]

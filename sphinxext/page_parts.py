@@ -8,6 +8,7 @@ hosts on the computation-times page."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -35,7 +36,15 @@ TOOLKIT_LABEL = "Download the toolkit"
 
 def card_info(path: Path) -> dict:
     """Title, description and tags of one tutorial, as Sphinx-Gallery reads
-    them; ExtensionError naming the file when it would reject it."""
+    them; ExtensionError naming the file when it would reject it. Each
+    source is read once per version (every page's reading order names
+    every page)."""
+    return dict(_card_info(str(path), Path(path).stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=None)
+def _card_info(path: str, mtime_ns: int) -> dict:
+    path = Path(path)
     from sphinx_gallery import py_source_parser
     from sphinx_gallery.gen_rst import extract_intro_and_title
 

@@ -50,3 +50,9 @@ def test_the_printing_helpers_record_what_they_print(monkeypatch, tmp_path, caps
     assert (timed["label"], timed["median_ms"], timed["peak_mib"]) == ("padded", padded.median_ms, None)
     assert missing == {"kind": "timing", "line": "  flash  not available: needs CUDA", "label": "flash",
                        "reason": "needs CUDA"}
+
+
+def test_a_record_cut_off_by_a_stopped_page_is_left_out(tmp_path):
+    path = tmp_path / "page.figures.jsonl"
+    path.write_text('{"kind": "speedup", "line": "a"}\n{"kind": "timing", "li')
+    assert read_records(path) == [{"kind": "speedup", "line": "a"}]

@@ -196,6 +196,7 @@ assert slots > 2 * real_tokens, "padding is not most of the padded batch"
 # outside quick mode, the peak memory in MiB.
 
 from ragged_site.measuring.bound import Work, speedup_line, work_bound
+from ragged_site.measuring.tables import print_timings
 from ragged_site.measuring.timing import measure
 
 linear = torch.nn.Linear(S.embed, 4 * S.embed, device=DEVICE, dtype=DTYPE)
@@ -207,8 +208,7 @@ with torch.no_grad():
         profile=not setup.quick,
     )
 print("nn.Linear: packed and padded results agree on every real token")
-for name, t in times.items():
-    print(f"{name:>7}: {t}")
+print_timings(times)
 bound = work_bound(lengths, work=Work(per_token=2 * S.embed * 4 * S.embed, per_pair=0.0))
 assert abs(bound - slots / real_tokens) < 1e-9  # a token-wise layer: slots over real tokens
 print(speedup_line("nn.Linear", times["padded"], times["packed"], bound))

@@ -505,9 +505,8 @@ print(
     f"alone ({criterion})"
 )
 print(
-    f"{len(every)} runs (the faster server ran more often in the same time), {checked} requests: "
-    f"largest difference "
-    f"{worst:.1e}, {ties} ties within atol"
+    f"{len(every)} runs (a faster server ran more often), {checked} requests: "
+    f"largest difference {worst:.1e}, {ties} ties within atol"
 )
 
 # %%

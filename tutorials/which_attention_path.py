@@ -190,7 +190,7 @@ for feature, instead in WITHOUT.items():
 try:  # a call that needs what 2.11's varlen_attn lacks, against 2.11's keywords
     varlen_kwargs(is_causal=True, enable_gqa=True, keywords={"return_aux", "scale", "window_size"})
 except VarlenUnavailable as err:
-    print(f"an older release, simulated with the keywords of 2.11: {err}")
+    print(f"an older release, simulated with the keywords of 2.11:\n  {err}")
 why_not = backend_support("varlen", DEVICE, DTYPE, is_causal=True, head_dim=S.head_dim)
 print(f"varlen_attn on this device: {why_not or 'runs'}")
 

@@ -39,7 +39,7 @@ __all__ = [
     "speedup_grid",
 ]
 
-_BASELINE = "padded baseline"  # the path every speedup is measured against
+_BASELINE = "baseline"  # the path every speedup is measured against
 
 
 def padded_attention(qh, kh, vh):
@@ -168,7 +168,7 @@ def alibi_paths(q, k, v, offsets, slopes):
     (1, H, T, D), :func:`alibi_score_mod` compiled into its kernel, a block
     mask causal within each sequence; ``loop``: one SDPA call per sequence on
     (1, H, L, D) views, each with its bias (1, H, L, L) built once per batch;
-    ``padded baseline``: one SDPA call on (B, H, S, D) with a bias (B, H, S,
+    ``baseline``: the padded baseline, one SDPA call on (B, H, S, D) with a bias (B, H, S,
     S) that also masks the padding keys. Returns path -> ``(call, packed)``."""
     lengths = offsets.diff().tolist()
     seq = token_index(offsets)[0]
@@ -348,7 +348,7 @@ def decision_guide(table, bounds, default, pointers=None):
 
 
 def speedup_grid(table, paths):
-    """(paths, jobs): each path's speedup over ``"padded baseline"`` for each
+    """(paths, jobs): each path's speedup over ``"baseline"`` for each
     job of ``table`` (as :func:`decision_guide` takes it), NaN where the path
     did not run; for :func:`~ragged_site.figures.draw_speedups`."""
     return np.array(

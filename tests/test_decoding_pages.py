@@ -131,8 +131,8 @@ def test_alibi_as_a_score_function_and_as_biases_agree_with_the_reference():
                           .masked_fill(~causal[i, j], float("-inf")))
     torch.testing.assert_close(flex[0].transpose(0, 1), want[:5], atol=1e-5, rtol=1e-5)
     paths = toolkit.alibi_paths(q, k, v, offsets, slopes)
-    assert set(paths) == {"flex", "loop", "padded baseline"}
-    for name in ("loop", "padded baseline"):  # flex compiles: the page runs it
+    assert set(paths) == {"flex", "loop", "baseline"}
+    for name in ("loop", "baseline"):  # flex compiles: the page runs it
         call, packed = paths[name]
         torch.testing.assert_close(packed(call()), want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -166,20 +166,20 @@ def _timing(ms, spread=0.1, kernels=""):
 
 
 def test_the_decision_guide_names_each_jobs_choice_speedup_and_the_paths_that_cannot(capsys):
-    table = {"inference": {"padded baseline": _timing(8.0), "loop": _timing(2.0, kernels="CPU flash x3"),
+    table = {"inference": {"baseline": _timing(8.0), "loop": _timing(2.0, kernels="CPU flash x3"),
                            "flex": _timing(4.0), "varlen": "needs CUDA"},
-             "serving": {"padded baseline": _timing(1.0), "loop": _timing(2.0), "flex": _timing(2.05, 0.2)}}
+             "serving": {"baseline": _timing(1.0), "loop": _timing(2.0), "flex": _timing(2.05, 0.2)}}
     guide = toolkit.decision_guide(table, {"inference": 10.0, "serving": 2.0}, ("loop",),
                                    {"serving": "see the prefix cache"})
     out = capsys.readouterr().out
-    assert "inference, loop against padded baseline: speedup 4.00x, work bound 10.00x, fraction of bound 0.40\n" in out
+    assert "inference, loop against baseline: speedup 4.00x, work bound 10.00x, fraction of bound 0.40\n" in out
     # padding wins the serving job: the line is the fastest other path's
-    assert "serving, loop against padded baseline: speedup 0.50x, work bound 2.00x, fraction of bound 0.25\n" in out
-    assert guide.header == ["job", "chosen here", "against padded baseline", "then", "not here"]
+    assert "serving, loop against baseline: speedup 0.50x, work bound 2.00x, fraction of bound 0.25\n" in out
+    assert guide.header == ["job", "chosen here", "against baseline", "then", "not here"]
     assert guide.rows[0] == ["inference", "loop, 2.00 ms\nkernels: CPU flash x3",
-                             "speedup 4.00x\nwork bound 10.00x\nfraction 0.40", "flex, padded baseline", "varlen"]
-    assert guide.rows[1][1:4] == ["padded baseline, 1.00 ms", "loop: speedup 0.50x\nwork bound 2.00x\nfraction 0.25",
+                             "speedup 4.00x\nwork bound 10.00x\nfraction 0.40", "flex, baseline", "varlen"]
+    assert guide.rows[1][1:4] == ["baseline, 1.00 ms", "loop: speedup 0.50x\nwork bound 2.00x\nfraction 0.25",
                                   "loop, flex\nsee the prefix cache"]
     assert guide.css_class == "decision-guide"
-    grid = toolkit.speedup_grid(table, ["padded baseline", "loop", "varlen"])
+    grid = toolkit.speedup_grid(table, ["baseline", "loop", "varlen"])
     np.testing.assert_allclose(grid, [[1.0, 1.0], [4.0, 0.5], [np.nan, np.nan]])

@@ -280,7 +280,7 @@ padded = padded_paths(q, k, v, offsets, grad_packed, KV_HEADS)
 padded["decoding"] = padded_decoding(q_one, k_rect, v_rect, used)
 one_row = one_row_paths(q, k, v, offsets, grad_packed, KV_HEADS)
 OTHER_PATHS = {  # (job, path) -> the call, and how its output becomes the reference's layout
-    **{(job, "padded baseline"): padded[job] for job in JOBS},
+    **{(job, "baseline"): padded[job] for job in JOBS},
     **{(job, "one row + mask"): call for job, call in one_row.items()},
     ("decoding", "flex (refreshed)"): (
         flex_refreshed,
@@ -427,7 +427,7 @@ serving_reference = reference_attention(
 )
 padded_serving = PaddedServing(step, q_step)  # two SDPA calls: the decode rows, the prompt chunks
 serving_paths = {
-    "padded baseline": (padded_serving, padded_serving.packed),
+    "baseline": (padded_serving, padded_serving.packed),
     "flex": paged_call("flex"),
     **{name: paged_call("gathered", name) for name in ("loop", "bucketed", "padded")},
 }
@@ -504,7 +504,7 @@ from ragged_site.figures import FIGURE_STYLE, draw_speedups
 
 plt.rcParams.update(FIGURE_STYLE)
 ROWS = (
-    "padded baseline",
+    "baseline",
     "one row + mask",
     *BACKENDS,
     "flex (refreshed)",

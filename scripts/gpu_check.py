@@ -60,11 +60,9 @@ nothing. Exit status: 1 if the preflight or a page failed, 2 if PyTorch sees
 no CUDA GPU (``--allow-cpu`` runs all the same, to test this script: the
 pages then pick their CPU sizes).
 
-``record OUTDIR`` (a run's folder, a ``.tgz`` of one, or a ``--bundle``
-folder) copies a run's summary, the key lines of each page and its
-figures into ``gpu-results/`` (``--into``), the record the site's page "GPU
-results" shows (``sphinxext/gpu_results.py``), and whose durations the next
-plan expects.
+``record OUTDIR`` records a run for the site (``scripts/gpu_record.py``).
+The preflight's probes are ``scripts/gpu_preflight.py``; each page runs
+under ``scripts/gpu_page_runner.py``.
 """
 
 from __future__ import annotations
@@ -82,16 +80,18 @@ import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "sphinxext")]
+sys.path[:0] = [str(ROOT), str(ROOT / "sphinxext"), str(ROOT / "scripts")]
 from gallery_layout import reading_order_key, tutorial_sources  # noqa: E402  (standard library only)
 
 from ragged_site.records import FIGURES_ENV, read_records  # noqa: E402  (standard library only)
+
+import gpu_record  # noqa: E402  (scripts/: the record of a run)
+from gpu_record import BUNDLE_ARCHIVE, RECORD_FILE, RESULTS  # noqa: E402
 
 # Full size (stage 2): these pages first, in this order (the decision page),
 # then every other page, shortest expected first: the most pages at full size.
@@ -136,40 +136,22 @@ STAGES = ("preflight", "full", "quick")
 # $OUT, at most 8 files, 16 MiB each, 64 MiB in all, at most 2 folders down
 # ($OUT/a/b/file comes back, $OUT/a/b/c/file does not).
 RETURN_LIMITS = {"files": 8, "file_bytes": 16 * 2**20, "total_bytes": 64 * 2**20, "depth": 2}
-BUNDLE_ARCHIVE = "gpu-check.tgz"  # under --bundle: the run without its compile cache; summary.json beside it
 # The first command on a lent GPU, from the repository's root (the README
 # quotes it; tests/test_gpu_check.py runs it): the run outside the repository
 # copy, and under $OUT only its summary and one archive, both rewritten after
 # every step. SHA: the commit the copy was made from (the copy has no .git).
 LEASE_COMMAND = 'python scripts/gpu_check.py --out "${TMPDIR:-/tmp}/gpu-check" --bundle "$OUT" --commit SHA'
-RESULTS = ROOT / "gpu-results"  # where `record` writes; sphinxext/gpu_results.py reads it (RESULTS_DIR)
-RECORD_FILE = "summary.json"
+PREFLIGHT = ROOT / "scripts" / "gpu_preflight.py"  # the machine's versions, and the preflight's probes
+PAGE_RUNNER = ROOT / "scripts" / "gpu_page_runner.py"  # one page as __main__: its figures and peak memory
 FIGURES = "figures.jsonl"  # beside a page's output.txt: the figures it printed, as records (ragged_site/records.py)
 
 
 # --- the machine ---------------------------------------------------------------------
 
-# What the run's summary and the record say of the machine, read in a Python
-# of its own (importing torch here would hold memory for the whole run).
-PROBE = """\
-import importlib.metadata as md, json, platform, torch
-ok = torch.cuda.is_available()
-info = {"cuda_available": ok, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if ok else None, "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(0) if ok else None, "gpus": torch.cuda.device_count() if ok else 0}
-for name in ("triton", "transformers", "numpy", "matplotlib"):
-    try:
-        info[name] = md.version(name)
-    except md.PackageNotFoundError:
-        info[name] = None
-print(json.dumps(info))
-"""
-
-
 def probe_environment() -> tuple[dict | None, str]:
     """The machine's versions and device (None where PyTorch does not import),
     and the reason when it does not."""
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(PREFLIGHT), "--machine"], capture_output=True, text=True)
     if proc.returncode != 0:
         return None, (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return json.loads(proc.stdout.strip().splitlines()[-1]), ""
@@ -313,54 +295,6 @@ def summarize(stem: str, ok: bool, seconds: float, records: list[dict], *, mode:
 
 # --- running a page ------------------------------------------------------------------
 
-# Runs a page as __main__ with matplotlib's show() saving each open figure
-# into the current folder, numbered in order, instead of drawing it; writes
-# the peak memory of its process to peak.json at its end, also when it is
-# stopped with SIGTERM. The CUDA peak survives the pages' own
-# reset_peak_memory_stats (measure() resets it before each profile).
-RUNNER = """\
-import json, os, resource, runpy, signal, sys
-import matplotlib
-matplotlib.use("agg")
-import matplotlib.pyplot as plt
-shown = 0
-def show(*args, **kwargs):
-    global shown
-    for number in plt.get_fignums():
-        shown += 1
-        plt.figure(number).savefig(f"figure_{shown}.png", dpi=100)
-    plt.close("all")
-plt.show = show
-cuda_peak = 0
-def note_cuda_peak():
-    global cuda_peak
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        cuda_peak = max(cuda_peak, torch.cuda.max_memory_allocated())
-try:
-    import torch
-    _reset = torch.cuda.reset_peak_memory_stats
-    def reset_peak_memory_stats(device=None):
-        note_cuda_peak()
-        _reset(device)
-    torch.cuda.reset_peak_memory_stats = torch.cuda.memory.reset_peak_memory_stats = reset_peak_memory_stats
-except ImportError:
-    torch = None
-def stop(signum, frame):
-    raise SystemExit(f"stopped by signal {signum}")
-signal.signal(signal.SIGTERM, stop)
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:
-    note_cuda_peak()
-    cuda = torch is not None and torch.cuda.is_initialized()
-    with open("peak.json", "w") as f:
-        json.dump({"cuda_mib": round(cuda_peak / 2**20, 1) if cuda else None,
-                   "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}, f)
-"""
-
-
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the page's process group (the page and everything it
     started), SIGKILL to what is left after ``GRACE_S`` or once the page ends."""
@@ -408,7 +342,7 @@ def run_page(path: Path, folder: Path, limit: float, env: dict, *, why: str = "i
     for old in [*folder.glob("figure_*.png"), folder / "peak.json", folder / FIGURES]:
         old.unlink(missing_ok=True)  # a second run into the same folder
     env = {**env, FIGURES_ENV: str((folder / FIGURES).resolve())}
-    returncode, seconds = run_script([sys.executable, "-c", RUNNER, str(path)], folder, limit, env, "output.txt")
+    returncode, seconds = run_script([sys.executable, str(PAGE_RUNNER), str(path)], folder, limit, env, "output.txt")
     if returncode is None:
         with open(folder / "output.txt", "a", encoding="utf-8") as log:
             log.write(f"\ngpu-check: {path.stem} stopped after {limit:.0f} s ({why})\n")
@@ -422,123 +356,8 @@ def figures(folder: Path) -> list[str]:
 
 # --- the preflight -------------------------------------------------------------------
 
-# Each probe prints one line as it finishes; a probe that fails prints
-# "FAILED" and the run goes on (exit status 1 at the end).
-PREFLIGHT = r"""
-import inspect, os, sys, time
-import torch
-failed = []
-def probe(name, fn):
-    start = time.perf_counter()
-    try:
-        line = fn()
-    except Exception as err:  # noqa: BLE001 - a probe reports, it does not stop the others
-        failed.append(name)
-        line = f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-    print(f"{name}: {line} [{time.perf_counter() - start:.1f} s]", flush=True)
-
-cuda = torch.cuda.is_available()
-device = "cuda" if cuda else "cpu"
-def sync():
-    if cuda:
-        torch.cuda.synchronize()
-
-def versions():
-    import importlib.metadata as md
-    def v(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return "not installed"
-    cudnn = torch.backends.cudnn.version() if cuda else None
-    return (f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {cudnn}, triton {v('triton')}, "
-            f"transformers {v('transformers')}, Python {sys.version.split()[0]}")
-probe("versions", versions)
-
-def gpu():
-    if not cuda:
-        return "no CUDA GPU (CPU run)"
-    p = torch.cuda.get_device_properties(0)
-    return (f"{p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB; "
-            f"{torch.cuda.device_count()} GPU(s) visible")
-probe("device", gpu)
-
-def varlen():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError as err:
-        return f"not in this PyTorch ({err})"
-    sig = inspect.signature(varlen_attn)  # without annotations: the names, defaults and the *
-    sig = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()])
-    return f"varlen_attn{sig.replace(return_annotation=sig.empty)}"
-probe("varlen_attn", varlen)
-
-def sdpa_kernel():
-    from torch.profiler import ProfilerActivity, profile
-    q = torch.randn(2, 8, 1024, 64, device=device, dtype=torch.bfloat16)
-    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        sync()
-    prefixes = ("aten::_scaled_dot_product", "aten::_flash", "aten::_efficient", "aten::_cudnn")
-    ops = sorted({e.name for e in prof.events() if e.name.startswith(prefixes)})
-    return f"bfloat16, causal, (2, 8, 1024, 64): {', '.join(ops) or 'no SDPA op seen'}"
-probe("SDPA kernel", sdpa_kernel)
-
-def cudnn_first_calls():
-    if not cuda:
-        return "no CUDA GPU: not measured"
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    costs = []
-    for shape in ((1, 8, 128, 64), (4, 8, 512, 64), (2, 8, 2048, 64)):
-        q = torch.randn(*shape, device=device, dtype=torch.bfloat16)
-        times = []
-        try:  # not fatal: SDPA falls back to another kernel where cuDNN's cannot run
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                for _ in range(2):
-                    sync()
-                    start = time.perf_counter()
-                    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-                    sync()
-                    times.append(time.perf_counter() - start)
-        except RuntimeError as err:
-            costs.append(f"{tuple(shape)} not available ({str(err).splitlines()[0][:120]})")
-            continue
-        costs.append(f"{tuple(shape)} first {times[0]:.2f} s, then {1e3 * times[1]:.2f} ms")
-    return "; ".join(costs)
-probe("cuDNN first call", cudnn_first_calls)
-
-def tiny_compile():
-    f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)
-    x = torch.randn(256, device=device)
-    start = time.perf_counter()
-    torch.testing.assert_close(f(x), torch.nn.functional.gelu(x) * 2 + 1)
-    sync()
-    return f"a tiny function compiled and ran in {time.perf_counter() - start:.1f} s"
-probe("torch.compile", tiny_compile)
-
-def tiny_flex():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    mask = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, 256, 256, device=device)
-    q = torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
-    start = time.perf_counter()
-    out = torch.compile(flex_attention)(q, q, q, block_mask=mask)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-    sync()
-    return f"a causal block mask, compiled and checked against SDPA in {time.perf_counter() - start:.1f} s"
-probe("flex_attention", tiny_flex)
-
-
-print(f"preflight: {'FAILED: ' + ', '.join(failed) if failed else 'every probe ran'}", flush=True)
-sys.exit(1 if failed else 0)
-"""
-
-
 def run_preflight(out: Path, limit: float, env: dict) -> dict:
-    returncode, seconds = run_script([sys.executable, "-c", PREFLIGHT], out, limit, env, "preflight.txt")
+    returncode, seconds = run_script([sys.executable, str(PREFLIGHT)], out, limit, env, "preflight.txt")
     text = (out / "preflight.txt").read_text(encoding="utf-8", errors="replace")
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if returncode is None:
@@ -940,65 +759,6 @@ def check(args) -> int:
     return 1 if failed or (run.summary["preflight"] or {}).get("status") == "fail" else 0
 
 
-# --- the record ----------------------------------------------------------------------
-
-def record(out: Path, into: Path, commit: str | None = None, allow_cpu: bool = False) -> Path:
-    """Copy a run's summary, each page's key lines and the figures of its
-    best run (full size where it passed, else quick mode) from ``out`` into
-    ``into``, replacing the record there. ``out``: a run's ``--out`` folder,
-    its :data:`BUNDLE_ARCHIVE`, or the ``--bundle`` folder that holds one.
-    Returns the record's path."""
-    out = Path(out)
-    if out.is_dir() and (out / BUNDLE_ARCHIVE).is_file():
-        out = out / BUNDLE_ARCHIVE
-    if out.is_file():
-        with tempfile.TemporaryDirectory() as unpacked:
-            with tarfile.open(out, "r:gz") as tar:
-                tar.extractall(unpacked, filter="data")
-            return record(Path(unpacked), into, commit, allow_cpu)
-    summary = json.loads((out / "summary.json").read_text())
-    env = summary.get("environment") or {}
-    if not env.get("cuda_available") and not allow_cpu:
-        raise SystemExit(f"error: {out} is a run without a CUDA GPU (--allow-cpu): it is not recorded")
-    commit = commit or summary.get("commit")
-    if not commit:
-        raise SystemExit(f"error: {out}/summary.json names no commit (git was not there): "
-                         "say which with --commit SHA")
-    pages: dict[str, dict] = {}
-    for entry in summary["pages"]:
-        page = pages.setdefault(entry["page"], {"md5": entry.get("md5"), "runs": []})
-        run = {k: entry[k] for k in ("mode", "status", "seconds", "limit_s", "reason", "skipped") if k in entry}
-        page["runs"].append({**run, "peak_mib": entry.get("peak_mib"), "key_lines": entry.get("key_lines", [])})
-    figures_dir = into / "figures"
-    if figures_dir.exists():
-        shutil.rmtree(figures_dir)
-    for stem, page in pages.items():
-        ran = {e["mode"]: e for e in summary["pages"] if e["page"] == stem and e.get("figures") is not None}
-        best = next((ran[m] for m in ("full", "quick") if m in ran and ran[m]["status"] == "pass"),
-                    next(iter(ran.values()), None))
-        page["figures"], page["figures_from"] = [], best["mode"] if best else None
-        for name in (best or {}).get("figures", []):
-            target = figures_dir / stem / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(out / best["folder"] / name, target)
-            page["figures"].append(target.relative_to(into).as_posix())
-    pre = summary.get("preflight") or {}
-    rec = {"about": "A GPU run of the pages as plain scripts (scripts/gpu_check.py), recorded with "
-                    "`python scripts/gpu_check.py record OUTDIR`; the page gpu_results shows it, apart from the "
-                    "figures the site's own build measured.",
-           "commit": commit, "commit_dirty": bool(summary.get("commit_dirty")),
-           "date": summary["started"][:10], "started": summary["started"],
-           "device": env.get("device") or "CPU", "versions": {k: env.get(k) for k in (
-               "torch", "cuda", "cudnn", "triton", "transformers", "numpy", "matplotlib", "python")},
-           "limit_s": summary.get("limit_s"), "seconds": summary.get("seconds"), "totals": summary.get("totals"),
-           "preflight": {"status": pre.get("status"), "seconds": pre.get("seconds"), "lines": pre.get("lines", [])}
-           if pre else None,
-           "pages": pages}
-    into.mkdir(parents=True, exist_ok=True)
-    (into / RECORD_FILE).write_text(json.dumps(rec, indent=1) + "\n")
-    return into / RECORD_FILE
-
-
 # --- the command line ----------------------------------------------------------------
 
 def parse_args(argv):
@@ -1040,17 +800,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["record"]:
-        ap = argparse.ArgumentParser(prog="gpu_check.py record",
-                                     description="record a GPU run for the site's page 'GPU results'")
-        ap.add_argument("outdir", type=Path,
-                        help=f"the --out folder of a run, its {BUNDLE_ARCHIVE}, or the --bundle folder holding it")
-        ap.add_argument("--into", type=Path, default=RESULTS, help="the record's folder (default gpu-results/)")
-        ap.add_argument("--commit", help="the commit the run was at, where its summary names none")
-        ap.add_argument("--allow-cpu", action="store_true", help="record a CPU run (tests only)")
-        args = ap.parse_args(argv[1:])
-        path = record(args.outdir, args.into, args.commit, args.allow_cpu)
-        print(f"recorded {args.outdir} into {path}")
-        return 0
+        return gpu_record.main(argv[1:])
     return check(parse_args(argv))
 
 

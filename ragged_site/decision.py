@@ -11,6 +11,9 @@ them). Nothing here times."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from ragged_site.measuring.bound import speedup_line
 from ragged_site.measuring.noise import choose, outside_noise
 from ragged_site.measuring.tables import Table
 from ragged_site.measuring.timing import Timing
+from ragged_site.records import record
 
 __all__ = [
     "padded_attention",
@@ -36,6 +40,7 @@ __all__ = [
     "alibi_reference",
     "PaddedServing",
     "decision_guide",
+    "device_rules",
     "speedup_grid",
 ]
 
@@ -301,7 +306,50 @@ class PaddedServing:
         return out
 
 
-def decision_guide(table, bounds, default, pointers=None):
+def _rule(job, device, best, then):
+    """One sentence for a job on a device: use the path chosen there; if it
+    is not available, the fastest other path that ran."""
+    name = {"cpu": "CPU", "cuda": "CUDA"}.get(device, device)
+    fallback = then[0] if then else None
+    if fallback is None:
+        line = f"{job} on {name}: use {best}, the only path that ran."
+    else:
+        line = f"{job} on {name}: use {best}; if {best} is not available here, {fallback}."
+    return record("rule", line, job=job, device=device, use=best, fallback=fallback)
+
+
+def _recorded_rules(summary, device):
+    """The rule lines for ``device`` of the decision page's recorded runs in
+    ``summary`` (``gpu-results/summary.json``), from its full-size run where
+    that passed, else its quick one."""
+    page = json.loads(summary.read_text()).get("pages", {}).get("which_attention_path", {})
+    runs = sorted(page.get("runs", []), key=lambda run: run.get("mode") != "full")
+    for run in runs:
+        if run.get("status") == "pass":
+            lines = [
+                r["line"].strip()
+                for r in run.get("records", [])
+                if r.get("kind") == "rule" and r.get("device") == device
+            ]
+            if lines:
+                return lines
+    return []
+
+
+def device_rules(device, published, results=None):
+    """The rules for ``device`` where this build did not run on it: the
+    ``rule`` records of this page's recorded GPU run (``results``: the
+    ``summary.json`` of ``gpu-results/``, from ``scripts/gpu_record.py``),
+    the full-size run first; where none is recorded, ``published`` (job ->
+    what a cited source measured), each marked "not measured here yet"."""
+    recorded = _recorded_rules(Path(results), device) if results and Path(results).is_file() else []
+    if recorded:
+        return [f"{line.rstrip('.')} (recorded GPU run)." for line in recorded]
+    name = {"cpu": "CPU", "cuda": "CUDA"}.get(device, device)
+    return [f"{job} on {name}, not measured here yet: {text}" for job, text in published.items()]
+
+
+def decision_guide(table, bounds, default, pointers=None, *, device="cpu", elsewhere=()):
     """The decision guide from a page's measurements. ``table``: job -> path
     -> :class:`~ragged_site.measuring.timing.Timing`, or why the path
     cannot take the job here, each job with the baseline ``"padded
@@ -312,12 +360,16 @@ def decision_guide(table, bounds, default, pointers=None):
     padding wins, of the fastest other path) against the baseline; returns
     the :class:`~ragged_site.measuring.tables.Table`, a row per job:
     chosen here, against the padded baseline, then (the others, fastest first),
-    not here."""
-    rows = []
+    not here. Before the table it prints one rule per job for ``device``
+    ("use X; if X is not available here, Y"), then the lines of
+    ``elsewhere`` (:func:`device_rules`, for the device this build did not
+    run on)."""
+    rows, rules = [], []
     for job, results in table.items():
         ran = {name: r for name, r in results.items() if isinstance(r, Timing)}
         best = choose(ran, default, f"{job} path")
         then = sorted((name for name in ran if name != best), key=lambda name: ran[name].median_ms)
+        rules.append(_rule(job, device, best, then))
         ragged = best if best != _BASELINE else then[0]
         padded, bound = ran[_BASELINE], bounds[job]
         print(speedup_line(f"{job}, {ragged} against {_BASELINE}", padded, ran[ragged], bound))
@@ -340,6 +392,9 @@ def decision_guide(table, bounds, default, pointers=None):
                 ", ".join(name for name, r in results.items() if not isinstance(r, Timing)),
             ]
         )
+    print("rules of thumb, one per job:")
+    for line in [*rules, *elsewhere]:
+        print(f"  {line}")
     return Table(
         ["job", "chosen here", f"against {_BASELINE}", "then", "not here"],
         rows,

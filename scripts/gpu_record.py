@@ -46,7 +46,8 @@ def record(out: Path, into: Path, commit: str | None = None, allow_cpu: bool = F
     for entry in summary["pages"]:
         page = pages.setdefault(entry["page"], {"md5": entry.get("md5"), "runs": []})
         run = {k: entry[k] for k in ("mode", "status", "seconds", "limit_s", "reason", "skipped") if k in entry}
-        page["runs"].append({**run, "peak_mib": entry.get("peak_mib"), "key_lines": entry.get("key_lines", [])})
+        page["runs"].append({**run, "peak_mib": entry.get("peak_mib"), "key_lines": entry.get("key_lines", []),
+                             "records": entry.get("records", [])})
     figures_dir = into / "figures"
     if figures_dir.exists():
         shutil.rmtree(figures_dir)

@@ -6,6 +6,7 @@ with every page's by ``tests/test_cuda_audit.py``.)"""
 
 from __future__ import annotations
 
+import json
 import numpy as np
 import pytest
 import torch
@@ -181,5 +182,27 @@ def test_the_decision_guide_names_each_jobs_choice_speedup_and_the_paths_that_ca
     assert guide.rows[1][1:4] == ["baseline, 1.00 ms", "loop: speedup 0.50x\nwork bound 2.00x\nfraction 0.25",
                                   "loop, flex\nsee the prefix cache"]
     assert guide.css_class == "decision-guide"
+    assert ("rules of thumb, one per job:\n"
+            "  inference on CPU: use loop; if loop is not available here, flex.\n"
+            "  serving on CPU: use baseline; if baseline is not available here, loop.\n") in out
     grid = toolkit.speedup_grid(table, ["baseline", "loop", "varlen"])
     np.testing.assert_allclose(grid, [[1.0, 1.0], [4.0, 0.5], [np.nan, np.nan]])
+
+
+def test_the_rules_for_the_other_device_come_from_its_record_else_marked_not_measured(tmp_path):
+    from ragged_site.decision import device_rules
+
+    published = {"inference": "varlen_attn 0.22 ms against padded SDPA's 0.43 ms (cited)"}
+    assert device_rules("cuda", published) == [
+        "inference on CUDA, not measured here yet: varlen_attn 0.22 ms against padded SDPA's 0.43 ms (cited)"]
+    rule = {"kind": "rule", "line": "inference on CUDA: use varlen; if varlen is not available here, flex.",
+            "device": "cuda"}
+    runs = [{"mode": "quick", "status": "pass", "records": [dict(rule, line=rule["line"].replace("flex", "loop"))]},
+            {"mode": "full", "status": "pass", "records": [rule, dict(rule, device="cpu")]}]
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"pages": {"which_attention_path": {"runs": runs}}}))
+    assert device_rules("cuda", published, summary) == [rule["line"][:-1] + " (recorded GPU run)."]  # full size first
+    runs[1]["status"] = "fail"
+    summary.write_text(json.dumps({"pages": {"which_attention_path": {"runs": runs}}}))
+    assert device_rules("cuda", published, summary) == [
+        "inference on CUDA: use varlen; if varlen is not available here, loop (recorded GPU run)."]

@@ -680,6 +680,7 @@ def test_record_round_trip(tmp_path):
     plot = rec["pages"]["tiny_plot"]
     assert [r["mode"] for r in plot["runs"]] == ["quick", "full"] and plot["figures_from"] == "full"
     assert plot["runs"][1]["key_lines"][1].endswith("[flash varlen]")
+    assert [r["kind"] for r in plot["runs"][1]["records"]] == ["speedup", "timing"]  # the decision page reads them
     assert plot["runs"][1]["peak_mib"] == {"cuda_mib": 64.5, "rss_mib": 900.0}
     assert plot["figures"] == ["figures/tiny_plot/figure_1.png"]
     assert (into / plot["figures"][0]).read_bytes() == (out / "tiny_plot" / "full" / "figure_1.png").read_bytes()

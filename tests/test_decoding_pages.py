@@ -184,7 +184,7 @@ def test_the_decision_guide_names_each_jobs_choice_speedup_and_the_paths_that_ca
     assert guide.css_class == "decision-guide"
     assert ("rules of thumb, one per job:\n"
             "  inference on CPU: use loop; if loop is not available here, flex.\n"
-            "  serving on CPU: use baseline; if baseline is not available here, loop.\n") in out
+            "  serving on CPU: use the padded baseline; the fastest ragged path here is loop.\n") in out
     grid = toolkit.speedup_grid(table, ["baseline", "loop", "varlen"])
     np.testing.assert_allclose(grid, [[1.0, 1.0], [4.0, 0.5], [np.nan, np.nan]])
 
@@ -192,9 +192,11 @@ def test_the_decision_guide_names_each_jobs_choice_speedup_and_the_paths_that_ca
 def test_the_rules_for_the_other_device_come_from_its_record_else_marked_not_measured(tmp_path):
     from ragged_site.decision import device_rules
 
-    published = {"inference": "varlen_attn 0.22 ms against padded SDPA's 0.43 ms (cited)"}
+    published = {"inference": ("use varlen.", "varlen_attn 0.22 ms against padded SDPA's 0.43 ms (cited)")}
     assert device_rules("cuda", published) == [
-        "inference on CUDA, not measured here yet: varlen_attn 0.22 ms against padded SDPA's 0.43 ms (cited)"]
+        "inference on CUDA, not measured here yet: use varlen.",
+        "  varlen_attn 0.22 ms against padded SDPA's 0.43 ms (cited)",
+        "other jobs on CUDA: not measured here yet, and no published figure is cited."]
     rule = {"kind": "rule", "line": "inference on CUDA: use varlen; if varlen is not available here, flex.",
             "device": "cuda"}
     runs = [{"mode": "quick", "status": "pass", "records": [dict(rule, line=rule["line"].replace("flex", "loop"))]},

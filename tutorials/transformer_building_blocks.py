@@ -2,9 +2,10 @@
 Transformer building blocks for ragged batches
 ==============================================
 
-A batch of sequences of different lengths, stored without padding as packed
-values plus offsets; one attention function over it, and the code of each of
-its six backends, each checked against a float32 reference.
+This page stores a batch of sequences of different lengths without padding,
+as packed values plus offsets. One attention function runs over it, through
+six backends. The page shows the code of each backend and checks each one
+against a float32 reference.
 
 **Author:** rewritten for PyTorch 2.11 and later from the original tutorial by
 `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
@@ -38,11 +39,18 @@ its six backends, each checked against a float32 reference.
 # %%
 # The idea in one picture
 # -----------------------
-# A padded batch stores ``B`` sequences as a ``(B, S)`` rectangle, ``S`` the
-# longest length, with a mask saying which slots are real. A packed batch
-# stores the same tokens end to end, **values** ``(T, ...)`` with ``T`` the
-# number of real tokens, plus **offsets** ``(B + 1,)``, where each sequence
-# starts and the last one ends. The picture draws both for one small batch.
+# A padded batch stores ``B`` sequences as a ``(B, S)`` rectangle, with ``S``
+# the longest length. A mask says which slots are real. A model that reads
+# its batch this way uses the :term:`padded layout`.
+#
+# A packed batch stores the same tokens end to end, in two tensors:
+#
+# * **values** ``(T, ...)``, with ``T`` the number of real tokens;
+# * **offsets** ``(B + 1,)``: where each sequence starts, and where the last
+#   one ends.
+#
+# A model that reads its batch this way uses the :term:`packed layout`. The
+# picture draws both for one small batch.
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE, draw_batch
@@ -52,9 +60,9 @@ draw_batch([5, 2, 7, 3])
 plt.show()
 
 # %%
-# Everything in a transformer but attention works on one token at a time
-# (linear layers, norms, activations, residuals), so it runs on the values as
-# one long sequence, with no padding and no mask; attention alone needs the
+# Everything in a transformer but attention works on one token at a time:
+# linear layers, norms, activations, residuals. So these run on the values as
+# one long sequence, with no padding and no mask. Only attention needs the
 # offsets, to keep sequences apart. The two tensors go by other names:
 #
 # * FlashAttention and ``torch.nn.attention.varlen.varlen_attn`` call the
@@ -66,19 +74,20 @@ plt.show()
 #   offsets are where ``position_ids == 0``, plus ``T``.
 #
 # PyTorch's documentation says nested tensors are not under active
-# development, and FlexAttention no longer accepts them
-# (`PyTorch issue 161734 <https://github.com/pytorch/pytorch/issues/161734>`_);
-# the maintainers point ragged attention at packed sequences. So the
-# interface here is the plain pair of tensors, and a nested tensor appears
-# only as one attention backend among six.
+# development. FlexAttention no longer accepts them
+# (`PyTorch issue 161734 <https://github.com/pytorch/pytorch/issues/161734>`_).
+# The maintainers point ragged attention at packed sequences. So the
+# interface here is the plain pair of tensors. A nested tensor appears only
+# as one attention backend among six.
 #
 # Every function this page explains comes from the site's toolkit, the
-# package ``ragged_toolkit``, and its code is shown where it is explained;
-# the timing helpers it calls (``measure``, ``choose``, the work bound) are
-# explained on :doc:`measuring_ragged_batches`, and the pictures are drawn
-# by ``ragged_site.figures``. Sizes are set here, once, for the device at
-# hand; ``page_setup`` picks them, with the dtype, one CPU thread per
-# operator and the seed.
+# package ``ragged_toolkit``. The page shows each function's code where it
+# explains it. The pictures are drawn by ``ragged_site.figures``.
+#
+# Sizes are set here, once, for the device at hand. ``page_setup`` picks
+# them, with the dtype, one CPU thread per operator and the seed. The
+# ``quick`` sizes are for :term:`quick mode`, where the test suite runs the
+# page in seconds.
 
 from ragged_site.page import page_setup
 
@@ -99,8 +108,9 @@ print(f"batch {S.batch}, embedding {S.embed}, heads {S.heads}")
 # ------------------------------
 # Offsets come from lengths with one cumulative sum (``offsets_from_lengths``).
 # ``token_index`` gives every packed token its sequence and its position in
-# it: all a layer needs to build positions (rotary embeddings restart at
-# every sequence) or to pad the batch where a padded tensor is needed.
+# it. That is all a layer needs to build positions, such as those of rotary
+# embeddings, which restart at every sequence. It is also all a layer needs
+# to pad the batch where a padded tensor is needed.
 #
 # .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: offsets_from_lengths
@@ -111,11 +121,11 @@ print(f"batch {S.batch}, embedding {S.embed}, heads {S.heads}")
 # .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: to_padded
 #
-# On a batch of three, the positions ``token_index`` computes are the
-# ``position_ids`` that Hugging Face's collator writes, and they give the
-# offsets back. The batches of this page come from the site's length
-# generator, ``sentence_lengths`` (Zipf-distributed words, a sentence ending
-# at its first full stop; :doc:`measuring_ragged_batches` checks it).
+# On a batch of three, the positions from ``token_index`` are the
+# ``position_ids`` that Hugging Face's collator writes. They give the offsets
+# back. The batches of this page come from the site's length generator,
+# ``sentence_lengths``. It draws Zipf-distributed words, and a sentence ends
+# at its first full stop. :doc:`measuring_ragged_batches` checks it.
 
 import numpy as np
 import torch
@@ -147,16 +157,18 @@ print(
 # %%
 # One attention function
 # ----------------------
-# ``ragged_attention`` takes packed queries ``(T_q, H, D)`` and keys and
-# values ``(T_kv, H_kv, D)``, and lets sequence ``i`` of the queries attend
-# only to sequence ``i`` of the keys. ``H_kv`` may be smaller than ``H``
-# (grouped-query attention). With ``is_causal`` a query sees the keys up to
-# its own position; where a sequence has more keys than queries (decoding
-# against a cache) the queries are the *last* ones, as in FlashAttention.
-# ``kv_used`` says how many of a sequence's key rows are filled, for a cache
-# with spare room (``seqused_k`` in ``varlen_attn``). The picture shows what
-# causal attention scores on a packed batch, a triangle per sequence on the
-# diagonal, beside what a padded batch scores:
+# ``ragged_attention`` takes packed queries ``(T_q, H, D)``, and keys and
+# values ``(T_kv, H_kv, D)``. Sequence ``i`` of the queries attends only to
+# sequence ``i`` of the keys. ``H_kv`` may be smaller than ``H``
+# (grouped-query attention). With ``is_causal``, a query sees the keys up to
+# its own position. A sequence may have more keys than queries, as when
+# decoding against a cache. Then the queries are the *last* ones, as in
+# FlashAttention. ``kv_used`` says how many of a sequence's key rows are
+# filled, for a cache with spare room (``seqused_k`` in ``varlen_attn``).
+#
+# The picture shows what causal attention scores on a packed batch: a
+# triangle per sequence on the diagonal. Beside it is what a padded batch
+# scores:
 
 from ragged_site.figures import draw_scores
 
@@ -166,18 +178,26 @@ plt.show()
 # %%
 # Plan once, attend in every layer
 # --------------------------------
-# Attention needs more than the tensors: each sequence's lengths as Python
-# integers (to split the batch, to size a padded block or a kernel), and
-# whatever its backend builds for the batch (gather indices, a padding
-# mask, FlexAttention's block mask). Reading lengths from offsets on a GPU
-# copies them to the host; building a mask runs kernels. Both depend on the
-# batch, not on the layer, so they happen once per batch, in a call the
-# caller makes and sees: ``plan_batch`` checks the offsets, reads the
-# lengths and builds what the chosen backend needs, and returns the batch's
-# ``BatchPlan``. The caller holds the plan and passes it to every attention
-# call of the batch, every layer, forward and backward, as FlexAttention's
-# ``create_block_mask`` is built once and passed to every ``flex_attention``
-# call. Nothing is cached behind the caller's back.
+# Attention needs more than the tensors. It needs each sequence's lengths
+# as Python integers, to split the batch or to size a padded block or a
+# kernel. It also needs whatever its backend builds for the batch: gather
+# indices, a padding mask, FlexAttention's block mask. Reading lengths from
+# offsets on a GPU copies them to the host. Building a mask runs kernels.
+#
+# Both depend on the batch, not on the layer. So they happen once per batch,
+# in a call the caller makes and sees. That call is ``plan_batch``:
+#
+# * it checks the offsets;
+# * it reads the lengths;
+# * it builds what the chosen backend needs;
+# * it returns the batch's ``BatchPlan``.
+#
+# The batch's :term:`plan` is what its attention needs, read from its
+# offsets once. The caller holds the plan. It passes the plan to every
+# attention call of the batch: every layer, forward and backward.
+# FlexAttention works the same way: ``create_block_mask`` is built once and
+# passed to every ``flex_attention`` call. Nothing is cached behind the
+# caller's back.
 #
 # .. literalinclude:: ../ragged_toolkit/attention/plan.py
 #    :pyobject: plan_batch
@@ -187,19 +207,20 @@ plt.show()
 #
 # A plan is built for one backend, so ``backend`` has no default in
 # ``plan_batch``. Where a caller has measured nothing, ``default_backend``
-# gives the documented choice for the device, the dtype and the head size
-# (the CUDA kernels limit it); this page measures below, and keeps this
+# gives the documented choice. It depends on the device, the dtype and the
+# head size, since the CUDA kernels limit the head size.
+# :doc:`packed_attention_layer` measures the backends, and keeps this
 # default wherever the measurement cannot tell.
 #
 # .. literalinclude:: ../ragged_toolkit/attention/__init__.py
 #    :pyobject: default_backend
 #
-# The call itself checks the tensors against the plan, checks that the
-# backend can run the job here, and hands it over. Given a plan it reads
-# nothing back from the device, so a compiled model that takes the plan
-# compiles attention into its graph. Sequences with no queries or no keys in
-# use (an empty prompt, a filtered document) were set aside by the plan;
-# their queries get zeros, so no NaN appears.
+# The call itself checks the tensors against the plan. It checks that the
+# backend can run the job here, and hands the job over. Given a plan, it
+# reads nothing back from the device. So a compiled model that takes the
+# plan compiles attention into its graph. The plan sets aside sequences
+# with no queries or no keys in use, such as an empty prompt or a filtered
+# document. Their queries get zeros, so no NaN appears.
 #
 # .. literalinclude:: ../ragged_toolkit/attention/__init__.py
 #    :pyobject: ragged_attention
@@ -230,8 +251,9 @@ except ValueError as err:
 # Six backends, six ways to compute it
 # ------------------------------------
 # Every backend takes the packed tensors and the plan. The **loop** makes
-# one dense SDPA call per sequence, on views of the packed tensors: exactly
-# the real work, one call per sequence, and a backward on every device.
+# one dense SDPA call per sequence, on views of the packed tensors. It does
+# exactly the real work, pays one call per sequence, and has a backward on
+# every device.
 #
 # .. literalinclude:: ../ragged_toolkit/attention/loop.py
 #    :pyobject: loop_backend
@@ -243,10 +265,10 @@ except ValueError as err:
 # .. literalinclude:: ../ragged_toolkit/attention/padded.py
 #    :pyobject: padded_backend
 #
-# **Buckets** sort the sequences by length and cut them into a few groups,
-# each padded to its own longest: a few calls, a little padding. What the
-# plan holds for it is the index of every slot of every group; the call
-# gathers each group, attends, and scatters the real rows back:
+# **Buckets** sort the sequences by length and cut them into a few groups.
+# Each group is padded to its own longest: a few calls, a little padding.
+# For buckets, the plan holds the index of every slot of every group. The
+# call gathers each group, attends, and scatters the real rows back:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/padded.py
 #    :pyobject: _bucket_plan
@@ -254,13 +276,13 @@ except ValueError as err:
 # .. literalinclude:: ../ragged_toolkit/attention/padded.py
 #    :pyobject: _attend_in_groups
 #
-# **FlexAttention** sees the whole batch as one long sequence and a *document
-# mask* built from the offsets: a query sees the keys of its own sequence.
-# ``create_block_mask`` evaluates the mask block by block (128 x 128) and
-# lists the blocks to compute; the kernel skips the others. Padding the
-# batch to one of a few lengths (``flex_rows``) keeps the number of compiled
-# kernels small, and the padding rows form a sequence of their own. The
-# mask is what a ``flex`` plan holds:
+# **FlexAttention** sees the whole batch as one long sequence, with a
+# *document mask* built from the offsets. In that mask, a query sees the
+# keys of its own sequence. ``create_block_mask`` evaluates the mask block by
+# block (128 x 128) and lists the blocks to compute. The kernel skips the
+# others. The batch is padded to one of a few lengths (``flex_rows``), which
+# keeps the number of compiled kernels small. The padding rows form a
+# sequence of their own. The mask is what a ``flex`` plan holds:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/flex.py
 #    :pyobject: document_block_mask
@@ -287,20 +309,20 @@ plt.show()
 print(f"{S.batch} sequences, {int(lengths.sum())} tokens: {skipped:.0%} of the blocks skipped")
 
 # %%
-# **varlen_attn** is the variable-length kernel of FlashAttention: the
-# offsets as ``int32`` ``cu_seq_q`` and ``cu_seq_k`` plus the longest
-# lengths, one call for the batch. CUDA only, in ``float16`` or
-# ``bfloat16``. Its keyword arguments changed between releases (causal as a
-# flag, then as a window; ``enable_gqa`` and ``seqused_k`` later), so the
+# **varlen_attn** is the variable-length kernel of FlashAttention. It takes
+# the offsets as ``int32`` ``cu_seq_q`` and ``cu_seq_k``, plus the longest
+# lengths, and makes one call for the batch. CUDA only, in ``float16`` or
+# ``bfloat16``. Its keyword arguments changed between releases: causal as a
+# flag, then as a window; ``enable_gqa`` and ``seqused_k`` later. So the
 # toolkit reads them from its signature.
 #
 # .. literalinclude:: ../ragged_toolkit/attention/varlen.py
 #    :pyobject: varlen_backend
 #
-# **Nested tensors** are the same values and offsets seen as a ``(B, H, j,
-# D)`` tensor with a ragged dimension; SDPA takes them. On CUDA it reaches
-# fused variable-length kernels; on CPU only the math path takes them, and
-# it refuses ``is_causal``.
+# **Nested tensors** are the same values and offsets, seen as a
+# ``(B, H, j, D)`` tensor with a ragged dimension. SDPA takes them. On CUDA,
+# SDPA reaches fused variable-length kernels with them. On CPU only the math
+# path takes them, and it refuses ``is_causal``.
 #
 # .. literalinclude:: ../ragged_toolkit/attention/njt.py
 #    :pyobject: _as_nested
@@ -308,14 +330,16 @@ print(f"{S.batch} sequences, {int(lengths.sum())} tokens: {skipped:.0%} of the b
 # .. literalinclude:: ../ragged_toolkit/attention/njt.py
 #    :pyobject: sdpa_njt_backend
 #
-# Which can run a job here is ``backend_support``'s answer: a backend it
-# allows and that fails is an error, never a silent fallback. The reference
-# every backend is checked against, ``reference_attention``, runs sequence
-# by sequence in float32 on SDPA's math backend, with key/value heads
-# repeated and the causal mask built explicitly: it shares no kernel with
-# them. Here it checks every backend, each with its own plan, on a batch
-# with an empty sequence (lengths 5, 0, 3, 7), causal, with four query
-# heads sharing two key/value heads, in this page's dtype:
+# ``backend_support`` answers which backends can run a job here. A backend
+# it allows that then fails is an error, never a silent fallback.
+#
+# Every backend is checked against ``reference_attention``. It runs
+# sequence by sequence, in float32, on SDPA's math backend. It repeats the
+# key/value heads and builds the causal mask explicitly. So it shares no
+# kernel with the backends. Here it checks every backend, each with its own
+# plan, in this page's dtype. The batch has lengths 5, 0, 3 and 7, so one
+# sequence is empty. Attention is causal, with four query heads sharing two
+# key/value heads:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/__init__.py
 #    :pyobject: backend_support
@@ -346,9 +370,9 @@ for name in BACKENDS:
     print(f"{name:9s} matches the reference, max |difference| {gap:.1e}")
 
 # %%
-# Bad offsets get an error that names the problem: from ``plan_batch``
-# where they cannot describe a batch, from ``ragged_attention`` where they
-# describe another batch than its tensors:
+# Bad offsets get an error that names the problem. ``plan_batch`` raises it
+# where the offsets cannot describe a batch. ``ragged_attention`` raises it
+# where they describe another batch than its tensors:
 
 for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
     try:
@@ -364,12 +388,12 @@ for bad in ([0, 5, 5, 8, 16], [1, 5, 5, 8, 15], [0, 5, 3, 8, 15]):
 # Conclusion
 # ----------
 # Linear layers, norms and residuals run on packed values as one long
-# sequence; attention alone needs the offsets. The batch's plan is built
-# once by ``plan_batch`` and passed to every ``ragged_attention`` call.
-# Each backend was checked against a reference that shares no kernel with
-# it. :doc:`packed_attention_layer` builds a multi-head attention layer on
-# these functions and measures it; :doc:`which_attention_path` measures
-# every backend against every job.
+# sequence. Only attention needs the offsets. The batch's plan is built once
+# by ``plan_batch`` and passed to every ``ragged_attention`` call. Each
+# backend was checked against a reference that shares no kernel with it.
+# :doc:`packed_attention_layer` builds a multi-head attention layer on these
+# functions and measures it. :doc:`which_attention_path` measures every
+# backend against every job.
 
 # sphinx_gallery_thumbnail_number = 3
 

@@ -2,10 +2,11 @@
 Which attention path should I use?
 ==================================
 
-Every padding-free attention path PyTorch offers, against every job a reader
-has, on the device that built this page: whether it runs and why not,
-whether it is correct, how fast, and which kernel ran; then a decision
-guide built from those measurements.
+This page runs every padding-free attention path PyTorch offers against
+every job a reader has, on the device that built this page. For each path
+and job, it shows whether the path runs (and why not), whether it is
+correct, how fast it is, and which kernel ran. Then it builds a decision
+guide from those measurements.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -44,22 +45,27 @@ guide built from those measurements.
 # on the device, the dtype, the lengths and the job. This page runs six jobs
 # on one ragged batch:
 #
-# * **inference**: causal self-attention, forward only; **training**: the
-#   same, forward and backward;
-# * **decoding**: a generation step, its bookkeeping included: one new query
-#   per sequence against the keys it has in a KV cache with spare room
-#   (``kv_used``), which a single query sees all of (no causal mask);
+# * **inference**: causal self-attention, forward only;
+# * **training**: the same, forward and backward;
+# * **decoding**: a generation step, its bookkeeping included. One new query
+#   per sequence attends to the keys it has in a KV cache with spare room
+#   (``kv_used``). A single query sees all of them (no causal mask);
 # * **GQA**: inference with four query heads per key/value head;
 # * **score_mod**: inference with a custom score function, the penalty of ALiBi;
 # * **serving**: one step of continuous batching over a paged KV cache,
 #   prompt chunks and decode tokens in one packed batch.
 #
-# Each job goes through the six backends of ``ragged_attention`` (their code
-# is on the :doc:`building-blocks page <transformer_building_blocks>`, section
-# "Six backends, six ways to compute it"), through the padded layout the job
-# would otherwise run, and through the paths written below. Every number
-# printed passed its correctness check first, and every conclusion is
-# printed from the numbers.
+# Each job goes through:
+#
+# * the six backends of ``ragged_attention``, whose code is on the
+#   :doc:`building-blocks page <transformer_building_blocks>`, section "Six
+#   backends, six ways to compute it";
+# * the :term:`padded layout` the job would otherwise run: each sequence in
+#   its own row, padded to the longest;
+# * the paths written below.
+#
+# Every number printed passed its correctness check first. Every conclusion
+# is printed from the numbers.
 #
 # One kernel choice is made for you on CUDA. There, SDPA may try cuDNN
 # attention first. cuDNN builds a plan for every new shape it sees. The
@@ -72,7 +78,8 @@ guide built from those measurements.
 # .. literalinclude:: ../ragged_toolkit/attention/dense.py
 #    :pyobject: many_shapes_kernels
 #
-# The sizes, per device (:term:`quick mode` shrinks them):
+# The sizes are set per device. :term:`Quick mode <quick mode>`, the test
+# suite's fast run, shrinks them:
 
 import os
 
@@ -100,11 +107,14 @@ print(
 # The batch is drawn from the site's length generator. The first four jobs
 # go through ``compare_backends``, which checks each backend against a
 # float32 reference before timing it. The decoding job builds each
-# backend's plan inside the timed call (``plan_per_call``): while
-# generating, the lengths change at every step, so whatever a backend
-# prepares per batch (gather indices, a block mask) is prepared again at
-# every step. Each line ends with the :term:`kernel label` of what ran
-# (quick mode profiles nothing, so it shows none).
+# backend's :term:`plan` (what ``plan_batch`` prepares for a batch) inside
+# the timed call (``plan_per_call``). While generating, the lengths change
+# at every step. So whatever a backend prepares per batch (gather indices, a
+# block mask) is prepared again at every step.
+#
+# Each line ends with the :term:`kernel label`: the attention kernel that
+# ran, in brackets, with its call count. Quick mode profiles nothing, so it
+# shows none.
 
 import numpy as np
 from ragged_toolkit.batches import offsets_from_lengths
@@ -157,12 +167,12 @@ for job, (tensors, keywords) in JOBS.items():
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``varlen_attn`` is the variable-length kernel of FlashAttention: CUDA only,
 # in ``float16`` or ``bfloat16``. Its keyword arguments changed in every
-# release from 2.10 to 2.12 (causal as ``is_causal``, then as
-# ``window_size``; ``enable_gqa``, ``seqused_k`` and ``block_table``
-# later), so the toolkit adapts every call in one place to the keywords of
-# the installed release, read from its signature; a
-# feature the release lacks raises ``VarlenUnavailable``, naming it, and is
-# never dropped. What this release takes:
+# release from 2.10 to 2.12. Causal came as ``is_causal``, then as
+# ``window_size``. ``enable_gqa``, ``seqused_k`` and ``block_table`` came
+# later. So the toolkit adapts every call in one place, to the keywords of
+# the installed release. It reads them from the release's signature. A
+# feature the release lacks raises ``VarlenUnavailable``, which names it.
+# The feature is never dropped. What this release takes:
 #
 # .. literalinclude:: ../ragged_toolkit/attention/varlen.py
 #    :pyobject: varlen_kwargs
@@ -200,10 +210,14 @@ print(f"varlen_attn on this device: {why_not or 'runs'}")
 # The ``flex`` row of the decoding job pays ``create_block_mask`` at every
 # step: its plan evaluates the mask over the whole grid. FlexAttention's
 # inference examples build the mask once, for the cache's capacity, and
-# only refresh it: here the cache is read in place as ``(B, H, capacity,
-# D)``, the mask function reads the lengths from a tensor each step updates
-# in place, every listed block is *partial* (the mask function runs inside
-# the kernel), and a step only recounts each sequence's key blocks.
+# only refresh it. This page does the same:
+#
+# * the cache is read in place as ``(B, H, capacity, D)``;
+# * the mask function reads the lengths from a tensor that each step
+#   updates in place;
+# * every listed block is *partial*, so the mask function runs inside the
+#   kernel;
+# * a step only recounts each sequence's key blocks.
 
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -243,7 +257,7 @@ def flex_refreshed():  # a decoding step: the mask's lengths refreshed, nothing 
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The ``padded`` backend pads inside the call, a gather and a scatter that a
 # model written for padded batches never pays. So the baseline of every job
-# is attention on tensors padded from the start, and for decoding the
+# is attention on tensors padded from the start. For decoding, it is the
 # fixed-shape step of ``CachedStep`` (:doc:`ragged_decoding_kv_cache_gqa`).
 # *One row with a mask* is the batch as the packed row ``transformers``
 # sees:
@@ -344,24 +358,31 @@ print_timings(table["score_mod"])
 # %%
 # Serving: a continuous batch over a paged KV cache
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# One step of continuous batching, built with the serving code of
-# :doc:`serving_continuous_batching`: four newcomers (the longest requests)
-# feed the last chunk of their prompts, every other one its last generated
-# token; the keys live in blocks of a ``PagedKVCache``, handed out as the
-# requests grew side by side; ``build_step`` packs the step and builds, once
-# for every layer, what the path reads the cache with. ``gathered`` gathers
-# the keys in use and runs ``ragged_attention`` with a backend (``loop``,
-# ``bucketed``, ``padded`` below); ``varlen`` reads the cache in place
-# through its block table (both on the serving page); ``flex`` reads it
-# through a paged block mask:
+# This job is one step of continuous batching, built with the serving code
+# of :doc:`serving_continuous_batching`. Four newcomers, the longest
+# requests, feed the last chunk of their prompts. Every other request feeds
+# its last generated token. The keys live in blocks of a ``PagedKVCache``.
+# The blocks were handed out as the requests grew side by side.
+# ``build_step`` packs the step. It also builds what the path reads the
+# cache with, once for every layer. The paths read the cache in three ways:
+#
+# * ``gathered`` gathers the keys in use and runs ``ragged_attention`` with
+#   a backend (``loop``, ``bucketed``, ``padded`` below);
+# * ``varlen`` reads the cache in place through its block table;
+# * ``flex`` reads it through a paged block mask.
+#
+# The serving page shows the first two. Here is the code of the third:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: _flex_paged_attention
 #
-# The baseline is the padded layout a server without ragged attention runs:
-# the decode tokens as one-query rows against their keys padded to the
-# longest, and the prompt chunks padded apart, each query seeing the keys up
-# to its own position (``PaddedServing``, padded once per step):
+# The baseline is the padded layout that a server without ragged attention
+# runs (``PaddedServing``, padded once per step). It pads two groups:
+#
+# * the decode tokens, as one-query rows against their keys padded to the
+#   longest;
+# * the prompt chunks, padded apart, each query seeing the keys up to its
+#   own position.
 #
 # .. literalinclude:: ../ragged_site/decision.py
 #    :pyobject: PaddedServing.__call__
@@ -453,21 +474,36 @@ print_timings(table["serving"])
 # %%
 # The decision guide, from this build
 # -----------------------------------
-# For each job: the path chosen here, its median and kernels, its speedup
-# over the padded baseline beside the job's :term:`work bound` and the
-# :term:`fraction of the bound` it reaches, what to use next, and which
-# paths cannot take the job here (the lines above say why). ``choose`` takes
-# the fastest path only where its interquartile range (IQR) does not overlap
-# the next one's; within the noise it keeps the default, ``default_backend``
-# (the loop on a CPU). The bound counts query-key pairs: the causal half for
-# causal jobs (a causal kernel skips the rest); the whole square for the
-# score function (its padded baseline and loop bias all of it); for
-# decoding, the cached rows up to the longest in use; for serving, the
-# rectangles of the two padded groups against each query's keys up to its
-# own position.
+# For each job, the guide prints:
+#
+# * the path chosen here, with its median and kernels;
+# * its speedup over the padded baseline, beside the job's
+#   :term:`work bound` and the :term:`fraction of the bound` it reaches;
+# * what to use next;
+# * which paths cannot take the job here (the lines above say why);
+# * one rule per job: "use X; if X is not available here, Y".
+#
+# A CPU build also prints CUDA's rules. They come from a recorded GPU run,
+# or else from published figures, marked "not measured here yet".
+#
+# The work bound is the speedup to expect if time followed work: the padded
+# baseline's work divided by the packed path's. The fraction of the bound is
+# the measured speedup divided by the work bound.
+#
+# ``choose`` takes the fastest path only where its interquartile range (IQR)
+# does not overlap the next one's. Within the noise, it keeps the default
+# from ``default_backend``: the loop on a CPU. The bound counts query-key
+# pairs:
+#
+# * for causal jobs, the causal half (a causal kernel skips the rest);
+# * for the score function, the whole square (its padded baseline and loop
+#   bias all of it);
+# * for decoding, the cached rows up to the longest in use;
+# * for serving, the rectangles of the two padded groups, against each
+#   query's keys up to its own position.
 
 from ragged_toolkit.attention import BACKENDS, default_backend
-from ragged_site.decision import decision_guide
+from ragged_site.decision import GPU_RECORD, PUBLISHED_CUDA, decision_guide, device_rules
 from ragged_site.measuring.bound import Work, work_bound
 
 PAIRS = Work(per_token=0.0, per_pair=1.0)  # attention's work: the query-key pairs scored
@@ -488,15 +524,17 @@ BEYOND = {  # what two other pages measure for these jobs
     "share a long prefix (serving_shared_prompts)",
     "training": "hybrid models: recurrent layers reset at every document (packed_recurrent_layers)",
 }
-decision_guide(table, BOUND, (default_backend(DEVICE, DTYPE, S.head_dim), "loop"), BEYOND)
+cuda_rules = [] if DEVICE == "cuda" else device_rules("cuda", PUBLISHED_CUDA, GPU_RECORD)
+default = (default_backend(DEVICE, DTYPE, S.head_dim), "loop")
+decision_guide(table, BOUND, default, BEYOND, device=DEVICE, elsewhere=cuda_rules)
 
 # %%
 # The same speedups for every path
 # --------------------------------
 # Each cell is a path's measured speedup over the padded baseline for that
-# job (higher is better) and, in brackets, its fraction of the job's work
-# bound (what that fraction tells, and what it does not:
-# :doc:`measuring_ragged_batches`).
+# job; higher is better. In brackets is its fraction of the job's work
+# bound. :doc:`measuring_ragged_batches` explains what that fraction tells,
+# and what it does not.
 
 import matplotlib.pyplot as plt
 from ragged_site.decision import speedup_grid
@@ -524,29 +562,29 @@ plt.show()
 # %%
 # How to read it
 # --------------
-# The ranking holds for this device, this dtype and these lengths: re-run
-# the page (or ``compare_backends`` on your own batch) on the machine you
-# will train or serve on, and profile a path's call to see why it wins or
-# loses (:doc:`measuring_ragged_batches`). A few things hold everywhere,
-# because they follow from what each path computes:
+# The ranking holds for this device, this dtype and these lengths. Re-run
+# the page, or ``compare_backends`` on your own batch, on the machine you
+# will train or serve on. Profile a path's call to see why it wins or loses
+# (:doc:`measuring_ragged_batches`). A few things hold everywhere, because
+# they follow from what each path computes:
 #
 # * padding does the work of ``B x S_max`` tokens whatever the lengths, so
 #   its cost grows with the longest sequence, not with the batch's tokens;
 # * the per-sequence loop does exactly the real work but pays one call per
 #   sequence, so it suits few long sequences better than many short ones;
 # * a decoding step pays for whatever its path prepares per batch, at every
-#   step: a plan that needs no mask, or a mask refreshed in place, keeps
+#   step. A plan that needs no mask, or a mask refreshed in place, keeps
 #   that cost small;
 # * one row with a mask scores every pair of the row, so its cost grows with
 #   the square of the batch's tokens, not with the sum of its sequences';
 # * FlexAttention is the only path here that takes an arbitrary score
-#   function; whether it has a backward on this device, ``backend_support``
-#   says (on a CPU it has none);
-# * attention is not every layer: a hybrid model's recurrent layers need
+#   function. ``backend_support`` says whether it has a backward on this
+#   device; on a CPU it has none;
+# * attention is not every layer. A hybrid model's recurrent layers need
 #   their state and convolution reset at every document of a packed row
-#   (:doc:`packed_recurrent_layers`), and a server whose requests share
-#   prompts gains most from caching them (:doc:`serving_shared_prompts`);
-#   those pages measure what each buys on the build's device.
+#   (:doc:`packed_recurrent_layers`). A server whose requests share prompts
+#   gains most from caching them (:doc:`serving_shared_prompts`). Those
+#   pages measure what each buys on the build's device.
 #
 # References
 # ----------

@@ -3,12 +3,12 @@ A packed GPT on real text: fixed-length rows against the best padded trainers
 =============================================================================
 
 Train a small modern GPT on real documents packed as ``torchtitan`` packs
-them: the document stream cut into rows of a fixed length, each row a
-packed batch with its offsets, so that every step has one shape. Measure it
-against two padded trainers on the same documents, naive padding and the
-length-grouped padding a careful practitioner uses, each trainer eager or
-compiled as a measurement on this device decides. Then a packed prefill of
-prompts of different lengths.
+them. The document stream is cut into rows of a fixed length. Each row is a
+packed batch with its offsets, so every step has one shape. The page
+measures it against two padded trainers on the same documents: naive
+padding, and the length-grouped padding a careful practitioner uses. A
+measurement on this device decides whether each trainer runs eager or
+compiled. Then a packed prefill of prompts of different lengths.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -44,12 +44,13 @@ prompts of different lengths.
 # %%
 # Sizes
 # -----
-# Every size is set here, per device; :term:`quick mode` shrinks them. The
-# tokens are bytes (a vocabulary of 256), so that no tokenizer is needed. A
-# step is ``rows`` rows of the model's context (``max_seq_len`` tokens); a
-# run reads ``train_tokens`` tokens of the ``corpus_documents`` documents it
-# asks the corpus for. Real runs: width 2048 and up, rows of 2,048 to 8,192
-# tokens, many rows per step, billions of tokens.
+# Every size is set here, per device. :term:`quick mode`, the test suite's
+# small run, shrinks them. The tokens are bytes (a vocabulary of 256), so that
+# no tokenizer is needed. A step is ``rows`` rows of the model's context
+# (``max_seq_len`` tokens). A run reads ``train_tokens`` tokens of the
+# ``corpus_documents`` documents it asks the corpus for. Real runs: width 2048
+# and up, rows of 2,048 to 8,192 tokens, many rows per step, billions of
+# tokens.
 
 from ragged_site.page import page_setup
 
@@ -104,13 +105,17 @@ WARMUP_STEPS = 3  # steps left out of every throughput figure (first calls, comp
 # One model, two layouts
 # ----------------------
 # Every module of a transformer but attention works on the last dimension
-# only: embeddings, linear layers, norms, activations and residuals treat a
+# only. Embeddings, linear layers, norms, activations and residuals treat a
 # packed batch ``(T, dim)`` and a padded one ``(B, S, dim)`` alike. So one
-# model can run on both, if attention alone is told which it got: a small
-# *layout* object. ``PackedLayout`` holds the batch's plan (``plan_batch``,
-# built once per batch, causal) and calls ``ragged_attention``;
-# ``PaddedLayout`` runs one SDPA call (right padding and ``is_causal``: a
-# real token never sees a padding token, no mask needed).
+# model can run on both, if attention alone is told which it got. A small
+# object tells it: the :term:`layout`, how attention reads the batch.
+#
+# * ``PackedLayout`` is the :term:`packed layout`. It holds the batch's
+#   :term:`plan` and calls ``ragged_attention``. The plan is what
+#   ``plan_batch`` reads from the offsets, once per batch (here: causal).
+# * ``PaddedLayout`` is the :term:`padded layout`. It runs one SDPA call.
+#   With right padding and ``is_causal``, a real token never sees a padding
+#   token, so no mask is needed.
 #
 # .. literalinclude:: ../ragged_toolkit/layouts.py
 #    :pyobject: PackedLayout
@@ -118,10 +123,10 @@ WARMUP_STEPS = 3  # steps left out of every throughput figure (first calls, comp
 # .. literalinclude:: ../ragged_toolkit/layouts.py
 #    :pyobject: PaddedLayout
 #
-# (The cache is for generation, at the end.) A tiny model on documents of
-# 3, 1 and 4 tokens, packed and then padded, gives the same logits on every
-# real token. Positions restart at every document: ``token_index`` gives
-# them, exactly the ``position_ids`` of Hugging Face's packed format.
+# (The cache is for generation, at the end.) A tiny model runs on documents
+# of 3, 1 and 4 tokens, packed and then padded. It gives the same logits on
+# every real token. Positions restart at every document. ``token_index``
+# gives them: exactly the ``position_ids`` of Hugging Face's packed format.
 
 import torch
 from ragged_toolkit.batches import offsets_from_lengths, to_padded, token_index
@@ -148,12 +153,17 @@ print(
 # The model
 # ---------
 # The usual modern decoder-only stack, written flat in the style of
-# ``gpt-fast``: a token embedding; blocks of RMSNorm, grouped-query attention
-# with rotary position embeddings, RMSNorm and a SwiGLU feed-forward network,
-# each with a residual connection; a final RMSNorm and an output layer.
-# Attention computes q, k and v with one matmul, rotates q and k by each
-# token's position, and hands them to the layout; ``n_heads / n_kv_heads``
-# query heads share each key/value head.
+# ``gpt-fast``:
+#
+# * a token embedding;
+# * blocks of RMSNorm, grouped-query attention with rotary position
+#   embeddings, RMSNorm and a SwiGLU feed-forward network, each with a
+#   residual connection;
+# * a final RMSNorm and an output layer.
+#
+# Attention computes q, k and v with one matmul. It rotates q and k by each
+# token's position and hands them to the layout. In grouped-query attention,
+# ``n_heads / n_kv_heads`` query heads share each key/value head.
 #
 # .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: _apply_rope
@@ -175,17 +185,19 @@ print(
 # %%
 # Documents packed into fixed-length rows
 # ---------------------------------------
-# Real text, offline: the docstrings of Python's standard library
-# (``docstring_corpus`` parses them with ``ast`` and imports nothing), each
-# a document of UTF-8 bytes, in a seeded random order. ``torchtitan`` packs
+# Real text, offline: the docstrings of Python's standard library, in a seeded
+# random order. ``docstring_corpus`` parses them with ``ast`` and imports
+# nothing. Each docstring is a document of UTF-8 bytes. ``torchtitan`` packs
 # such a stream as here: the documents end to end, cut every ``ROW_LEN``
-# tokens. A document that crosses a row's end is *cut*: its rest opens the
-# next row as a sequence of its own, without the context before the cut and
-# the target across it. Every token slot holds a real token, and every step
-# has one shape. The alternative, *carrying* a document that does not fit
-# to the next row and padding the rest (``torchtune``'s default), keeps every
-# document whole at the price of padding. The run takes ``train_tokens``
-# tokens, or as many whole steps as the corpus holds, and says which.
+# tokens. A document that crosses a row's end is *cut*. Its rest opens the next
+# row as a sequence of its own. The rest starts without the context before the
+# cut, and the target across the cut is lost. Every token slot holds a real
+# token, and every step has one shape. The run takes ``train_tokens`` tokens,
+# or as many whole steps as the corpus holds, and says which.
+#
+# The alternative is *carrying* (``torchtune``'s default). A document that
+# does not fit moves to the next row, and the rest of the row is padding.
+# Every document stays whole, at the price of padding.
 #
 # .. literalinclude:: ../ragged_toolkit/data.py
 #    :pyobject: split_by_token_budget
@@ -215,22 +227,23 @@ print_packing(stream_tokens, stream_offsets, rows, ROW_LEN, S.rows, n_docs)  # c
 
 # %%
 # Hugging Face's ``DataCollatorWithFlattening`` instead flattens each batch
-# of whole documents into one row (:doc:`hf_packed_training`): nothing cut,
-# nothing padded, and a new shape, a new input size to compile, every step.
+# of whole documents into one row (:doc:`hf_packed_training`). Nothing is
+# cut and nothing is padded. But every step has a new shape: a new input
+# size to compile.
 #
 # Two padded trainers
 # -------------------
-# The padded trainers see the same documents, whole (each cut at the
-# context), in as many steps as the packed trainer, ``B`` documents a step:
-# those the rows touch and the next few of the stream, to fill the last step
-# (where the corpus has no more, ``B`` rounds down and leaves a few out).
-# Two ways to batch them:
+# The padded trainers see the same documents, whole, each cut at the model's
+# context. They take as many steps as the packed trainer, ``B`` documents a
+# step. These are the documents the rows touch, and the next few of the stream
+# to fill the last step. Where the corpus has no more, ``B`` rounds down and
+# leaves a few out. Two ways to batch them:
 #
 # * **naive**: in stream order, each batch padded to its longest document;
-# * **grouped**: as Hugging Face's ``group_by_length``, the documents of a
-#   window of a few batches sorted by length and cut into batches again,
-#   then shuffled: little padding, but which documents share a step
-#   depends on their length.
+# * **grouped**: as Hugging Face's ``group_by_length`` does. The documents
+#   of a window of a few batches are sorted by length, cut into batches
+#   again, then shuffled. Little padding is left, but which documents share
+#   a step depends on their length.
 #
 # .. literalinclude:: ../ragged_toolkit/data.py
 #    :pyobject: group_by_length
@@ -256,12 +269,12 @@ batches = {name: [(t.to(DEVICE), o.to(DEVICE)) for t, o in b] for name, b in bat
 # %%
 # One training step, three ways
 # -----------------------------
-# The packed step feeds a step's rows as one packed batch, ``(T,)`` ids and
-# offsets that mark every document and every row start, with the batch's
-# plan on the documented default backend. The padded step is the best
-# padded trainer a reader would write: right-padded ``(B, S)`` ids, a causal
-# kernel and no mask, the loss masked at padding. Both average the loss over
-# the real targets, under autocast where the dtype is not float32.
+# The packed step feeds a step's rows as one packed batch: ``(T,)`` ids and
+# offsets. The offsets mark every document and every row start. The batch's
+# plan runs on the documented default backend. The padded step is the best
+# padded trainer a reader would write. It takes right-padded ``(B, S)`` ids and
+# a causal kernel with no mask, and masks the loss at padding. Both average the
+# loss over the real targets, under autocast where the dtype is not float32.
 #
 # .. literalinclude:: ../ragged_site/gpt_training.py
 #    :pyobject: padded_loss
@@ -285,12 +298,13 @@ def packed_loss(model, tokens, offsets, layout):
 
 
 # %%
-# Before timing anything, the proof that they compute the same thing. On the
-# first step's sequences, the packed step (the per-sequence loop backend)
-# and the padded step of the same sequences on SDPA's math backend (matrix
-# products and a softmax: no kernel shared) give the same loss and the same
-# gradient for every parameter; on a GPU the check takes as many sequences as
-# the math path's scores fit in 2 GiB (``math_check_sequences``).
+# Before timing anything, the proof that they compute the same thing. It runs
+# on the first step's sequences. The packed step uses the per-sequence loop
+# backend. The padded step of the same sequences uses SDPA's math backend:
+# matrix products and a softmax, so no kernel is shared. Both give the same
+# loss and the same gradient for every parameter. On a GPU the check takes as
+# many sequences as the math path's scores fit in 2 GiB
+# (``math_check_sequences``).
 
 from ragged_site.gpt_training import check_same, loss_and_grads
 from ragged_site.reference import math_check_sequences
@@ -314,26 +328,27 @@ print(
 # Compile, or not
 # ---------------
 # ``ragged_attention`` given the batch's plan compiles into a model's graph
-# with ``fullgraph=True`` (a graph break is an error), a graph specialized
-# to what the plan holds as Python values. The loop backend's plan holds
-# every sequence's length: a graph for every batch of new lengths.
-# FlexAttention's plan holds a ``BlockMask`` of one shape for every step of
-# ``rows * ROW_LEN`` tokens: one graph. So the compiled packed trainer takes
-# the flex plan where FlexAttention trains, and otherwise (a CPU: no
-# backward) the rows layout, ``PackedRows``: one SDPA call over the
-# ``(rows, ROW_LEN)`` rows with a block-diagonal causal mask, every shape fixed.
+# with ``fullgraph=True`` (a graph break is an error). The graph is specialized
+# to what the plan holds as Python values. The loop backend's plan holds every
+# sequence's length: a graph for every batch of new lengths. FlexAttention's
+# plan holds a ``BlockMask`` of one shape for every step of ``rows * ROW_LEN``
+# tokens: one graph. So the compiled packed trainer takes the flex plan where
+# FlexAttention trains. Elsewhere (a CPU, where FlexAttention has no backward)
+# it takes ``PackedRows``, the :term:`rows layout`: documents packed into
+# fixed-length rows. It makes one SDPA call over the ``(rows, ROW_LEN)`` rows
+# with a block-diagonal causal mask. Every shape is fixed.
 #
 # .. literalinclude:: ../ragged_toolkit/layouts.py
 #    :pyobject: PackedRows
 #
 # Each trainer runs a few steps eager and compiled, on copies of the model,
-# interleaved, and the rule of :doc:`measuring_ragged_batches` chooses
-# (within the noise: eager), on the time per thousand real tokens after
-# the warm-up steps (compiling falls in those). The padded trainers compile
-# with dynamic shapes. Each compiled trainer's graphs and graph breaks are
-# counted over its steps (one that meets a graph already compiled, as the
-# grouped trainer may meet the naive one's, compiles none). A ``Trainer``
-# holds a model, compiled or not, its optimizer and its losses.
+# interleaved. The rule of :doc:`measuring_ragged_batches` then chooses, on the
+# time per thousand real tokens after the warm-up steps. Compiling falls in
+# those warm-up steps. Within the noise, the rule chooses eager. The padded
+# trainers compile with dynamic shapes. Each compiled trainer's graphs and
+# graph breaks are counted over its steps. A trainer that meets a graph already
+# compiled compiles none: the grouped trainer may meet the naive one's. A
+# ``Trainer`` holds a model, compiled or not, its optimizer and its losses.
 #
 # .. literalinclude:: ../ragged_site/gpt_training.py
 #    :pyobject: Trainer
@@ -383,8 +398,8 @@ from ragged_site.gpt_training import probe_compile
 COMPILE = probe_compile(new_trainer, model, batches, WARMUP_STEPS, setup.quick, DEVICE)
 
 # %%
-# From the same weights, on the first batch, the compiled packed step (its
-# graph compiled above) gives the eager step's loss and gradients.
+# From the same weights, on the first batch, the compiled packed step gives
+# the eager step's loss and gradients. Its graph was compiled above.
 
 tokens, offsets = batches["packed"][0]
 layout = PackedLayout.of(offsets, "loop")
@@ -403,7 +418,7 @@ print(
 # Same initial weights, same documents, same optimizer (AdamW), each trainer
 # compiled or eager as chosen above. The three take turns, one step each, so
 # that whatever else the machine does slows all alike. Throughput counts
-# *real* tokens after the first ``WARMUP_STEPS``; a graph compiled inside
+# *real* tokens after the first ``WARMUP_STEPS``. A graph compiled inside
 # the timed steps would be timed as training, so there must be none.
 
 import copy
@@ -423,11 +438,14 @@ for kind, timer in timers.items():
 # %%
 # The work bounds of this run
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What each trainer must compute per real token (``model_work``: twice the
-# weights of every matrix per token, and per query-key pair the scores and
-# the sum over values in every layer), the causal half on every side (the
-# padded causal kernel skips the masked half too), each padded trainer from
-# its own batches; the :term:`fraction of the bound`: :doc:`measuring_ragged_batches`.
+# The :term:`work bound` is the padded trainer's work over the packed one's:
+# the speedup to expect if time followed work. ``model_work`` counts what each
+# trainer must compute per real token. Per token, that is twice the weights of
+# every matrix. Per query-key pair, it is the scores and the sum over values,
+# in every layer. Every side counts the causal half only: the padded causal
+# kernel skips the masked half too. Each padded trainer's bound comes from its
+# own batches. The :term:`fraction of the bound` is the measured speedup over
+# the bound. :doc:`measuring_ragged_batches` explains how to read it.
 
 from ragged_site.measuring.bound import model_work
 from ragged_site.gpt_training import print_training_speed
@@ -438,19 +456,22 @@ print_training_speed(timers, batches, work, WARMUP_STEPS)
 
 # %%
 # Against naive padding, the bound is what padding a random batch to its
-# longest document costs; against length-grouped padding, what sorted
+# longest document costs. Against length-grouped padding, it is what sorted
 # windows leave. The lines above say what this run turned into speed, and
-# whether its steps differ beyond the noise. What packing buys even where
-# the bound is small: one shape for every step (``rows * ROW_LEN`` tokens;
-# the compiled packed trainer's graphs are counted above), a memory
-# footprint that does not depend on which documents meet in a step, and
-# batches whose make-up does not depend on length, where grouping puts the
-# long documents together.
+# whether its steps differ beyond the noise. Packing buys three things even
+# where the bound is small:
 #
-# The loss curves differ by the batches each trainer saw, not only by
-# rounding; the page asserts that each learned at least how often each byte
-# occurs (its last five losses below 70% of a uniform guess over 256 bytes,
-# ln 256 = 5.55 nats) and prints the spread of the last losses.
+# * one shape for every step, ``rows * ROW_LEN`` tokens (the compiled packed
+#   trainer's graphs are counted above);
+# * a memory footprint that does not depend on which documents meet in a
+#   step;
+# * batches whose make-up does not depend on length. Grouping puts the long
+#   documents together.
+#
+# The loss curves differ by the batches each trainer saw, not only by rounding.
+# The page asserts that each learned at least how often each byte occurs. Its
+# last five losses must be below 70% of a uniform guess over 256 bytes
+# (ln 256 = 5.55 nats). The page also prints the spread of the last losses.
 
 from ragged_site.gpt_training import check_learned, plot_training
 
@@ -462,13 +483,14 @@ plot_training(timers, losses, WARMUP_STEPS, DEVICE)  # loss against measured sec
 # %%
 # Prefill
 # -------
-# The trained packed model now reads a batch of prompts, the openings of
-# documents no step trained on, of different lengths. Prefill runs every
-# prompt at once and writes each token's keys and values into a cache:
-# packed, it computes the real tokens only; padded (left-padded, as
-# Hugging Face's ``generate`` pads prompts), every prompt is as long as the
-# longest, with a mask that also hides the padding, so its kernel scores
-# every pair of the square.
+# The trained packed model now reads a batch of prompts of different lengths.
+# They are the openings of documents no step trained on. Prefill runs every
+# prompt at once and writes each token's keys and values into a cache. Packed,
+# it computes the real tokens only. Padded, every prompt is as long as the
+# longest, left-padded as Hugging Face's ``generate`` pads prompts. Its mask
+# also hides the padding, so its kernel scores every pair of the square. A
+# timing ends with a :term:`kernel label`: the attention kernel that ran, with
+# its call count, in brackets.
 #
 # .. literalinclude:: ../ragged_toolkit/decoding.py
 #    :pyobject: prefill_packed
@@ -519,11 +541,12 @@ print(
 )
 
 # %%
-# Decoding then feeds one token per sequence per step: a rectangle on both
-# sides, so packing removes no work there; :doc:`ragged_decoding_kv_cache_gqa`
-# measures it, and the KV cache itself. What the model learned: a few
-# prompts, and the bytes greedy decoding writes after them (after ``|``),
-# from a model this small, trained this briefly.
+# Decoding then feeds one token per sequence per step. That is a rectangle on
+# both sides, so packing removes no work there.
+# :doc:`ragged_decoding_kv_cache_gqa` measures it, and the KV cache itself.
+# What the model learned: a few prompts, and the bytes greedy decoding writes
+# after them (after ``|``). They come from a model this small, trained this
+# briefly.
 
 with torch.no_grad():
     written = generate_packed(model, prompts, prompt_offsets, 24, dtype=DTYPE)
@@ -538,16 +561,16 @@ for b in range(min(4, S.prompts)):
 # %%
 # Conclusion
 # ----------
-# A packed trainer is the padded trainer minus the padding: the same
-# modules, loss and optimizer, proved to compute the same loss and
-# gradients. Packed into fixed-length rows, as ``torchtitan`` packs, every
-# step has one shape, and the packed step compiles with ``fullgraph=True``
-# and no graph break, through the batch's plan where FlexAttention trains
-# and the rows layout elsewhere; whether compiling paid, the probe decided
-# and printed. The documents cut at the rows' ends lose a little context.
-# The two training lines say what this device turned into speed: against
-# naive padding, the padding of random batches; against length-grouped
-# padding, what grouping left.
+# A packed trainer is the padded trainer minus the padding. It has the same
+# modules, loss and optimizer, proved to compute the same loss and gradients.
+# Packed into fixed-length rows, as ``torchtitan`` packs, every step has one
+# shape. The packed step compiles with ``fullgraph=True`` and no graph break.
+# It goes through the batch's plan where FlexAttention trains, and through the
+# rows layout elsewhere. Whether compiling paid, the probe decided and printed.
+# The documents cut at the rows' ends lose a little context. The two training
+# lines say what this device turned into speed. Against naive padding, packing
+# removes the padding of random batches. Against length-grouped padding, it
+# removes what grouping left.
 #
 # Further reading
 # ---------------

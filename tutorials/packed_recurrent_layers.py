@@ -4,11 +4,12 @@ Packed recurrent layers: linear attention and state-space layers that reset at e
 
 Today's hybrid models (Qwen3-Next, Kimi Linear, Nemotron-H, Falcon-H1,
 Jamba) mix a few attention layers with many Gated DeltaNet or Mamba-2
-layers. Packed, these need at every document start what attention never
-needed: the recurrent state set back to zero, and the causal convolution
-kept from reading the previous document. Both layers in plain PyTorch, in
-chunks, on packed values plus offsets: proved, the leak without the resets
-shown (in ``transformers`` too), and measured.
+layers. Packed, these need two things at every document start that
+attention never needed. The recurrent state must be set back to zero. The
+causal convolution must not read the previous document. This page builds
+both layers in plain PyTorch, in chunks, on packed values plus offsets. It
+proves them, shows the leak without the resets (in ``transformers`` too),
+and measures them.
 :doc:`packed_hybrid_model` trains a hybrid model built from them.
 
 **Author:** the ragged-transformers tutorial contributors
@@ -42,10 +43,10 @@ shown (in ``transformers`` too), and measured.
 # %%
 # Sizes
 # -----
-# Every size is set here, per device; :term:`quick mode` shrinks them:
-# layers of ``heads`` heads of ``head_dim`` (Qwen3-Next: 32 of 128), chunks
-# of ``chunk`` tokens, ``speed_docs`` documents of at most ``max_len`` tokens
-# to time.
+# Every size is set here, per device. :term:`quick mode`, the test suite's
+# small run, shrinks them. A layer has ``heads`` heads of ``head_dim``
+# (Qwen3-Next: 32 of 128). A chunk is ``chunk`` tokens. The speed test
+# times ``speed_docs`` documents of at most ``max_len`` tokens.
 
 from ragged_site.page import page_setup
 
@@ -64,8 +65,8 @@ C, H, D = S.chunk, S.heads, S.head_dim
 # Both layers keep a ``(K, V)`` state per head and decay it by
 # ``exp(g_t)``, ``g_t <= 0``, at every token. The scalar decay (gated
 # linear attention; Mamba-2's state-space duality form) adds the outer
-# product of key and value; the gated delta rule reads what the state holds
-# for the key, ``k_t^T S``, and writes only the correction, scaled by
+# product of key and value. The gated delta rule reads what the state holds
+# for the key, ``k_t^T S``. It writes only the correction, scaled by
 # ``beta_t``. The query reads the state::
 #
 #     scalar decay:  S_t = exp(g_t) S_{t-1} + k_t v_t^T
@@ -81,9 +82,9 @@ C, H, D = S.chunk, S.heads, S.head_dim
 #    :pyobject: reference_recurrence
 #
 # In the layers (as in Qwen3-Next and Mamba-2), q, k and v pass through a
-# short causal depthwise convolution (four taps) and SiLU, and
+# short causal depthwise convolution (four taps) and SiLU. The decay is
 # ``g = -exp(A_log) softplus(a + dt_bias)``. On a packed row the convolution
-# must not read the previous document: tap ``m`` reads ``m`` tokens back
+# must not read the previous document. Tap ``m`` reads ``m`` tokens back
 # only where the token's position in its document is at least ``m``.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
@@ -111,14 +112,14 @@ print("the cut convolution on a packed row gives each document's own conv1d")
 # %%
 # The chunked form
 # ----------------
-# Token by token, the recurrence is ``T`` small sequential steps. The
-# chunked form works on chunks of ``C`` tokens with matrix products: token
-# ``i`` reads the state that entered the chunk, decayed to ``i``, plus the
-# writes of the earlier tokens ``j`` of the chunk, each weighted by ``q_i .
-# k_j`` and the decay from ``j`` to ``i``. A packed row cuts that ``(C,
-# C)`` decay mask: ``j`` reaches ``i`` only inside one document, and the
-# entering state only the tokens whose document began before the chunk, so
-# a document that starts inside a chunk starts from zero.
+# Token by token, the recurrence is ``T`` small sequential steps. The chunked
+# form works on chunks of ``C`` tokens with matrix products. Token ``i`` reads
+# the state that entered the chunk, decayed to ``i``. It adds the writes of the
+# earlier tokens ``j`` of the chunk. Each write is weighted by ``q_i . k_j``
+# and the decay from ``j`` to ``i``. A packed row cuts that ``(C, C)`` decay
+# mask: ``j`` reaches ``i`` only inside one document. The entering state
+# reaches only the tokens whose document began before the chunk. So a document
+# that starts inside a chunk starts from zero.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: _same_document
@@ -126,10 +127,10 @@ print("the cut convolution on a packed row gives each document's own conv1d")
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: chunk_decay
 #
-# A packed row of eight documents (one of a single token, one over two
-# chunks), starting on chunk edges and inside chunks. Its fourth chunk,
-# tokens 192 to 255, for one head: the document begun at token 64 carries
-# its state in (the column left of 0); two documents start inside (dashed).
+# A packed row of eight documents (one of a single token, one over two chunks),
+# starting on chunk edges and inside chunks. Below: its fourth chunk, tokens
+# 192 to 255, for one head. The document begun at token 64 carries its state in
+# (the column left of 0). Two documents start inside it (dashed).
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -179,15 +180,15 @@ plt.show()
 
 # %%
 # For the delta rule, a token's write depends on the earlier writes of the
-# chunk: the writes solve a unit lower-triangular system (the "WY form" of
-# Yang et al.), one ``solve_triangular`` per chunk, block diagonal by
-# document since it carries the same cut decays.
+# chunk. The writes solve a unit lower-triangular system (the "WY form" of
+# Yang et al.), one ``solve_triangular`` per chunk. The system is block
+# diagonal by document, since it carries the same cut decays.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: _delta_values
 #
-# Across chunks the state is carried forward, the one sequential loop, a
-# step per chunk; the state leaving a chunk is its last document's.
+# Across chunks the state is carried forward: the one sequential loop, a
+# step per chunk. The state leaving a chunk is its last document's.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: _carry_states
@@ -195,8 +196,8 @@ plt.show()
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: chunked_recurrence
 #
-# A packed batch is one row; each document's final state is read at its
-# last token, for decoding (the end of this page). Right-padded rows
+# A packed batch is one row. Each document's final state is read at its
+# last token, for decoding (:doc:`packed_hybrid_model`). Right-padded rows
 # (``padded_recurrence``) are the same function, a document per row.
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
@@ -204,12 +205,12 @@ plt.show()
 #
 # The proof
 # ---------
-# On the row above and two random ones (Zipf lengths, a one-token document
-# and one of over three chunks), both rules: outputs, final states and the
-# gradients of q, k, v, g and beta of the packed chunked form, against
-# ``documents_reference`` (each document alone, float64). An error is the
-# largest difference over the reference's largest magnitude; tolerances
-# (``tolerances(dtype)``): ``1e-4`` in float32, ``4e-2`` in bfloat16.
+# The proof runs on the row above and on two random rows. These have Zipf
+# lengths, a one-token document and one of over three chunks. For both
+# rules it checks the packed chunked form's outputs, final states and the
+# gradients of q, k, v, g and beta. The reference is ``documents_reference``:
+# each document alone, in float64. An error is the largest difference over
+# the reference's largest magnitude, held to ``tolerances(dtype)`` (printed).
 
 from ragged_site.workloads import sentence_lengths
 from ragged_site.page import tolerances
@@ -276,9 +277,9 @@ for rule in ("scalar", "delta"):
 
 # %%
 # The layers, convolution included, are proved the same way against their
-# plain definition (``reference``, on a float64 copy): each document alone
-# through ``F.conv1d``, then token by token. Outputs, states, and the
-# gradients of the input and of every parameter:
+# plain definition (``reference``, on a float64 copy). It runs each document
+# alone through ``F.conv1d``, then token by token. Checked: outputs, states,
+# and the gradients of the input and of every parameter.
 
 import copy
 
@@ -314,14 +315,15 @@ for name, layer in layers.items():
 
 # %%
 # ``tests/test_recurrent.py`` checks more batches, chunk sizes and empty
-# documents, and plants four faults that each fail it (the entering state
-# reaching a whole chunk, documents starting a token late, the convolution
-# or the decay mask not cut).
+# documents. It plants four faults, and each one fails it. The faults: the
+# entering state reaches a whole chunk, documents start a token late, the
+# convolution is not cut, the decay mask is not cut.
 #
 # The leak
 # --------
-# The same layers on the same row without the resets (one sequence of 340
-# tokens), each document's output against it alone, over the output's scale:
+# The same layers run on the same row without the resets, as one sequence
+# of 340 tokens. Each document's output is compared with the document
+# alone, over the output's scale.
 
 with torch.no_grad():
     whole_row = offsets_from_lengths([sum(LENGTHS)], DEVICE)  # one "document": no reset
@@ -347,9 +349,9 @@ with torch.no_grad():
         )
 
 # %%
-# The state's norm along the row (scalar decay, the proof's inputs): with
-# the resets it restarts from the first token's write at every document
-# (dashed); without them each document inherits the previous state.
+# The state's norm along the row, for the scalar decay on the proof's
+# inputs. With the resets it restarts from the first token's write at every
+# document (dashed). Without them each document inherits the previous state.
 
 from ragged_toolkit.recurrent import chunked_recurrence
 
@@ -381,12 +383,14 @@ plt.show()
 # %%
 # The gap in ``transformers``
 # ---------------------------
-# ``transformers``' Qwen3-Next, tiny, random weights (three Gated DeltaNet
-# layers, then attention), on a packed row of three documents, each
-# document's logits against the document alone: with ``position_ids`` that
-# restart at every document (``DataCollatorWithFlattening``'s default), then
-# with ``cu_seq_lens_q/k``; ``use_cache=False``, or attention mixes them too.
-# Before 5.9 (by its source) the layers never see ``cu_seq_lens_q``: checked.
+# ``transformers``' Qwen3-Next, tiny, with random weights: three Gated DeltaNet
+# layers, then attention. It runs on a packed row of three documents. Each
+# document's logits are compared with the document alone. First with
+# ``position_ids`` that restart at every document
+# (``DataCollatorWithFlattening``'s default), then with ``cu_seq_lens_q/k``.
+# Both run with ``use_cache=False``; with the cache, attention mixes the
+# documents too. Before 5.9 (by its source) the layers never see
+# ``cu_seq_lens_q``: checked.
 
 import textwrap
 import transformers
@@ -446,11 +450,11 @@ else:
         )
 
 # %%
-# The first document has nothing before it; the others read their
-# predecessors' state, silently (where a release accepts the document
-# starts, the line above prints how far they still are). The
-# toolkit's packed layer, with the same weights, takes the place of every
-# Gated DeltaNet layer and reads ``cu_seq_lens_q``, on any device:
+# The first document has nothing before it. The others read their
+# predecessors' state, silently. Where a release accepts the document
+# starts, the line above prints how far each document still is from itself
+# alone. The toolkit's packed layer, with the same weights, takes the place
+# of every Gated DeltaNet layer. It reads ``cu_seq_lens_q``, on any device:
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent_hf.py
 #    :pyobject: PackedGatedDeltaNet
@@ -491,14 +495,17 @@ plt.show()
 # %%
 # Speed
 # -----
-# ``speed_docs`` documents of Zipf lengths, forward and backward: the token
-# loop on the packed row, the chunked form, and the whole layer packed and
-# right-padded (the best padded batch: no mask, as padding follows every
-# real token and the recurrence is causal). The chunked form does the same
-# work per token, real or padding, so the work bound is the ratio of token
-# slots, ``B x S_max`` over ``T`` (:doc:`measuring_ragged_batches` explains
-# the :term:`fraction of the bound`). On CUDA the chunked form runs compiled
-# in ``bfloat16``, beside ``flash-linear-attention`` where installed.
+# ``speed_docs`` documents of Zipf lengths run forward and backward. Timed: the
+# token loop on the packed row, the chunked form, and the whole layer packed
+# and right-padded. Right padding is the best padded batch. It needs no mask,
+# as padding follows every real token and the recurrence is causal. The
+# :term:`work bound` is the padded layer's work over the packed one's: the
+# speedup to expect if time followed work. The chunked form does the same work
+# per token, real or padding. So the work bound is the ratio of token slots,
+# ``B x S_max`` over ``T``. The :term:`fraction of the bound` is the measured
+# speedup over the bound (:doc:`measuring_ragged_batches`). On CUDA the chunked
+# form runs compiled in ``bfloat16``, beside ``flash-linear-attention`` where
+# installed.
 #
 # The token loop is the site's baseline, not library code:
 #
@@ -576,11 +583,11 @@ for label, fraction in FRACTION.items():
 # %%
 # Conclusion
 # ----------
-# A packed recurrent layer needs two cuts at every document start, the state
-# and the convolution: in the chunked form, masks. With them each document
-# is computed as if alone; without them documents read their neighbors.
-# :doc:`packed_hybrid_model` trains a hybrid model built from these layers,
-# packed, and decodes from their state.
+# A packed recurrent layer needs two cuts at every document start: the state
+# and the convolution. In the chunked form, the cuts are masks. With them each
+# document is computed as if alone. Without them documents read their
+# neighbors. :doc:`packed_hybrid_model` trains a hybrid model built from these
+# layers, packed, and decodes from their state.
 #
 # References
 # ----------

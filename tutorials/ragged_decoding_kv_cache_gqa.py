@@ -2,10 +2,10 @@
 Decoding ragged batches: a KV cache and grouped-query attention
 ===============================================================
 
-Generate from a batch of prompts of different lengths with a key/value cache
-in which every sequence keeps its own length, prove every step against a
-recomputation, measure what the cache saves, and shrink it with
-grouped-query attention.
+Generate from a batch of prompts of different lengths with a key/value (KV)
+cache. In the cache, every sequence keeps its own length. This page proves
+every step against a recomputation and measures what the cache saves. Then
+it shrinks the cache with grouped-query attention.
 
 **Author:** the ragged-transformers tutorial contributors, building on the
 transformer building blocks tutorial by
@@ -39,11 +39,12 @@ transformer building blocks tutorial by
 # %%
 # Sizes
 # -----
-# Every size is set here, per device; :term:`quick mode` shrinks them. The
-# model is the GPT of :doc:`packed_gpt_training` (RMSNorm, rotary positions,
-# SwiGLU), small and randomly initialized: the point is the mechanics of
-# decoding and their correctness, not the text. For scale, Llama-2-70B has
-# 8 key/value heads for 64 query heads, width 8192 and 80 layers.
+# Every size is set here, per device. :term:`quick mode`, the test suite's
+# fast run, shrinks them. The model is the GPT of :doc:`packed_gpt_training`
+# (RMSNorm, rotary positions, SwiGLU). It is small and randomly initialized.
+# The point is the mechanics of decoding and their correctness, not the
+# text. For scale, Llama-2-70B has 8 key/value heads for 64 query heads,
+# width 8192 and 80 layers.
 
 import torch
 from ragged_site.page import page_setup
@@ -99,15 +100,17 @@ print(f"{S.prompts} prompts, {S.new_tokens} new tokens each")
 # %%
 # A KV cache is a packed batch with spare rows
 # --------------------------------------------
-# While decoding, each sequence adds one token per step, and that token's
-# query must see the keys and values of everything before it. A cache with
-# room for ``capacity`` tokens per sequence, seen as packed rows
-# ``(B * capacity, H_kv, D)``, is a packed batch whose offsets are
-# ``capacity`` apart: sequence ``b`` owns rows ``b * capacity ...``, and uses
-# the first ``kv_used[b]`` of them (``seqused_k`` in ``varlen_attn``). Three
-# sequences with 3, 1 and 4 cached tokens, one new query each, four query
-# heads sharing two key/value heads; the spare rows hold NaN, so any read of
-# them would show in the output:
+# While decoding, each sequence adds one token per step. That token's query
+# must see the keys and values of everything before it. Give the cache room
+# for ``capacity`` tokens per sequence, and view it as packed rows
+# ``(B * capacity, H_kv, D)``. It is then a packed batch whose offsets are
+# ``capacity`` apart. Sequence ``b`` owns rows ``b * capacity ...`` and uses
+# the first ``kv_used[b]`` of them. ``varlen_attn`` calls that count
+# ``seqused_k``.
+#
+# The example below has three sequences with 3, 1 and 4 cached tokens, and
+# one new query each. Four query heads share two key/value heads. The spare
+# rows hold NaN, so any read of them would show in the output:
 
 import torch.nn.functional as F
 from ragged_toolkit.attention import plan_batch, ragged_attention
@@ -138,9 +141,9 @@ print(
 )
 
 # %%
-# The same cache drawn row by row: the rows in use, the spare ones, and the
-# row each sequence's next token will write (its ``kv_used``, before it
-# grows by one).
+# The same cache, drawn row by row, shows the rows in use and the spare
+# ones. It also marks the row each sequence's next token will write: its
+# ``kv_used``, before it grows by one.
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE, draw_kv_cache
@@ -150,8 +153,8 @@ draw_kv_cache(cached, capacity, new=cached)
 plt.show()
 
 # %%
-# The toolkit's ``KVCache`` holds such rows for every layer of a model, and
-# writes new keys into them (``write_rows``; ``write_columns`` is for a
+# The toolkit's ``KVCache`` holds such rows for every layer of a model. It
+# writes new keys into them with ``write_rows`` (``write_columns`` is for a
 # padded batch):
 #
 # .. literalinclude:: ../ragged_toolkit/kv_cache.py
@@ -159,12 +162,13 @@ plt.show()
 #
 # A batch of prompts, two models
 # ------------------------------
-# Prompt lengths come from the site's length generator: most prompts are
-# short, a few are long. The attention of the GPT takes a *layout*, the object
-# that knows how the batch is laid out (:doc:`packed_gpt_training`). Two
-# models share everything but the number of key/value heads: multi-head
-# attention (MHA, one key/value head per query head) and GQA (``n_heads /
-# n_kv_heads`` query heads share each key/value head).
+# Prompt lengths come from the site's length generator. Most prompts are
+# short; a few are long. The attention of the GPT takes a :term:`layout`:
+# the object that knows how the batch is laid out (:doc:`packed_gpt_training`).
+# Two models share everything but the number of key/value heads:
+#
+# * multi-head attention (MHA) has one key/value head per query head;
+# * in GQA, ``n_heads / n_kv_heads`` query heads share each key/value head.
 
 import numpy as np
 from ragged_toolkit.batches import offsets_from_lengths
@@ -205,19 +209,20 @@ for name, cfg in CONFIGS.items():
 # %%
 # The KV cache, step by step
 # --------------------------
-# The packed layout writes each new token's key and value into its row of
-# the cache, then attends over the cache's rows with the batch's plan:
+# The :term:`packed layout` holds the tokens of all sequences in one row,
+# with offsets. It writes each new token's key and value into its row of the
+# cache. Then it attends over the cache's rows with the batch's plan:
 #
 # .. literalinclude:: ../ragged_toolkit/layouts.py
 #    :pyobject: PackedLayout
 #
 # A generation uses it twice. The **prefill** runs all prompt tokens at
-# once, packed: each writes its key and value into its sequence's row
-# ``b * capacity + p`` and attends causally to its own prompt. Then each
-# **decoding** step feeds one token per sequence at that sequence's own
-# position ``lengths[b]``, written into its next row; its query sees every
-# key its sequence has. The plan of a step is built at every step, since
-# the keys in use grow by one:
+# once, packed. Each writes its key and value into its sequence's row
+# ``b * capacity + p``, and attends causally to its own prompt. Then each
+# **decoding** step feeds one token per sequence, at that sequence's own
+# position ``lengths[b]``. The token is written into its sequence's next
+# row. Its query sees every key its sequence has. Every step builds a new
+# plan, since the keys in use grow by one at each step:
 #
 # .. literalinclude:: ../ragged_toolkit/decoding.py
 #    :pyobject: prefill_packed
@@ -225,31 +230,32 @@ for name, cfg in CONFIGS.items():
 # .. literalinclude:: ../ragged_toolkit/decoding.py
 #    :pyobject: decode_greedy
 #
-# ``decode_greedy`` has a second kind of step, ``fixed_shape=True``: a
-# decoding batch is a rectangle (one token per sequence, the same room for
-# each), so a step can have fixed shapes instead, as in gpt-fast. The slot
-# each new key goes to is a tensor, and one SDPA call scores every slot of
-# the cache, masked where not in use: more arithmetic, no per-step plan, and
-# one compiled graph for every step. What each kind of step costs on this
-# device is measured on :doc:`which_attention_path` (its decoding job).
+# ``decode_greedy`` has a second kind of step, ``fixed_shape=True``. A
+# decoding batch is a rectangle: one token per sequence, the same room for
+# each. So a step can have fixed shapes instead, as in gpt-fast. The slot
+# each new key goes to is a tensor. One SDPA call scores every slot of the
+# cache, masked where not in use. That is more arithmetic, but no per-step
+# plan, and one compiled graph for every step. :doc:`which_attention_path`
+# measures what each kind of step costs on this device (its decoding job).
 #
 # .. literalinclude:: ../ragged_toolkit/kv_cache.py
 #    :pyobject: CachedStep
 #
 # ``generate_packed`` is the prefill and then ``decode_greedy``, under
-# autocast in a lower precision. Its proof: the logits that chose every new
-# token must equal those of a recomputation with no cache, the prompt and
-# the tokens generated so far run through the model at once, packed
-# (*teacher forcing*: the next tokens are fed, not re-chosen, so a near tie
-# that rounding breaks differently cannot derail the comparison):
+# autocast in a lower precision. Its proof compares logits. The logits that
+# chose every new token must equal those of a recomputation with no cache.
+# The recomputation runs the prompt and the tokens generated so far through
+# the model at once, packed. This is *teacher forcing*: the next tokens are
+# fed, not re-chosen. So a near tie that rounding breaks differently cannot
+# derail the comparison:
 #
 # .. literalinclude:: ../ragged_site/reference.py
 #    :pyobject: teacher_forced_logits
 #
-# Both kinds of step are checked, for every step and every sequence, with
-# the per-sequence loop backend, so that the check is about the cache's
-# bookkeeping (every backend's kernel is checked against the float32
-# reference on :doc:`which_attention_path`).
+# Both kinds of step are checked, for every step and every sequence. The
+# check uses the per-sequence loop backend, so that it is about the cache's
+# bookkeeping. :doc:`which_attention_path` checks every backend's kernel
+# against the float32 reference.
 
 from ragged_toolkit.decoding import generate_packed
 from ragged_site.reference import teacher_forced_logits
@@ -283,9 +289,9 @@ for fixed_shape in (False, True):
 # -------------------
 # Without a cache, step ``t`` runs the whole history again: every prompt
 # token plus ``t`` generated tokens per sequence, packed. In float32 it
-# chooses the very tokens the cached generation chose (in a lower precision
-# rounding may break a near tie differently, which is why the proof above
-# compares logits).
+# chooses the very tokens the cached generation chose. In a lower precision,
+# rounding may break a near tie differently. That is why the proof above
+# compares logits.
 
 from ragged_toolkit.attention import default_backend
 from ragged_toolkit.batches import token_index
@@ -320,13 +326,18 @@ if DTYPE == torch.float32:
 print(f"backend of both generations: {DECODE_BACKEND} (default_backend on {DEVICE})")
 
 # %%
-# The :term:`work bound` counts the work each side pushes through the model:
-# two FLOPs per weight per token (the projections and feed-forward layers,
-# most of the arithmetic) and the query-key pairs its attention scores, four
-# FLOPs per pair and channel. Here it is the work of the recomputation over
-# the work of the cached generation, and the :term:`fraction of the bound`
-# says how much of it this device turned into speed. Both generations take
-# turns, for two output lengths.
+# The :term:`work bound` is the speedup to expect if time followed work. It
+# counts the work each side pushes through the model:
+#
+# * two FLOPs per weight per token, for the projections and feed-forward
+#   layers (most of the arithmetic);
+# * four FLOPs per pair and channel, for the query-key pairs its attention
+#   scores.
+#
+# Here the bound is the work of the recomputation over the work of the
+# cached generation. The :term:`fraction of the bound` is the measured
+# speedup over the bound. It says how much of the bound this device turned
+# into speed. Both generations take turns, for two output lengths.
 #
 # .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: generation_work
@@ -355,10 +366,11 @@ for n in S.gen_lengths:
 # %%
 # The bound grows with the output, since the recomputation redoes the whole
 # history at every step. A cached step runs one token per sequence through
-# every layer: many small operators, each with a fixed cost (Python,
-# dispatch, the step's plan), for little arithmetic, so the cached side
-# reaches less of the bound the more its steps are bound by operator count;
-# :doc:`measuring_ragged_batches` shows how to profile a step to see it.
+# every layer. That is many small operators for little arithmetic. Each
+# operator has a fixed cost: Python, dispatch, the step's plan. The more the
+# cached steps are bound by operator count, the less of the bound the cached
+# side reaches. :doc:`measuring_ragged_batches` shows how to profile a step
+# to see it.
 
 fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
 x = np.arange(len(S.gen_lengths))
@@ -382,13 +394,14 @@ plt.show()
 # %%
 # Cache memory: allocated and used
 # --------------------------------
-# The cache holds ``2 x layers x B x capacity x H_kv x D`` numbers; the
+# The cache holds ``2 x layers x B x capacity x H_kv x D`` numbers. The
 # figures below are computed from the shapes of its buffers, not measured.
-# Of its ``B x capacity`` token slots, ``sum(lengths)`` hold data: few right
-# after the prefill, more at each step. A cache that gives each sequence
-# only the room it can use, ``prompt + new tokens``, would allocate
-# ``sum(prompt + new)`` slots, the *exact room*; a paged cache comes close
-# without knowing the lengths in advance (:doc:`serving_continuous_batching`).
+# Of its ``B x capacity`` token slots, ``sum(lengths)`` hold data. Few do
+# right after the prefill; more do at each step. A cache could give each
+# sequence only the room it can use, ``prompt + new tokens``. It would
+# allocate ``sum(prompt + new)`` slots: the *exact room*. A paged cache comes
+# close without knowing the lengths in advance
+# (:doc:`serving_continuous_batching`).
 
 from ragged_toolkit.kv_cache import KVCache
 
@@ -421,11 +434,12 @@ print(
 # %%
 # Grouped-query attention, end to end
 # -----------------------------------
-# The promise of GQA is a smaller cache, which is what bounds batch size and
-# context length in serving, and less memory to read at every step. Both
-# models generate with the same backend; the kernels that ran are printed
-# beside each time. The two take turns, round by round, so that their
-# spreads can be compared.
+# GQA promises a smaller cache and less memory to read at every step. In
+# serving, the cache's size is what bounds batch size and context length.
+# Both models generate with the same backend. Each time is printed with its
+# :term:`kernel label`: the attention kernels that ran, in brackets, with
+# their call counts. The two models take turns, round by round, so that
+# their spreads can be compared.
 
 from ragged_site.measuring.noise import outside_noise
 from ragged_site.measuring.tables import print_timings
@@ -466,17 +480,17 @@ else:
 # all on nested tensors: key/value caching, GQA and FlexAttention. On packed
 # values and offsets all three work today:
 #
-# * **A KV cache** for a ragged batch is a buffer with room per sequence and
-#   a count of the rows each sequence uses; ``ragged_attention``'s
-#   ``kv_used`` (``seqused_k`` in ``varlen_attn``) tells each sequence's
-#   rows in use, and every cached step matched a recomputation with no cache.
-# * **GQA** shrinks the cache by ``n_heads / n_kv_heads``; whether a step
-#   also reads less memory depends on the kernel, which the table above
-#   names for this device.
-# * **FlexAttention** decodes from the same cache with a mask built once and
-#   refreshed at every step, and ``varlen_attn`` takes the same offsets on
-#   CUDA: :doc:`which_attention_path` measures both, with every other path,
-#   on a decoding step.
+# * **A KV cache** for a ragged batch is a buffer with room per sequence,
+#   plus a count of the rows each sequence uses. ``ragged_attention``'s
+#   ``kv_used`` gives that count (``seqused_k`` in ``varlen_attn``). Every
+#   cached step matched a recomputation with no cache.
+# * **GQA** shrinks the cache by ``n_heads / n_kv_heads``. Whether a step
+#   also reads less memory depends on the kernel. The table above names the
+#   kernel for this device.
+# * **FlexAttention** decodes from the same cache, with a mask built once and
+#   refreshed at every step. ``varlen_attn`` takes the same offsets on CUDA.
+#   :doc:`which_attention_path` measures both, with every other path, on a
+#   decoding step.
 #
 # References
 # ----------

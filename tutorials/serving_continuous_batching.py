@@ -3,10 +3,10 @@ Serving ragged requests: continuous batching with a paged KV cache
 ==================================================================
 
 Serve a stream of requests of different lengths the way inference servers
-do: a scheduler that lets finished requests leave and waiting ones join at
-every step, prompts packed with the decode tokens of the others, and a KV
-cache in fixed-size blocks, proved against decoding each request alone and
-measured against static batches.
+do. A scheduler lets finished requests leave and waiting ones join at every
+step. Prompts are packed with the decode tokens of the others. The KV cache
+comes in fixed-size blocks. The server is proved against decoding each
+request alone, and measured against static batches.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -41,15 +41,16 @@ measured against static batches.
 # ---------------------
 # :doc:`ragged_decoding_kv_cache_gqa` runs one static batch. Servers (vLLM,
 # SGLang, TGI, ``transformers``' continuous batching) let finished requests
-# leave and waiting ones join at every step, pack newcomers' prompts with
-# each running request's decode token, and *page* the cache, so that memory
-# follows the tokens in use: every step is a new ragged batch.
+# leave and waiting ones join at every step. They pack newcomers' prompts
+# with each running request's decode token. They also *page* the cache, so
+# that memory follows the tokens in use. Every step is a new ragged batch.
 #
-# Sizes per device (:term:`quick mode` shrinks them), the CPU's for a build
-# of well under a minute on two cores; servers run billions of weights,
-# hundreds of requests, prompts of thousands of tokens, blocks of 16 rows
-# (vLLM). CUDA blocks have 256 rows, the fewest the paged kernel of
-# FlashAttention takes. ``runs``: how often each scheduler serves the stream.
+# Sizes are set per device. :term:`quick mode`, the test suite's fast run,
+# shrinks them. The CPU's sizes build the page in well under a minute on two
+# cores. Servers run billions of weights, hundreds of requests and prompts
+# of thousands of tokens; vLLM uses blocks of 16 rows. CUDA blocks have 256
+# rows, the fewest the paged kernel of FlashAttention takes. ``runs``: how
+# often each scheduler serves the stream.
 
 from ragged_site.page import page_setup
 
@@ -117,9 +118,9 @@ print(
 # %%
 # A paged KV cache
 # ----------------
-# A paged cache cuts its rows into blocks of ``block_size``; a request
-# holds a *block table*, the list of its blocks, taken from a free list and
-# given back when it leaves. Its token at position ``p`` lives in row
+# A paged cache cuts its rows into blocks of ``block_size``. A request holds
+# a *block table*: the list of its blocks. They come from a free list, and go
+# back to it when the request leaves. Its token at position ``p`` lives in row
 # ``table[p // block_size] * block_size + p % block_size``:
 #
 # .. literalinclude:: ../ragged_toolkit/kv_cache.py
@@ -154,12 +155,12 @@ print(f"block table of requests 0 and 2: {table.tolist()}\nthe rows of their key
 # %%
 # A stream of requests
 # --------------------
-# Prompts open docstrings of Python's standard library, a token per byte;
-# output lengths are long-tailed and fixed (benchmarks ignore the
-# end-of-sequence token), so every scheduler does the same work. The model
-# is the GPT of :doc:`packed_gpt_training`, untrained (a server's
-# correctness and speed do not depend on its weights), with a float32 copy
-# of its weights as the proof's reference.
+# Prompts are openings of docstrings from Python's standard library, one token
+# per byte. Output lengths are long-tailed and fixed, as benchmarks ignore the
+# end-of-sequence token. So every scheduler does the same work. The model is
+# the GPT of :doc:`packed_gpt_training`, untrained: a server's correctness and
+# speed do not depend on its weights. A float32 copy of its weights is the
+# proof's reference.
 
 import numpy as np
 from ragged_site.corpus import docstring_corpus
@@ -196,13 +197,13 @@ print(f"{sum(w.numel() for w in model.parameters()) / 1e6:.2f} M parameters, unt
 # %%
 # One step: prompt chunks and decode tokens together
 # --------------------------------------------------
-# A step runs the GPT once on a packed batch of new tokens: a decoding
-# request brings its last generated token, a newcomer a chunk of its
-# prompt, each after the ``computed`` tokens of its history (``prompt +
-# generated``) already cached. ``build_step`` packs tokens, positions
-# (restarting per request), each new key's cache row (*slot*), each
-# request's keys in use and block table, and what attention reads the cache
-# with, built once for every layer.
+# A step runs the GPT once on a packed batch of new tokens. A decoding
+# request brings its last generated token; a newcomer brings a chunk of its
+# prompt. Each comes after the ``computed`` tokens of its history (``prompt +
+# generated``), already cached. ``build_step`` packs the tokens and their
+# positions, which restart per request. It packs each new key's cache row
+# (its *slot*), and each request's keys in use and block table. It adds what
+# attention reads the cache with. All of it is built once for every layer.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/engine.py
 #    :pyobject: build_step
@@ -232,13 +233,14 @@ print(
 # %%
 # Attention through the block table
 # ---------------------------------
-# ``PagedLayout``, the step's layout, writes each new key into its slot; a
-# query sees its request's keys up to its position (causal, bottom-right),
-# read one of three ways. **gathered**: the rows ``paged_rows`` names, in a
-# packed batch for ``ragged_attention``. **flex**: FlexAttention over the
-# whole cache in place, its block mask letting a query see its request's
-# rows. **varlen**: ``varlen_attn`` reading the cache in place through
-# ``block_table`` (the paged kernel of FlashAttention, CUDA only).
+# ``PagedLayout``, the step's :term:`layout`, writes each new key into its
+# slot. A query sees its request's keys up to its position (causal,
+# bottom-right). It reads them one of three ways. **gathered**: the rows
+# ``paged_rows`` names, in a packed batch for ``ragged_attention``.
+# **flex**: FlexAttention over the whole cache in place, its block mask
+# letting a query see its request's rows. **varlen**: ``varlen_attn``
+# reading the cache in place through ``block_table`` (the paged kernel of
+# FlashAttention, CUDA only).
 #
 # .. literalinclude:: ../ragged_toolkit/serving/paged_attention.py
 #    :pyobject: gathered_attention
@@ -251,6 +253,7 @@ print(
 #
 # Each path runs the model on the step above (``step_logits``).
 # ``time_and_prove_paths`` times each, the first call (compiling) apart.
+# Each time shows its :term:`kernel label`: the attention kernel that ran.
 # Each must give every request the logits of decoding it alone
 # (``logits_after``). ``choose`` takes the fastest only outside the noise,
 # else the gathered path.
@@ -275,30 +278,31 @@ PATH = choose(timings, "gathered", f"paged attention on {DEVICE}")
 # %%
 # The scheduler
 # -------------
-# One engine serves every scheduler: ``forward_step`` gives each request
-# whose history is then all in the cache its greedy next token, so prefill,
+# One engine serves every scheduler. ``forward_step`` gives its greedy next
+# token to each request whose history is then all in the cache. So prefill,
 # chunked prefill, decoding and recomputation are one operation.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/engine.py
 #    :pyobject: forward_step
 #
-# Continuous batching plans each step anew: running requests first, then
-# newcomers while blocks, slots and the token budget allow, a long prompt
-# cut into chunks. When a running request needs a block and none is free,
-# the most recently admitted is *preempted*: its blocks are freed, and it
-# waits at the front of the queue to recompute its keys (as vLLM does).
+# Continuous batching plans each step anew. Running requests come first.
+# Newcomers follow while blocks, slots and the token budget allow, a long
+# prompt cut into chunks. A running request may need a block when none is
+# free. Then the most recently admitted request is *preempted*, as vLLM does.
+# Its blocks are freed, and it waits at the front of the queue to recompute
+# its keys.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
 #    :pyobject: plan_continuous
 #
-# The baseline, ``plan_static``, batches as a batched ``generate`` does
-# (with a packed prefill, so that only the scheduling differs): ``slots``
-# requests start together and decode until the longest is done, a finished
-# one's slot computing a padding token. ``serve`` runs a scheduler on a
-# clock advanced by each step's measured time (jumping to the next arrival
-# when idle), one step a turn, so that runs take turns (``take_turns``)
-# until each has ended ``runs`` times, and whatever else the machine does
-# weighs on all alike.
+# The baseline, ``plan_static``, batches as a batched ``generate`` does. Its
+# prefill is packed too, so that only the scheduling differs. ``slots``
+# requests start together and decode until the longest is done. A finished
+# request's slot computes a padding token. ``serve`` runs a scheduler on a
+# clock. Each step's measured time advances the clock; when idle, it jumps
+# to the next arrival. ``serve`` runs one step a turn, so that runs take
+# turns (``take_turns``) until each has ended ``runs`` times. Whatever else
+# the machine does then weighs on all alike.
 
 from ragged_toolkit.serving.schedulers import plan_continuous, plan_static, retire_batch
 from ragged_toolkit.serving.server import serve, take_turns
@@ -342,15 +346,16 @@ def starter(plan, requests, n_blocks=serving_blocks, **kw):
 # %%
 # Requests the server cannot serve
 # --------------------------------
-# ``check_request`` refuses by name, with the limit it breaks, an empty
-# prompt, an output length below one, a token outside the vocabulary, more
-# positions than the model has or more tokens than the whole cache holds:
+# ``check_request`` refuses a bad request by name, with the limit it breaks.
+# It refuses an empty prompt, an output length below one and a token outside
+# the vocabulary. It also refuses more positions than the model has, or more
+# tokens than the whole cache holds:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/requests.py
 #    :pyobject: check_request
 #
-# ``serve`` checks a batch given up front before its first step; with
-# ``on_refused``, each request on arrival, while the others run on:
+# ``serve`` checks a batch given up front before its first step. With
+# ``on_refused``, it checks each request on arrival, while the others run on:
 
 from ragged_toolkit.serving.requests import Request
 
@@ -381,16 +386,18 @@ print(f"{len(with_refusals.requests)} requests served, {len(with_refusals.refuse
 # %%
 # Throughput, all requests waiting at once
 # ----------------------------------------
-# All requests arrive at time 0 (offline). Three schedulers (continuous,
-# static, static skipping finished slots) take turns, each serving the
-# stream at least ``runs`` times; the runs' ms per token (``ms_per_token``)
-# give a median and an IQR, printed as tokens/s, and a speedup is claimed
-# only where the interquartile ranges do not overlap (``outside_noise``).
-# The *slot bound* (static slot-steps over tokens) is what idle slots cost,
-# its :ref:`fraction <fraction-of-the-bound>` read as a work bound's. It
-# leaves out the *tail* (fewer requests than slots, none waiting) and
-# prompt tokens mixed into decode steps: both in the continuous run of
-# median throughput, printed and drawn.
+# All requests arrive at time 0 (offline). Three schedulers take turns:
+# continuous, static, and static skipping finished slots. Each serves the
+# stream at least ``runs`` times. The runs' ms per token (``ms_per_token``)
+# give a median and an interquartile range (IQR), printed as tokens/s. A
+# speedup is claimed only where the ranges do not overlap (``outside_noise``).
+# The *slot bound* is static slot-steps over tokens: what idle slots cost. It
+# reads like a :term:`work bound`, the speedup to expect if time followed work.
+# Its :term:`fraction of the bound` is the measured speedup over it
+# (:ref:`how to read it <fraction-of-the-bound>`). The slot bound leaves out
+# two costs. One is the *tail*: fewer requests than slots, none waiting. The
+# other is prompt tokens mixed into decode steps. Both are printed and drawn
+# for the continuous run of median throughput.
 
 from ragged_site.measuring.noise import MIN_RUNS, outside_noise
 from ragged_site.serving.metrics import ms_per_token, rate_spread, slot_bound, speedup_claim
@@ -453,10 +460,10 @@ plt.show()
 # %%
 # Latency, requests arriving over time
 # ------------------------------------
-# Online, the same requests arrive one by one, Poisson-distributed, at
-# ``LOAD`` times the rate continuous batching served offline. A user sees
-# the *time to first token* (from arrival: queuing, prefill) and the *time
-# per output token* after it; a static batch starts only when the one before
+# Online, the same requests arrive one by one, Poisson-distributed, at ``LOAD``
+# times the rate continuous batching served offline. A user sees the *time to
+# first token*, from arrival: queuing, then prefill. After it, the user sees
+# the *time per output token*. A static batch starts only when the one before
 # has finished. Beside them, throughput: every run a point, the median a bar.
 
 from ragged_site.serving.metrics import draw_throughput_and_latency, latency_ms
@@ -486,14 +493,15 @@ plt.show()
 # %%
 # Out of blocks
 # -------------
-# The same requests, all at once, in the memory a contiguous cache needs for
-# ``contiguous_slots`` requests (each reserving the longest prompt and
-# output), with no limit on slots: requests join while blocks are free, and
-# the scheduler preempts as they grow; ``check`` verifies after every step
-# that each block is free or held by one request. Concurrent requests: the
-# median over the steps in which requests waited (the cache held them
-# back); a paged request holds rows beyond its tokens only in its last
-# block. The cache at the step with the most requests and a block free:
+# The same requests arrive all at once. The cache gets the memory a contiguous
+# cache needs for ``contiguous_slots`` requests, each reserving the longest
+# prompt and output. There is no limit on slots. Requests join while blocks are
+# free, and the scheduler preempts as they grow. After every step, ``check``
+# verifies that each block is free or held by one request. The count of
+# concurrent requests is the median over the steps in which requests waited:
+# then the cache held them back. A paged request holds rows beyond its tokens
+# only in its last block. The cache at the step with the most requests and a
+# block free:
 
 memory_blocks = S.contiguous_slots * blocks_per_slot
 unlimited = functools.partial(plan_continuous, max_running=S.requests, token_budget=S.token_budget)
@@ -534,15 +542,15 @@ plt.show()
 # Proof: every request equals decoding it alone
 # ---------------------------------------------
 # Every request of every run above is checked against decoding it alone in
-# float32, without a cache: one padded pass over its prompt and generated
-# tokens gives the logits with which greedy decoding alone chooses each
-# token (teacher forcing). The server's logits must agree within the
-# tolerance (``atol=0.1, rtol=0.05`` in a 16-bit dtype), and each token
-# must be the reference's greedy choice or tie with it within ``atol``: by
+# float32, without a cache. One padded pass over its prompt and generated
+# tokens gives the reference logits. Greedy decoding alone chooses each
+# token with them (teacher forcing). The server's logits must agree within
+# the tolerance (``atol=0.1, rtol=0.05`` in a 16-bit dtype). Each token must
+# be the reference's greedy choice, or tie with it within ``atol``. By
 # induction on the tokens, each request generated what decoding it alone
 # generates. ``tests/test_serving.py`` plants three classic bugs that this
-# proof catches: a block table read one block off, a freed block still in
-# use, a preempted request resuming at the wrong position.
+# proof catches. One reads a block table one block off. One uses a freed
+# block. One resumes a preempted request at the wrong position.
 #
 # .. literalinclude:: ../ragged_site/serving/proof.py
 #    :pyobject: check_against_alone
@@ -570,13 +578,13 @@ print(
 # %%
 # Conclusion
 # ----------
-# Continuous batching is the ragged batch at its most ragged: packed tokens,
-# positions restarting per request and attention within each, plus
-# bookkeeping (a free list, block tables, a token budget, preemption, a
-# check at the door). The lines above say whether, on this device, it beat
-# static batches outside the noise, how much of the slot bound it reached,
-# how many more requests the paged cache held and what it did to latency;
-# the proof, that none of it changed a request.
+# Continuous batching is the ragged batch at its most ragged. It has packed
+# tokens, positions restarting per request, and attention within each request.
+# On top comes bookkeeping: a free list, block tables, a token budget,
+# preemption, a check at the door. The lines above say whether it beat static
+# batches on this device, outside the noise. They say how much of the slot
+# bound it reached, and how many more requests the paged cache held. They also
+# say what it did to latency. The proof says that none of it changed a request.
 #
 # References
 # ----------

@@ -2,12 +2,12 @@
 Serving shared prompts: prefix caching and shared-prefix attention
 ==================================================================
 
-Real traffic repeats itself: a system prompt in front of every request, a
-conversation whose every turn sends the turns before it again. Cache the keys
-of every full block of a prompt in the paged KV cache, so that a request
-that begins as an earlier one did computes only the rest; prove every
-request unchanged; measure it against the same server without the cache;
-and let the requests of a decoding step that share a prefix read it once.
+Real traffic repeats itself. A system prompt sits in front of every request;
+each turn of a conversation sends the turns before it again. Cache the keys
+of every full block of a prompt in the paged KV cache. Then a request that
+begins as an earlier one did computes only the rest. Prove every request
+unchanged. Measure it against the same server without the cache. And let
+the requests of a decoding step that share a prefix read it once.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -44,15 +44,16 @@ and let the requests of a decoding step that share a prefix read it once.
 # a conversation's earlier turns sent again with each message. Attention is
 # causal, so equal beginnings have equal keys and values in every layer.
 # Automatic prefix caching in vLLM keys each full block of the paged cache
-# by its parent's key and its own tokens; SGLang keeps a radix tree of
-# cached prefixes; ``nano-vllm`` chains hashes with reference counts in
-# about 120 lines; ``transformers``' continuous batching shares
+# by its parent's key and its own tokens. SGLang keeps a radix tree of
+# cached prefixes. ``nano-vllm`` chains hashes with reference counts in
+# about 120 lines. ``transformers``' continuous batching shares
 # content-hashed blocks for full-attention models.
 #
 # The model, cache and scheduler are those of :doc:`serving_continuous_batching`,
 # with the default token budget per step of vLLM (2,048). The prompts are
 # longer and the answers shorter than there, as with a long system prompt
-# and a short question (real system prompts run to thousands of tokens).
+# and a short question. Real system prompts run to thousands of tokens.
+# :term:`quick mode`, the test suite's fast run, shrinks the sizes.
 
 from ragged_site.page import page_setup
 
@@ -151,12 +152,12 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, unt
 # The prompts are openings of the site's corpus, the docstrings of Python's
 # standard library (a token per byte). **System prompts**: ``systems`` long
 # openings, each in front of many user messages. **Conversations**: turn
-# ``n``'s prompt is turn ``n - 1``'s prompt, its answer (what greedy decoding
-# of that turn alone gives, as a client would send it back; the proof below
-# shows the server generates exactly it) and a new message. Both stream all
-# requests at time 0 (offline) or at a stated rate (online).
-# ``reusable_tokens`` counts the prompt tokens, in full blocks, that an
-# earlier request's blocks hold: what a cache that never evicts could find.
+# ``n``'s prompt is turn ``n - 1``'s prompt, its answer and a new message. The
+# answer is what greedy decoding of that turn alone gives, as a client would
+# send it back. The proof below shows that the server generates exactly it.
+# Both stream all requests at time 0 (offline) or at a stated rate (online).
+# ``reusable_tokens`` counts the prompt tokens, in full blocks, that an earlier
+# request's blocks hold: what a cache that never evicts could find.
 
 import numpy as np
 from ragged_site.corpus import docstring_corpus
@@ -215,18 +216,19 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 #    :pyobject: PrefixCache.find
 #
 # ``PrefixCache`` is the paged cache of :doc:`serving_continuous_batching`
-# with three more things per block: its key once full and computed, ``refs``,
-# the requests whose table holds it, and whether it is *idle* (cached, read by
-# none). Admission takes a newcomer's longest cached prefix of full blocks,
-# leaving at least its last token to compute (its logits choose the next):
+# with three more things per block. It keeps the block's key, once the block
+# is full and computed. ``refs`` counts the requests whose table holds it. A
+# block is *idle* when it is cached but read by none. Admission takes a
+# newcomer's longest cached prefix of full blocks. It leaves at least the
+# last token to compute, since its logits choose the next:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
 #    :pyobject: PrefixCache.take_prefix
 #
-# A request's new blocks come from the free list; when it runs short, idle
+# A request's new blocks come from the free list. When it runs short, idle
 # blocks are evicted, least recently used first. A block that a request
-# holds is never idle, so eviction never takes what a running request reads;
-# preemption only releases the preempted request's hold:
+# holds is never idle. So eviction never takes what a running request reads.
+# Preemption only releases the preempted request's hold:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
 #    :pyobject: PrefixCache.reserve
@@ -242,11 +244,11 @@ for name, stream in (("system prompts", systems), ("conversations", chats)):
 # .. literalinclude:: ../ragged_toolkit/serving/prefix_cache.py
 #    :pyobject: PrefixCache.note_computed
 #
-# A last, partial block is never shared: its request writes its next tokens
-# into its free rows, and sharing it would need copy-on-write (as vLLM once
-# did for beam search). Keying only full, computed blocks makes every shared
-# block read-only by construction, at the cost of recomputing fewer than
-# ``block`` tokens per request; the cache refuses any write into a cached or
+# A last, partial block is never shared. Its request writes its next tokens
+# into its free rows. Sharing it would need copy-on-write, as vLLM once did
+# for beam search. Keying only full, computed blocks makes every shared
+# block read-only by construction. The cost is recomputing fewer than
+# ``block`` tokens per request. The cache refuses any write into a cached or
 # shared block (``check_writable``). How often admissions found their prefix
 # is counted outside the cache, by a ``PrefixStats`` it reports to. Two
 # requests, a cache of six blocks of four rows:
@@ -286,11 +288,11 @@ print(
 # %%
 # Admission takes the cached prefix
 # ---------------------------------
-# The continuous-batching scheduler of :doc:`serving_continuous_batching`
-# asks the cache for a newcomer's cached prefix before it reserves the rest
-# (``take_prefix``; a plain paged cache has none), so the prompt chunk it
-# schedules starts after the cached tokens. The server's step end keys the
-# blocks the step filled, then lets finished requests leave.
+# The continuous-batching scheduler of :doc:`serving_continuous_batching` asks
+# the cache for a newcomer's cached prefix (``take_prefix``). It asks before it
+# reserves the rest; a plain paged cache has no prefix to give. So the prompt
+# chunk it schedules starts after the cached tokens. The server's step end keys
+# the blocks the step filled, then lets finished requests leave.
 #
 # .. literalinclude:: ../ragged_toolkit/serving/schedulers.py
 #    :pyobject: plan_continuous
@@ -310,15 +312,17 @@ ample = S.slots * -(-longest // S.block) * 2
 # %%
 # With and without the cache, all requests waiting
 # ------------------------------------------------
-# ``with_and_without`` serves the system-prompt requests offline with a
-# ``PrefixCache`` and with a plain ``PagedKVCache``, taking turns step by
-# step, each at least ``runs`` times. As on :doc:`serving_continuous_batching`,
-# throughput is the median over the runs with its IQR, and a speedup is
-# claimed only where the two interquartile ranges do not overlap; the time
-# to first token is the median of the runs' p50s. The *work bound* is what skipping the cached
-# prompt tokens could buy at this device's costs: a run without the cache's
-# busy time over that time less what its skipped prompt tokens cost, a prompt
-# token's cost read from that run's own steps (:term:`fraction of the bound`):
+# ``with_and_without`` serves the system-prompt requests offline twice: with
+# a ``PrefixCache``, and with a plain ``PagedKVCache``. The two take turns
+# step by step, each at least ``runs`` times. As on
+# :doc:`serving_continuous_batching`, throughput is the median over the runs,
+# with its interquartile range (IQR). A speedup is claimed only where the two
+# ranges do not overlap. The time to first token is the median of the runs'
+# p50s. Here the :term:`work bound` is what skipping the cached prompt tokens
+# could buy at this device's costs. Take the busy time of a run without the
+# cache. The bound divides it by that time less what the skipped prompt
+# tokens cost. A prompt token's cost is read from that run's own steps. The
+# :term:`fraction of the bound` is the measured speedup over the bound:
 #
 # .. literalinclude:: ../ragged_site/serving/runs.py
 #    :pyobject: prompt_token_seconds
@@ -357,7 +361,7 @@ print("the speedup " + speedup_claim(apart))
 # %%
 # Counting tokens alone, the cache computes ``K`` prompt tokens and the same
 # decode tokens instead of ``N`` and them. That ratio misleads where a step
-# costs much more than the prompt tokens it carries; the work bound weighs
+# costs much more than the prompt tokens it carries. The work bound weighs
 # each token by what it costs in the run without the cache:
 
 decode_tokens = sum(r.n_out for r in systems)
@@ -412,10 +416,10 @@ plt.show()
 # %%
 # Conversations
 # -------------
-# In a conversation the shared prefix grows: each turn sends again the last
-# turn's prompt and answer, whose blocks the last turn left cached (a block
-# filled while decoding is keyed too). All turns wait at once, every first
-# turn before every second; a turn that starts before the last ends finds less:
+# In a conversation the shared prefix grows. Each turn sends again the last
+# turn's prompt and answer. The last turn left their blocks cached: a block
+# filled while decoding is keyed too. All turns wait at once, every first
+# turn before every second. A turn that starts before the last ends finds less:
 
 chat = serve_both(chats)
 can = reusable_tokens(chat.runs["with"][0].requests, S.block)
@@ -441,8 +445,8 @@ print(
 # The cached blocks form a tree: a block's parent is the block before it in
 # the prefixes that hold it. At the offline step where most requests read a
 # shared block, each system prompt is a trunk that branches into user
-# messages. Requests admitted in one step all compute their prompts: the
-# first to finish a block keys it, the others keep copies (drawn hollow, if any).
+# messages. Requests admitted in one step all compute their prompts. The
+# first to finish a block keys it; the others keep copies (drawn hollow, if any).
 #
 # .. literalinclude:: ../ragged_site/serving/prefix_tree.py
 #    :pyobject: cached_tree
@@ -457,13 +461,14 @@ plt.show()
 # %%
 # Under pressure: eviction and preemption
 # ---------------------------------------
-# The system prompts again, all waiting, in a cache of ``pressure`` times the
-# blocks the runs above had: too small to keep every prefix, so idle blocks
-# are evicted (the user messages' blocks first: the system prompts' are read
-# again and again), and too small for every running request, so the
-# scheduler preempts. A preempted request's full blocks stay cached, idle,
-# so that it recomputes only what was evicted meanwhile. ``check`` verifies
-# after each step that every block is free, idle or held, its readers counted.
+# The system prompts run again, all waiting, in a cache of ``pressure`` times
+# the blocks the runs above had. It is too small to keep every prefix, so idle
+# blocks are evicted. The user messages' blocks go first, since the system
+# prompts' are read again and again. It is also too small for every running
+# request, so the scheduler preempts. A preempted request's full blocks stay
+# cached, idle, so that it recomputes only what was evicted meanwhile.
+# ``check`` verifies after each step that every block is free, idle or held,
+# its readers counted.
 
 from ragged_toolkit.serving.prefix_cache import retire_caching
 from ragged_toolkit.serving.server import serve, take_turns
@@ -484,9 +489,9 @@ print(
 # Proof: every request equals decoding it alone
 # ---------------------------------------------
 # Every request of every run above is checked as on
-# :doc:`serving_continuous_batching`, against decoding it alone in float32
-# without a cache; a request that generated the same tokens for the same
-# prompt as one already proved, against that one's logits.
+# :doc:`serving_continuous_batching`: against decoding it alone in float32,
+# without a cache. A request may generate the same tokens for the same
+# prompt as one already proved. It is checked against that one's logits.
 #
 # .. literalinclude:: ../ragged_site/serving/runs.py
 #    :pyobject: prove_every_run
@@ -512,20 +517,20 @@ print(
 # %%
 # The tests (``tests/test_prefix_cache.py``) also serve with hashes that
 # collide on purpose: every request still equals decoding it alone. They
-# plant four faults and catch each: a hit not checked against its parent, a
-# hit not checked against its tokens, a block evicted while a request still
-# reads it, and a request that writes into a shared block.
+# plant four faults and catch each. Two skip a check on a hit: against its
+# parent, or against its tokens. One evicts a block while a request still
+# reads it. One writes into a shared block.
 #
 # Shared-prefix attention
 # -----------------------
 # The cache stores a shared prefix once, but a decoding step still reads it
-# once per request: the gathered path of :doc:`serving_continuous_batching`
+# once per request. The gathered path of :doc:`serving_continuous_batching`
 # copies each request's whole rows and attends over them (one call per
 # request on a CPU). *Shared-prefix* (cascade) attention reads the prefix
-# once: all the queries that share it meet its keys in one call, each
-# request meets its own suffix, and the two parts are merged exactly: a
-# softmax over two parts is each part's softmax weighted by its share of the
-# whole denominator, known from each part's log-sum-exp:
+# once. All the queries that share it meet its keys in one call. Each
+# request then meets its own suffix. The two parts are merged exactly. A
+# softmax over two parts is each part's softmax, weighted by its share of the
+# whole denominator. Each part's log-sum-exp gives that share:
 #
 # .. literalinclude:: ../ragged_toolkit/serving/shared_prefix_attention.py
 #    :pyobject: _attention_lse
@@ -566,9 +571,10 @@ for n_req, prefix, suffix in S.shared_cases:
 timed = time_shared_prefix(cases)  # each case's two paths take turns; a line each
 
 # %%
-# Where it does not pay: with few requests, or suffixes as long as the prefix,
-# the work bound is small (little is read only once), and the second call and
-# the merge may cost more than the rows they save. The cases measured here:
+# Shared-prefix attention may not pay with few requests, or with suffixes as
+# long as the prefix. There the work bound is small, since little is read
+# only once. The second call and the merge may then cost more than the rows
+# they save. The cases measured here:
 
 from ragged_site.serving.shared_prompts import print_where_it_pays
 
@@ -577,11 +583,11 @@ print_where_it_pays(timed)
 # %%
 # Conclusion
 # ----------
-# A prefix cache is bookkeeping on top of the paged cache: a key per full
-# block that names everything before it, a count of readers, and an idle
-# list that keeps blocks until their memory is needed; the proof says that
-# no request changed. Shared-prefix attention carries the sharing into each
-# decoding step's reads.
+# A prefix cache is bookkeeping on top of the paged cache. It adds a key per
+# full block that names everything before it, and a count of readers. It
+# adds an idle list that keeps blocks until their memory is needed. The
+# proof says that no request changed. Shared-prefix attention carries the
+# sharing into each decoding step's reads.
 #
 # References
 # ----------

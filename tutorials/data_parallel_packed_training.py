@@ -2,11 +2,12 @@
 Packed training across data-parallel ranks
 ==========================================
 
-Packed documents on several ranks: DDP and FSDP2 (``fully_shard``) started
-with ``torch.distributed.run``, micro-batches filled to a token budget
-instead of a fixed number of documents, and a loss divided by the targets of
-the whole step on every rank, proved against one process on the whole
-batch. Real text, offline: Python's docstrings, one byte per token.
+This page trains packed documents on several ranks with DDP and FSDP2
+(``fully_shard``), started with ``torch.distributed.run``. Each micro-batch is
+filled to a token budget, not to a fixed number of documents. Every rank
+divides its loss by the targets of the whole step. The gradients are proved
+equal to one process's on the whole batch. Real text, offline: Python's
+docstrings, one byte per token.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -104,10 +105,10 @@ print(
 # Real text, offline
 # ------------------
 # ``docstring_corpus`` reads the standard library's docstrings of 200
-# characters or more with ``ast``, a byte a token: as ragged as web
-# documents, a line for a small function, pages for a module. Packed end to
-# end, each cut at ``context`` tokens, the stream's first ``train_tokens``
-# feed every figure below.
+# characters or more with ``ast``. Each byte is a token. The documents are as
+# ragged as web documents: a line for a small function, pages for a module.
+# They are packed end to end, each cut at ``context`` tokens. The stream's
+# first ``train_tokens`` feed every figure below.
 
 import numpy as np
 from ragged_toolkit.data import pack_documents, split_by_token_budget
@@ -137,26 +138,26 @@ print(
 # Three packing mistakes, each checked
 # ------------------------------------
 # A pack is right when each document in it trains as if it were alone.
-# Three things make that so; each check below passes on the right code, then
+# Three things make that so. Each check below passes on the right code. Then it
 # prints what it fails with on the wrong variant (``failure_message``):
 #
 # 1. **Attention stays inside each document.** Two copies of one document
-#    in one pack must give the same logits; if the offsets describe the pack
-#    as one sequence, the second copy attends to the first.
+#    in one pack must give the same logits. If the offsets describe the pack as
+#    one sequence, the second copy attends to the first.
 # 2. **The first token of a document is never a target of the one before.**
 #    Shifting the whole pack by one token makes every document's last token
-#    predict the next document's first: ``document_targets`` puts -100
+#    predict the next document's first. ``document_targets`` puts -100
 #    (ignored) there. These are the targets of every loss on this page:
 #
 #    .. literalinclude:: ../ragged_toolkit/data.py
 #       :pyobject: document_targets
 #
-# 3. **Positions restart at every document** (``token_index``). Rotary
-#    scores depend only on the distance between two tokens, so a constant
-#    shift moves this model's logits by rounding alone (checked below); but
-#    learned absolute positions see other inputs, the position table runs
-#    out at ``max_seq_len``, and Hugging Face's padding-free path reads the
-#    document boundaries from positions that restart
+# 3. **Positions restart at every document** (``token_index``). Rotary scores
+#    depend only on the distance between two tokens. So a constant shift moves
+#    this model's logits by rounding alone (checked below). Without the
+#    restart, learned absolute positions would see other inputs. The position
+#    table would run out at ``max_seq_len``. And Hugging Face's padding-free
+#    path reads the document boundaries from positions that restart
 #    (``offsets_from_position_ids``).
 
 from ragged_toolkit.batches import offsets_from_position_ids, token_index
@@ -208,21 +209,21 @@ print(
 # %%
 # Two ways to fill a micro-batch
 # ------------------------------
-# Each rank runs ``MICRO_BATCHES`` micro-batches a step, then waits for the
-# others to sum the gradients, so a step takes as long as its slowest rank.
+# Each rank runs ``MICRO_BATCHES`` micro-batches a step. Then it waits for the
+# others to sum the gradients. So a step takes as long as its slowest rank.
 #
-# * **A fixed number of documents** per micro-batch: its token count is the
-#   sum of a few document lengths, so it varies, and so does each rank's work.
-# * **A token budget**: the packed stream cut every ``BUDGET`` tokens (chosen
-#   to hold the same tokens on average), through any document a cut falls
-#   in, as :doc:`packed_gpt_training` cuts its rows: no padding, one shape.
-#   Carrying such a document whole to the next micro-batch instead costs
-#   padding.
+# * **A fixed number of documents** per micro-batch. Its token count is the
+#   sum of a few document lengths. So it varies, and so does each rank's work.
+# * **A token budget**: the packed stream is cut every ``BUDGET`` tokens,
+#   chosen to hold the same tokens on average. A cut goes through any
+#   document it falls in, as :doc:`packed_gpt_training` cuts its rows. That
+#   gives no padding and one shape. Carrying such a document whole to the
+#   next micro-batch instead costs padding.
 #
 # ``deal_to_ranks`` deals micro-batches to the ranks in turn, as
-# ``DistributedSampler`` deals samples. ``token_imbalance`` is the tokens of
-# the busiest rank over the mean of the ranks, summed over the steps: the
-# factor by which a step is longer than with perfectly balanced work.
+# ``DistributedSampler`` deals samples. ``token_imbalance`` divides the
+# busiest rank's tokens by the mean of the ranks, each summed over the steps.
+# It is the factor by which a step is longer than with perfectly balanced work.
 
 from ragged_toolkit.data import split_by_documents, split_carrying_documents
 from ragged_toolkit.data_parallel import deal_to_ranks
@@ -252,9 +253,9 @@ print(
 assert token_imbalance(steps_budget) == 1.0, "a token budget gives every rank the same tokens"
 
 # %%
-# How the budget cuts the stream (the first micro-batches, each document its
-# color, each cut inside a document marked), and the tokens each rank holds
-# in the first steps, both ways:
+# The first figure shows how the budget cuts the stream: the first
+# micro-batches, each document its color, each cut inside a document marked.
+# The second shows the tokens each rank holds in the first steps, both ways:
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE, draw_token_budget
@@ -277,27 +278,30 @@ plt.show()
 # %%
 # One shape, one compiled graph
 # -----------------------------
-# A rank computes each micro-batch's loss with ``token_loss_sum``, the
-# layout and the batch's plan in it built before the model runs, so that
-# ``ragged_attention`` reads nothing back from the device and
-# ``torch.compile(model, fullgraph=True)`` takes the forward and backward
-# whole (a graph break would be an error):
+# A :term:`layout` is how the model's attention reads a batch. A :term:`plan`
+# is what ``plan_batch`` reads once from a batch's offsets. A rank computes
+# each micro-batch's loss with ``token_loss_sum``. It builds the layout, and
+# the batch's plan in it, before the model runs. So ``ragged_attention`` reads
+# nothing back from the device. And ``torch.compile(model, fullgraph=True)``
+# takes the forward and backward whole (a graph break would be an error):
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: token_loss_sum
 #
 # What a graph is specialized on depends on how attention reads the
-# micro-batch (:doc:`packed_gpt_training` shows both): the **rows** layout,
-# ``PackedRows``, one SDPA call with a block-diagonal causal mask, on the
-# token count alone; the ``loop`` backend's plan, which the ranks below run
-# on a CPU, one SDPA call per sequence unrolled into the graph, on how many
-# sequences the micro-batch holds (with static shapes, on every length).
+# micro-batch. :doc:`packed_gpt_training` shows both ways:
+#
+# * The :term:`rows layout` (``PackedRows``): one SDPA call with a
+#   block-diagonal causal mask. Its graph depends on the token count alone.
+# * The ``loop`` backend's plan, which the ranks below run on a CPU: one SDPA
+#   call per sequence, unrolled into the graph. Its graph depends on how many
+#   sequences the micro-batch holds (with static shapes, on every length).
 #
 # ``compiled_graphs`` compiles the first ``COMPILE_STEPS`` micro-batches of
-# each way, with static shapes (``dynamic=False``, what CUDA graphs need),
-# the default (static, then symbolic where a size changes) and symbolic
-# sizes from the start (``dynamic=True``), and counts dynamo's graphs and
-# breaks; its ``eager`` backend generates no kernels:
+# each way. It tries static shapes (``dynamic=False``, what CUDA graphs need).
+# It tries the default: static, then symbolic where a size changes. It tries
+# symbolic sizes from the start (``dynamic=True``). It counts dynamo's graphs
+# and breaks. Its ``eager`` backend generates no kernels:
 #
 # .. literalinclude:: ../ragged_site/data_parallel.py
 #    :pyobject: compiled_graphs
@@ -341,9 +345,9 @@ for path, (layout_of, dynamic) in PATHS.items():
         )
 
 # %%
-# The rows layout compiled the budget once on every path, fixed documents
-# once per token count with static shapes (asserted below): the budget buys
-# one static shape, which CUDA graphs need. The loop's plan follows the
+# On the rows layout the budget compiled once on every path. Fixed documents
+# compiled once per token count with static shapes (asserted below). The budget
+# buys one static shape, which CUDA graphs need. The loop's plan follows the
 # sequences:
 
 token_counts = len({len(t) for t, _ in by_documents[:COMPILE_STEPS]})
@@ -368,22 +372,22 @@ print(
 # %%
 # A loss that is right on every rank
 # ----------------------------------
-# The loss of a step is the sum of every token's loss, over every
-# micro-batch of every rank, divided by the targets of all of them. No rank
-# knows that count alone: each sums its own and ``all_reduce`` sums them
-# before the first backward. DDP and FSDP2 average the gradients over the
-# ranks; multiplying each rank's loss by the world size undoes that.
+# The loss of a step sums every token's loss, over every micro-batch of every
+# rank. It divides that sum by the targets of all of them. No rank knows that
+# count alone: each sums its own and ``all_reduce`` sums them before the first
+# backward. DDP and FSDP2 average the gradients over the ranks. Multiplying
+# each rank's loss by the world size undoes that.
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: data_parallel_step
 #
 # The reference is independent of all of it: one process, the step's whole
 # batch packed as one, ``cross_entropy`` averaged over its targets, float32.
-# The check takes tiny micro-batches (``GRAD_DOCS`` whole documents) from
-# the most uneven of the first 50 steps, where a wrong normalization shows,
-# such as the common shortcut (``loss / accumulation_steps``, then the
-# average DDP takes over the ranks): each micro-batch's loss over its own
-# targets, those means averaged. It is tried on the same data, in one process.
+# The check takes tiny micro-batches (``GRAD_DOCS`` whole documents) from the
+# most uneven of the first 50 steps. There a wrong normalization shows. The
+# common shortcut is one: ``loss / accumulation_steps``, then the average DDP
+# takes over the ranks. It divides each micro-batch's loss by its own targets
+# and averages those means. It is tried on the same data, in one process.
 
 from ragged_site.data_parallel import one_process_gradients
 
@@ -419,24 +423,24 @@ assert counts_differ and mean_gap > 10 * GRAD_TOL, (
 # Two ranks, launched as a reader launches them
 # ---------------------------------------------
 # Each rank wraps its own copy of the model. With DDP every rank holds the
-# whole model, and ``no_sync`` keeps the gradients local until the last
+# whole model. ``no_sync`` keeps the gradients local until the last
 # micro-batch's backward averages them over the ranks. With FSDP2,
 # ``fully_shard`` on every block, then on the model, leaves each rank a shard
-# of every weight (``full_tensor()`` gathers one), and
+# of every weight. ``full_tensor()`` gathers one whole weight.
 # ``set_requires_gradient_sync`` plays the part of ``no_sync``:
 #
 # .. literalinclude:: ../ragged_toolkit/data_parallel.py
 #    :pyobject: wrap_model
 #
-# A ``DataParallelJob`` says what every rank does: the gradient runs
-# (``RUNS``), then timed steps under DDP with AdamW, both ways of filling a
-# micro-batch; the tensors travel beside it. Each rank runs a script that
-# calls ``data_parallel_worker``. The ranks leave together (each marks
-# itself done in the job's folder and waits for the others) before the
-# process group is destroyed, so that no rank closes a connection its peer
-# still uses; then the script leaves with ``os._exit``, skipping the
-# interpreter's shutdown, where objects that still held a gloo connection
-# were seen to abort a rank about once in 50 launches:
+# A ``DataParallelJob`` says what every rank does. First come the gradient runs
+# (``RUNS``). Then come timed steps under DDP with AdamW, both ways of filling
+# a micro-batch. The tensors travel beside the job. Each rank runs a script
+# that calls ``data_parallel_worker``. The ranks leave together before the
+# process group is destroyed. Each marks itself done in the job's folder and
+# waits for the others. So no rank closes a connection its peer still uses.
+# Then the script leaves with ``os._exit``, skipping the interpreter's
+# shutdown. There, objects that still held a gloo connection were seen to abort
+# a rank about once in 50 launches:
 #
 # .. literalinclude:: ../ragged_site/data_parallel_launch.py
 #    :pyobject: data_parallel_worker
@@ -526,12 +530,12 @@ print(failure_message(check_same_gradients, grads["DDP, count not reduced"], ref
 # %%
 # What the ranks measured
 # -----------------------
-# Every rank timed each step between two barriers; tokens per second count
-# every rank's tokens. Ranks sharing one machine's cores add no compute, so
-# a CPU build measures correctness, imbalance and graphs; a GPU per rank
-# (the NCCL lines) measures throughput. The last line sets the step times
-# beside what differs between the two ways (a document cut by the budget is
-# two shorter sequences, with fewer attention pairs than the whole).
+# Every rank timed each step between two barriers. Tokens per second count
+# every rank's tokens. Ranks sharing one machine's cores add no compute. So a
+# CPU build measures correctness, imbalance and graphs. A GPU per rank (the
+# NCCL lines) measures throughput. The last line sets the step times beside
+# what differs between the two ways. A document cut by the budget is two
+# shorter sequences, with fewer attention pairs than the whole.
 
 from ragged_site.data_parallel import step_load
 from ragged_site.data_parallel_launch import step_times_ms
@@ -574,13 +578,13 @@ if NCCL_RANKS:
 # %%
 # Conclusion
 # ----------
-# A token budget balances the ranks by construction and gives every
-# micro-batch one shape, which compiles once where attention reads the
-# micro-batch by its shape (the rows layout); cutting documents at the
-# budget costs a target and some context per cut, carrying them costs
-# padding. Whatever fills the micro-batches, the loss is a sum over every
-# token divided by a count summed over every rank, and a gradient check
-# against one process on the whole batch is cheap enough to run in a test.
+# A token budget balances the ranks by construction. It gives every micro-batch
+# one shape. That shape compiles once where attention reads the micro-batch by
+# its shape (the rows layout). Cutting documents at the budget costs a target
+# and some context per cut. Carrying them costs padding. Whatever fills the
+# micro-batches, the loss is a sum over every token divided by a count summed
+# over every rank. A gradient check against one process on the whole batch is
+# cheap enough to run in a test.
 #
 # Further reading
 # ---------------

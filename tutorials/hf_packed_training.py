@@ -3,11 +3,11 @@ Padding-free training in Hugging Face transformers, correct on every device
 ============================================================================
 
 Hugging Face's padding-free recipe, ``DataCollatorWithFlattening``, packs a
-batch into one row whose ``position_ids`` restart at every document. Read as
-packed values plus offsets, that row can go through the toolkit's
-``ragged_attention``, registered as a ``transformers`` attention
-implementation: a stock ``LlamaForCausalLM`` then keeps every document
-apart on any device and computes what the padded model computes; the page
+batch into one row. The row's ``position_ids`` restart at every document. Read
+as packed values plus offsets, that row can go through the toolkit's
+``ragged_attention``. Registered as a ``transformers`` attention
+implementation, it lets a stock ``LlamaForCausalLM`` keep every document apart
+on any device. The model then computes what the padded model computes. The page
 measures what that buys in training against the padded recipe.
 
 **Author:** the ragged-transformers tutorial contributors
@@ -101,12 +101,12 @@ if Version(transformers.__version__).release < Version(MINIMUM_TRANSFORMERS).rel
 # %%
 # The collator's batch is packed values plus offsets
 # --------------------------------------------------
-# ``DataCollatorWithFlattening`` concatenates the documents of a batch into
-# one row of ``input_ids``, shape ``(1, T)``, and writes ``position_ids``
-# that restart at 0 at every document. Where the release has it,
-# ``return_flash_attn_kwargs=True`` adds the boundaries themselves,
-# ``cu_seq_lens_q`` and ``cu_seq_lens_k``: the toolkit's offsets under
-# the name FlashAttention gives them. Three documents of 3, 1 and 4 tokens:
+# ``DataCollatorWithFlattening`` concatenates the documents of a batch into one
+# row of ``input_ids``, shape ``(1, T)``. It writes ``position_ids`` that
+# restart at 0 at every document. Where the release has it,
+# ``return_flash_attn_kwargs=True`` adds the boundaries themselves:
+# ``cu_seq_lens_q`` and ``cu_seq_lens_k``. They are the toolkit's offsets, as
+# FlashAttention names them. Three documents of 3, 1 and 4 tokens:
 
 from ragged_toolkit.batches import from_padded, offsets_from_position_ids, to_padded
 from transformers import DataCollatorWithFlattening
@@ -121,11 +121,12 @@ for key, value in batch.items():
     print(f"{key:13s} {value.tolist() if torch.is_tensor(value) else value}")
 
 # %%
-# Sequence ``i`` is ``values[offsets[i]:offsets[i + 1]]``, and a document
-# starts where its position is 0: ``offsets_from_position_ids`` reads the
-# offsets from that, and they must agree with the collator's own
-# ``cu_seq_lens_q``. From the offsets, ``to_padded`` gives the padded batch
-# (one row per document) and ``from_padded`` the packed row back.
+# Sequence ``i`` is ``values[offsets[i]:offsets[i + 1]]``. A document starts
+# where its position is 0. ``offsets_from_position_ids`` reads the offsets from
+# those starts. They must agree with the collator's own ``cu_seq_lens_q``. From
+# the offsets, ``to_padded`` gives the batch in the :term:`padded layout`: one
+# row per document, padded to the longest. ``from_padded`` gives the packed row
+# back: the :term:`packed layout`, every token in one row, with offsets.
 #
 # .. literalinclude:: ../ragged_toolkit/batches.py
 #    :pyobject: offsets_from_position_ids
@@ -141,24 +142,26 @@ print("padded:", padded.tolist(), "back to the packed row:", from_padded(padded,
 
 # %%
 # What attention does with that row is up to the model's
-# ``attn_implementation``: the FlashAttention implementations read the
-# boundaries (CUDA, and the ``flash_attn`` package); the others see one long
-# sequence, unless ``transformers`` rebuilds the boundaries into a mask.
+# ``attn_implementation``. The FlashAttention implementations read the
+# boundaries (on CUDA, with the ``flash_attn`` package). The others see one
+# long sequence, unless ``transformers`` rebuilds the boundaries into a mask.
 #
 # ``ragged_attention`` as an attention implementation
 # ---------------------------------------------------
 # A ``transformers`` model looks its attention function up by name in
-# ``AttentionInterface`` and calls it with the module, queries
-# ``(B, H, T, D)``, keys and values ``(B, H_kv, T, D)``, the mask its mask
-# function built (ours, registered under the same name in
-# ``AttentionMaskInterface``, builds none), and keyword arguments:
-# ``position_ids``, what the batch brought (``cu_seq_lens_q``) and what the
-# caller passed to the model. The toolkit's ``ragged_attention_forward``
-# views the tensors as packed ``(B * T, H, D)``. It calls
-# ``ragged_attention`` with the batch's plan. The caller builds the plan
-# once per batch (``plan_of``) and passes it to the model as
-# ``ragged_plan``. Called without one, as ``Trainer`` calls a model, it
-# plans from the boundaries in its keyword arguments, once per layer.
+# ``AttentionInterface``. It passes the module, queries ``(B, H, T, D)``, and
+# keys and values ``(B, H_kv, T, D)``. It passes the mask its mask function
+# built. Ours, registered under the same name in ``AttentionMaskInterface``,
+# builds none. Last come keyword arguments: ``position_ids``, what the batch
+# brought (``cu_seq_lens_q``) and what the caller passed to the model.
+#
+# The toolkit's ``ragged_attention_forward`` views the tensors as packed
+# ``(B * T, H, D)``. It calls ``ragged_attention`` with the batch's
+# :term:`plan`: what ``plan_batch`` reads once from the offsets (lengths,
+# backend, causal or not). The caller builds the plan once per batch
+# (``plan_of``) and passes it to the model as ``ragged_plan``. Called without
+# one, as ``Trainer`` calls a model, it plans from the boundaries in its
+# keyword arguments, once per layer.
 #
 # .. literalinclude:: ../ragged_toolkit/hf_attention.py
 #    :pyobject: ragged_attention_forward
@@ -217,9 +220,9 @@ print(f"{HF}: attn_implementation={NAME!r} runs ragged_attention, backend {BACKE
 # %%
 # A stock model, three ways
 # -------------------------
-# A ``LlamaForCausalLM`` built from a config (random weights, no download),
-# and two copies with the same weights: one keeps ``sdpa``, the stock
-# implementation, the other runs ours. Any decoder that takes
+# A ``LlamaForCausalLM`` is built from a config (random weights, no download).
+# Two copies get the same weights. One keeps ``sdpa``, the stock
+# implementation; the other runs ours. Any decoder that takes
 # ``attn_implementation`` works the same way.
 
 import copy
@@ -248,16 +251,18 @@ print(
 # The documents, packed and padded
 # --------------------------------
 # The document lengths come from the site's length generator, capped at
-# ``MAX_LEN``. Each document starts with a token that picks a shift, and
-# every later token is a Zipf draw shifted by it: predicting a token needs
-# the document's own start, so reading another document hurts. Every batch
-# is made in each form before anything is timed: the collator's packed row,
-# and the padded recipe, right-padded ``(B, S)`` ids with an
-# ``attention_mask`` and labels ``-100`` at padding, twice: the documents as
-# they came, and length-grouped as ``TrainingArguments(group_by_length=True)``
-# does, each window of batches sorted by length and cut into batches of
-# neighbors (the window ``transformers``' ``LengthGroupedSampler`` picks,
-# ``min(steps // 4, 50)`` batches; the GPT page's padded baseline too).
+# ``MAX_LEN``. Each document starts with a token that picks a shift. Every
+# later token is a Zipf draw shifted by it. So predicting a token needs the
+# document's own start, and reading another document hurts.
+#
+# Every batch is made in each form before anything is timed. One form is the
+# collator's packed row. One is the padded recipe on the documents as they
+# came: right-padded ``(B, S)`` ids with an ``attention_mask``, and labels
+# ``-100`` at padding. The last is that recipe, length-grouped as
+# ``TrainingArguments(group_by_length=True)`` does. Each window of batches is
+# sorted by length and cut into batches of neighbors. The window is the one
+# ``transformers``' ``LengthGroupedSampler`` picks: ``min(steps // 4, 50)``
+# batches. The GPT page's padded baseline uses it too.
 #
 # .. literalinclude:: ../ragged_toolkit/data.py
 #    :pyobject: group_by_length
@@ -310,12 +315,12 @@ print(
 # Proof: the packed model computes what the padded one computes
 # -------------------------------------------------------------
 # On the first batch, the padded model (stock ``sdpa`` with the
-# ``attention_mask``) is the reference: each document in its own row, the
-# padding masked. The packed row goes through stock ``sdpa`` with the
-# default of the config, ``use_cache=True`` (what a hand-written loop gets), and
-# with ``use_cache=False`` (``Trainer``'s default from transformers 5.0 on),
-# then through ours, with the batch's plan; each is compared with the
-# reference on every real token.
+# ``attention_mask``) is the reference. Each document is in its own row, the
+# padding masked. The packed row goes through stock ``sdpa`` twice. First it
+# keeps the default of the config, ``use_cache=True`` (what a hand-written loop
+# gets). Then it sets ``use_cache=False`` (``Trainer``'s default from
+# transformers 5.0 on). Last, the row goes through ours, with the batch's plan.
+# Each is compared with the reference on every real token.
 
 from ragged_site.hf_training import check_close, check_gradients
 from ragged_site.page import tolerances
@@ -356,9 +361,9 @@ print(
 
 # %%
 # The figure shows where the differences are. The first document has no
-# document before it, so every implementation gets it right (checked
-# below); an implementation that attends across documents gets each later
-# one wrong wherever attention crosses a boundary.
+# document before it. So every implementation gets it right (checked below). An
+# implementation that attends across documents gets each later one wrong,
+# wherever attention crosses a boundary.
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE
@@ -376,16 +381,17 @@ plt.show()
 
 # %%
 # The lines above are this release's. Where ``use_cache`` is on, the model
-# makes a cache for the forward pass; the releases checked here look for
-# restarts in ``position_ids`` only without a cache (the lines above show
-# whether this one does), and turn them into a ``(1, 1, T, T)`` boolean mask
-# over the packed row: documents kept apart, every query scored against
-# every key of the row. The registered function reads its plan in both cases.
+# makes a cache for the forward pass. The releases checked here look for
+# restarts in ``position_ids`` only without a cache. (The lines above show
+# whether this one does.) They turn the restarts into a ``(1, 1, T, T)``
+# boolean mask over the packed row. The mask keeps documents apart, but every
+# query is scored against every key of the row. The registered function reads
+# its plan in both cases.
 #
-# Two more checks: a row of one document twice gives the same logits for
-# both copies (the second cannot see the first), and one training step's
-# loss and gradients are the padded model's (the collator's labels are
-# ``-100`` at every document's first token).
+# Two more checks follow. A row of one document twice gives the same logits for
+# both copies: the second cannot see the first. And one training step's loss
+# and gradients are the padded model's. (The collator's labels are ``-100`` at
+# every document's first token.)
 
 twice = packed_batch([max(corpus[0], key=len)] * 2)  # the batch's longest document
 half = twice["input_ids"].shape[1] // 2
@@ -417,21 +423,23 @@ print(
 # %%
 # Training against what readers run
 # ---------------------------------
-# The same model and optimizer (AdamW), five ways, taking turns step by
-# step so that a busy machine slows all alike:
+# The same model and optimizer (AdamW) train five ways. They take turns step by
+# step, so that a busy machine slows all alike:
 #
-# * ``padded``: right-padded rows, an ``attention_mask``, stock ``sdpa``:
-#   the recipe most readers use; ``grouped``: the same, length-grouped;
-# * ``ragged``: the packed rows through the registered ``ragged_attention``,
-#   the batch's plan built inside the timed step;
+# * ``padded``: right-padded rows, an ``attention_mask``, stock ``sdpa``.
+#   This is the recipe most readers use.
+# * ``grouped``: the same, length-grouped.
+# * ``ragged``: the packed rows through the registered ``ragged_attention``.
+#   The batch's plan is built inside the timed step.
 # * ``packed sdpa`` and ``packed sdpa, cache``: the packed rows through stock
-#   ``sdpa``, ``use_cache=False`` (as ``Trainer`` runs it in transformers 5)
-#   and ``True`` (the default of the config), marked with what the proof found.
+#   ``sdpa``. The first sets ``use_cache=False`` (as ``Trainer`` runs it in
+#   transformers 5). The second keeps ``True`` (the default of the config).
+#   Each is marked with what the proof found.
 #
-# All but ``grouped`` see the same batches; ``grouped`` sees the same
-# documents in other batches. A step (forward, backward, the optimizer's
-# update) is timed with a synchronized clock; throughput counts *real*
-# tokens after the first ``WARMUP_STEPS``.
+# All but ``grouped`` see the same batches. ``grouped`` sees the same documents
+# in other batches. A step (forward, backward, the optimizer's update) is timed
+# with a synchronized clock. Throughput counts *real* tokens after the first
+# ``WARMUP_STEPS``.
 
 from ragged_site.hf_training import check_losses, train_taking_turns
 
@@ -472,24 +480,26 @@ for name, run in runs.items():
     )
 
 # %%
-# The padded and the ragged trainer compute the same thing (checked above),
-# so their losses differ by rounding only: in float32 below 1e-3 at every
-# step. In a 16-bit dtype one step's rounding changes the next step's
-# weights, and the page checks the first step's losses within the
-# tolerance of the dtype and the means of the last five steps within 5%.
+# The padded and the ragged trainer compute the same thing (checked above). So
+# their losses differ by rounding only: in float32, below 1e-3 at every step.
+# In a 16-bit dtype, one step's rounding changes the next step's weights. There
+# the page checks the first step's losses within the tolerance of the dtype. It
+# checks the means of the last five steps within 5%.
 
 print(check_losses(runs["ragged"]["losses"], runs["padded"]["losses"], DTYPE, tolerance))
 
 # %%
 # The work bounds of this run
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What each trainer must compute per real token over its timed batches
-# (``model_work``): ``2 x`` the weights of every matrix per token (all but
-# the embedding), ``4 H D`` per query-key pair and layer. The ragged side
-# scores the causal half of each document; a padded side's merged
-# ``attention_mask`` makes ``sdpa`` score the whole ``S x S`` square of
-# every row, counted from each padded trainer's own batches. The last
-# number of a line is the :term:`fraction of the bound`
+# The :term:`work bound` is a padded trainer's work over the ragged one's: the
+# speedup to expect if time followed work. ``model_work`` counts what each
+# trainer must compute per real token over its timed batches. It counts ``2 x``
+# the weights of every matrix per token (all but the embedding). It adds
+# ``4 H D`` per query-key pair and layer. The ragged side scores the causal
+# half of each document. A padded side's merged ``attention_mask`` makes
+# ``sdpa`` score the whole ``S x S`` square of every row. Those squares are
+# counted from each padded trainer's own batches. The last number of a line is
+# the :term:`fraction of the bound`: the speedup over the work bound
 # (:doc:`measuring_ragged_batches`).
 
 from ragged_site.hf_training import draw_training
@@ -512,11 +522,11 @@ print(throughput_line("hf training", R, P, bound["padded"]))
 print(throughput_line("hf training against length-grouped padding", R, G, bound["grouped"]))
 
 # %%
-# What grouping by length leaves of the padding's work, and where the
-# packed ``sdpa`` trainers ended beside the ragged one: with the ``(T, T)``
-# mask, attention scores every pair of the row, work that grows with its
-# square (the ragged side's with the sum of the documents' squares); read
-# across documents, it learns from other documents' tokens.
+# Next: what grouping by length leaves of the padding's work, and where the
+# packed ``sdpa`` trainers ended beside the ragged one. With the ``(T, T)``
+# mask, attention scores every pair of the row. That work grows with the row's
+# square. The ragged side's grows with the sum of the documents' squares. A
+# trainer that reads across documents learns from other documents' tokens.
 
 share = (bound["grouped"] - 1) / (bound["padded"] - 1)  # the extra work grouping leaves
 print(
@@ -537,10 +547,12 @@ plt.show()
 # %%
 # On a GPU
 # --------
-# On CUDA the registered function runs ``varlen_attn`` in ``bfloat16``,
-# compared with ``transformers``' ``flash_attention_2`` where the
-# ``flash_attn`` package is installed. The profiler names the kernels one
-# training step of the registered model ran (``flash varlen`` on a GPU):
+# On CUDA the registered function runs ``varlen_attn`` in ``bfloat16``. Where
+# the ``flash_attn`` package is installed, it is compared with
+# ``transformers``' ``flash_attention_2``. The profiler names the kernels that
+# one training step of the registered model ran. They print as a
+# :term:`kernel label`: each kernel with its call count, in brackets
+# (``flash varlen`` on a GPU):
 
 import importlib.util
 
@@ -568,13 +580,13 @@ else:
 # %%
 # Conclusion
 # ----------
-# The collator's packed row is the toolkit's packed values plus offsets;
-# ``transformers`` hands both, and the caller's plan, to any attention
-# function it has by name. Registered there, ``ragged_attention`` keeps
-# documents apart on every device without a mask, with the padded model's
-# logits and gradients. Stock ``sdpa`` keeps them apart only where the proof
-# printed so, through a mask over the whole row. The two training lines say
-# what packing bought here, against naive and length-grouped padding.
+# The collator's packed row is the toolkit's packed values plus offsets.
+# ``transformers`` hands both, and the caller's plan, to any attention function
+# it has by name. Registered there, ``ragged_attention`` keeps documents apart
+# on every device without a mask, with the padded model's logits and gradients.
+# Stock ``sdpa`` keeps them apart only where the proof printed so, through a
+# mask over the whole row. The two training lines say what packing bought here,
+# against naive and length-grouped padding.
 #
 # Further reading
 # ---------------

@@ -2,10 +2,10 @@
 A hybrid model, packed: training it and decoding from its state
 ===============================================================
 
-A small hybrid, stacked as Qwen3-Next stacks its layers: Gated DeltaNet
-layers with an attention layer every four. Trained packed on real text
-against the same model right-padded, from the same weights; then decoded
-from the recurrent layers' state, which is the whole cache a request needs.
+A small hybrid, stacked as Qwen3-Next stacks its layers: Gated DeltaNet layers
+with an attention layer every four. It trains packed on real text, against the
+same model right-padded, from the same weights. Then it decodes from the
+recurrent layers' state. That state is the whole cache a request needs.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -35,11 +35,11 @@ from the recurrent layers' state, which is the whole cache a request needs.
 # %%
 # Sizes
 # -----
-# Every size is set here, per device; :term:`quick mode` shrinks them:
-# recurrent layers of ``heads`` heads of ``head_dim``, chunks of ``chunk``
-# tokens; a hybrid trained on ``train_tokens`` bytes of the first
-# ``corpus_documents`` docstrings, ``step_tokens`` a step (real: 4096 to
-# 65536).
+# Every size is set here, per device. :term:`Quick mode <quick mode>`
+# (``TUTORIALS_QUICK=1``, for the test suite) shrinks them. The recurrent
+# layers have ``heads`` heads of ``head_dim``, in chunks of ``chunk`` tokens.
+# The hybrid trains on ``train_tokens`` bytes of the first ``corpus_documents``
+# docstrings. A step holds ``step_tokens`` tokens (real runs: 4096 to 65536).
 
 import copy
 
@@ -100,16 +100,23 @@ rng = np.random.default_rng(setup.seed)
 # %%
 # Training a hybrid
 # -----------------
-# A small hybrid, stacked as Qwen3-Next stacks its layers: the site's GPT
-# with a Gated DeltaNet layer in place of attention in three blocks of four.
-# A recurrent block reads the offsets from the plan that attention reads:
+# The hybrid is stacked as Qwen3-Next stacks its layers. It is the site's
+# GPT with a Gated DeltaNet layer in place of attention in three blocks of
+# four. Attention reads the batch's :term:`plan`: what ``plan_batch`` reads
+# once from the offsets. A recurrent block reads the offsets from that same
+# plan:
 #
 # .. literalinclude:: ../ragged_toolkit/hybrid.py
 #    :pyobject: RecurrentBlock
 #
-# It trains on the standard library's docstrings as bytes, cut into steps of
-# ``step_tokens`` tokens (as :doc:`packed_gpt_training` cuts its rows),
-# packed and right-padded with the same sequences, from the same weights:
+# It trains on the standard library's docstrings as bytes. They are cut into
+# steps of ``step_tokens`` tokens, as :doc:`packed_gpt_training` cuts its
+# rows. Each step runs in two layouts, with the same sequences and from the
+# same weights:
+#
+# * the :term:`packed layout`: every token in one row, with offsets;
+# * the :term:`padded layout`: each sequence in its own row, right-padded to
+#   the longest.
 #
 # .. literalinclude:: ../ragged_toolkit/hybrid.py
 #    :pyobject: hybrid_loss
@@ -150,15 +157,20 @@ print(
 )
 
 # %%
-# The two trainers take turns, one step each, with AdamW, eager (compiling
-# would not pay back in a few steps on a CPU); the work bound counts two
-# FLOPs per weight per token (``model_work``) and, for the attention layer,
-# four times its width per query-key pair, the causal half on both sides.
-# The recurrence's own work, the same per token on both sides, is left out:
-# that can only raise the bound, so the fraction printed is if anything low.
+# The two trainers take turns, one step each, with AdamW. Both run eager:
+# compiling would not pay back in a few steps on a CPU.
+#
+# The :term:`work bound` is the padded side's work over the packed side's:
+# the speedup to expect if time followed work. It counts two FLOPs per
+# weight per token (``model_work``). For the attention layer it adds four
+# times its width per query-key pair, the causal half on both sides. The
+# recurrence's own work is the same per token on both sides, and is left
+# out. Leaving it out can only raise the bound. So the printed
+# :term:`fraction of the bound`, the speedup over the bound, is if anything
+# low.
 #
 # On a GPU, throwaway copies of both first meet every step's shape, through
-# the same training step: cuDNN builds a plan for each new shape, and that
+# the same training step. cuDNN builds its own plan for each new shape. That
 # must not land in a timed step on either side.
 
 from ragged_site.measuring.bound import model_work, work_per_token
@@ -217,10 +229,10 @@ print(fraction_verdict("hybrid training", rate["packed"] / rate["padded"] / trai
 # %%
 # Decoding: the state is the cache
 # --------------------------------
-# An attention layer keeps every past key and value; a recurrent layer, its
-# state ``(H, K, V)`` and the convolution's last three inputs, whatever the
-# request's length. ``prefill`` runs packed prompts and returns each
-# document's final state as the cache; ``step`` adds a token per request:
+# An attention layer keeps every past key and value. A recurrent layer keeps
+# its state ``(H, K, V)`` and the convolution's last three inputs, whatever
+# the request's length. ``prefill`` runs packed prompts and returns each
+# document's final state as the cache. ``step`` adds a token per request:
 #
 # .. literalinclude:: ../ragged_toolkit/recurrent.py
 #    :pyobject: _RecurrentLayer.step
@@ -272,9 +284,9 @@ with torch.no_grad():
         )
 
 # %%
-# Bytes per request and layer at the sizes of Qwen3-Next-80B-A3B
-# (``Qwen3NextConfig``'s defaults): attention's keys and values in
-# ``bfloat16`` (2 heads of 256), against the Gated DeltaNet ``float32`` state
+# Next, the bytes per request and layer at the sizes of Qwen3-Next-80B-A3B
+# (``Qwen3NextConfig``'s defaults). Attention keeps keys and values in
+# ``bfloat16`` (2 heads of 256). Gated DeltaNet keeps a ``float32`` state
 # (32 heads of 128 by 128) and three convolution inputs in ``bfloat16``.
 
 kv_per_token = 2 * 2 * 256 * 2  # k and v, 2 heads of 256, 2 bytes each
@@ -295,10 +307,10 @@ assert (
 # %%
 # Conclusion
 # ----------
-# A hybrid model packs as a transformer does: the recurrent blocks read the
-# offsets from the plan that attention reads, and cut their state and
+# A hybrid model packs as a transformer does. The recurrent blocks read the
+# offsets from the plan that attention reads. They cut their state and
 # convolution at every document start. Packed and padded training agree on
-# the first step; the rate above says what packing is worth here. A request
+# the first step. The rate above says what packing is worth here. A request
 # decoding through a recurrent layer needs its state, not its history.
 #
 # References

@@ -483,8 +483,9 @@ print_timings(table["serving"])
 # * which paths cannot take the job here (the lines above say why);
 # * one rule per job: "use X; if X is not available here, Y".
 #
-# A CPU build also prints CUDA's rules. They come from a recorded GPU run,
-# or else from published figures, marked "not measured here yet".
+# A CPU build also prints the rules for CUDA. They come from a GPU run,
+# once one is recorded, or else from published figures, marked "not measured
+# here yet".
 #
 # The work bound is the speedup to expect if time followed work: the padded
 # baseline's work divided by the packed path's. The fraction of the bound is

@@ -2,11 +2,11 @@
 Measuring ragged batches: timings, the noise rule and the work bound
 ====================================================================
 
-How every figure on this site is made: functions timed side by side, a
-choice made only where the measurement can tell, each speedup printed
-beside the work that padding adds, profiles that describe the call that was
-timed, and compiles kept out of the timed window. Every other page uses
-these in one call and links here.
+This page shows how every figure on this site is made. Functions are timed
+side by side. A choice is made only where the measurement can tell. Each
+speedup is printed beside the work that padding adds. A profile describes
+the call that was timed. Compiles stay out of the timed window. Every other
+page uses each of these in one call and links here.
 
 **Author:** the ragged-transformers tutorial contributors
 
@@ -40,11 +40,12 @@ these in one call and links here.
 # %%
 # Sizes
 # -----
-# One batch of sentences, one layer; set here per device, shrunk in
-# :term:`quick mode`. ``page_setup`` also sets one CPU thread per operator
-# for the whole page, as every timing of the site runs with
-# (``TIMING_THREADS``), so that a profile describes the call that was timed
-# and a compiled function is compiled once, for those threads.
+# The page measures one batch of sentences and one layer, with sizes set
+# here per device. :term:`Quick mode <quick mode>`, the test suite's
+# setting, shrinks them. ``page_setup`` also sets one CPU thread per
+# operator for the whole page. Every timing of the site runs with that
+# thread count (``TIMING_THREADS``). So a profile describes the call that
+# was timed, and a compiled function is compiled once, for those threads.
 
 from ragged_site.page import page_setup
 
@@ -60,13 +61,15 @@ print(f"batch {S.batch}, embedding {S.embed}, heads {S.heads}")
 # %%
 # The lengths every page measures on
 # ----------------------------------
-# ``sentence_lengths`` draws a sentence's length as one geometric draw: a word
-# drawn from Zipf(1.2) ends the sentence when it is ".", "!" or "?" (ranks 3,
-# 386 and 858 in WikiText-2), independently of the words before it. The
-# shortcut is checked against drawing the words one by one with a
-# two-sample Kolmogorov-Smirnov test: the largest gap between the two
-# empirical distribution functions must stay below the gap that two samples
-# of one distribution exceed with probability 0.1%.
+# ``sentence_lengths`` draws a sentence's length as one geometric draw. The
+# model behind it: each word is drawn from Zipf(1.2), and the sentence ends
+# at a full stop, an exclamation mark or a question mark. Those are ranks 3,
+# 386 and 858 in WikiText-2. Each word ends the sentence independently of
+# the words before it. This cell checks the shortcut against drawing the
+# words one by one. The check is a two-sample Kolmogorov-Smirnov test. It
+# takes the largest gap between the two empirical distribution functions.
+# That gap must stay below the gap that two samples of one distribution
+# exceed with probability 0.1%.
 
 import numpy as np
 from ragged_site.workloads import STOP_RANKS, sentence_lengths, zipf_stop_probability
@@ -94,31 +97,40 @@ assert cdf_gap < critical, "the geometric lengths do not match the word-by-word 
 # %%
 # Timing side by side
 # -------------------
-# ``measure`` times each function's first call alone (it may compile), then
-# lets the functions take turns for a few rounds, each round a
-# ``torch.utils.benchmark`` ``blocked_autorange``, so that a busy machine
-# slows all of them alike. It reports the median and interquartile range
-# (IQR) in ms, then, with ``profile`` (off in quick mode, where a profile
-# would cost more than the timing), runs each once more under the profiler
-# for its peak memory in MiB and the :term:`kernel label` of the attention
-# that ran.
+# ``measure`` first times each function's first call alone, since that call
+# may compile. Then the functions take turns for a few rounds, each a
+# ``torch.utils.benchmark`` ``blocked_autorange``. Taking turns means that a
+# busy machine slows all of them alike. ``measure`` reports the median and
+# the interquartile range (IQR) in ms. With ``profile``, it then runs each
+# function once more under the profiler. That run gives the peak memory in
+# MiB and the :term:`kernel label`: the attention kernel that ran, in
+# brackets after the timing. Quick mode turns ``profile`` off, since there a
+# profile would cost more than the timing.
 #
 # .. literalinclude:: ../ragged_site/measuring/timing.py
 #    :pyobject: measure
 #
-# Every other clock read, the steps of a loop or of a server, goes through
-# one helper, ``stopwatch``, which synchronizes the device before the clock
-# starts and before it stops:
+# Every other clock read, such as a step of a loop or of a server, goes
+# through one helper, ``stopwatch``. It synchronizes the device before the
+# clock starts and before it stops:
 #
 # .. literalinclude:: ../ragged_toolkit/clock.py
 #    :pyobject: stopwatch
 #
-# The causal self-attention layer of :doc:`packed_attention_layer` on one batch,
-# padded (one SDPA call, a causal kernel, no mask) and packed, forward
-# only; and, a third entry, the packed layer again under another name. The
-# packed side runs the backend ``default_backend`` picks on this device:
-# the per-sequence loop on a CPU, ``varlen`` on a CUDA GPU in
-# ``bfloat16``. Its plan is built once, before timing:
+# The cell times the causal self-attention layer of
+# :doc:`packed_attention_layer` on one batch, forward only. It has three
+# entries:
+#
+# * **padded**: the layer on the padded batch, as in the
+#   :term:`padded layout`. That is one SDPA call, with a causal kernel and
+#   no mask.
+# * **packed**: the layer on packed values, as in the :term:`packed layout`.
+# * **packed again**: the packed layer again, under another name.
+#
+# The packed side runs the backend that ``default_backend`` picks on this
+# device. That is the per-sequence loop on a CPU, and ``varlen`` on a CUDA
+# GPU in ``bfloat16``. Its :term:`plan`, what ``plan_batch`` reads from the
+# offsets, is built once, before timing:
 
 import torch
 from ragged_toolkit.attention import default_backend, plan_batch
@@ -151,13 +163,17 @@ print_timings(times)
 # %%
 # When a difference is a difference
 # ---------------------------------
-# A page chooses between options (a backend, compiling or not) only where
-# the measurement can tell: ``choose`` takes the lowest median only if its
-# interquartile range does not overlap that of the second fastest
-# (``outside_noise``), and only from at least ``MIN_RUNS`` timed runs each;
-# otherwise it returns the documented default, the same for a job on every
-# page. The same function timed twice is the test of the rule: it must come
-# out within noise.
+# A page chooses between options, such as a backend or compiling or not,
+# only where the measurement can tell. ``choose`` takes the lowest median
+# only if two things hold:
+#
+# * its interquartile range does not overlap that of the second fastest
+#   (``outside_noise``);
+# * each option has at least ``MIN_RUNS`` timed runs.
+#
+# Otherwise it returns the documented default. For a given job, that
+# default is the same on every page. The same function timed twice is the
+# test of the rule: it must come out within noise.
 #
 # .. literalinclude:: ../ragged_site/measuring/noise.py
 #    :pyobject: choose
@@ -175,12 +191,16 @@ if outside_noise(times["packed"], times["packed again"]):
 # The work bound
 # --------------
 # A speedup alone does not say whether it is good. The :term:`work bound`
-# is the work the padded side must do over the work of the packed side, each
-# counted for what it computes. A layer or a model says what it computes as
-# a ``Work``: FLOPs per token through its matrices, per key/value token
-# (cross-attention), and per query-key pair for the scores and the sum over
-# values. ``attention_layer_work`` gives it for an attention layer,
-# ``model_work`` for a whole decoder (two FLOPs per weight per token):
+# is the work the padded side must do over the work of the packed side.
+# Each side is counted for what it computes. A layer or a model says what it
+# computes as a ``Work``, in FLOPs:
+#
+# * per token, through its matrices;
+# * per key/value token (cross-attention);
+# * per query-key pair, for the scores and the sum over values.
+#
+# ``attention_layer_work`` gives it for an attention layer. ``model_work``
+# gives it for a whole decoder, at two FLOPs per weight per token:
 #
 # .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: attention_layer_work
@@ -188,13 +208,15 @@ if outside_noise(times["packed"], times["packed again"]):
 # .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: model_work
 #
-# ``work_bound`` counts both sides from the lengths: the packed side each
-# sequence as it is, the padded side every sequence as long as the longest;
-# a causal kernel scores the causal half of the pairs, ``L (L + 1) / 2``, a
-# merged mask the whole square. ``speedup_line`` prints a speedup beside its
-# bound, with the fraction of it reached and "(within noise)" where the
-# interquartile ranges of the two timings overlap; ``throughput_line`` does
-# the same for two rates in tokens per second.
+# ``work_bound`` counts both sides from the lengths. The packed side counts
+# each sequence as it is. The padded side counts every sequence as long as
+# the longest. A causal kernel scores the causal half of the pairs,
+# ``L (L + 1) / 2``. A merged mask scores the whole square.
+#
+# ``speedup_line`` prints a speedup beside its bound. It adds the
+# :term:`fraction of the bound`: the speedup divided by the bound. Where the
+# interquartile ranges of the two timings overlap, it adds "(within noise)".
+# ``throughput_line`` does the same for two rates in tokens per second.
 #
 # .. literalinclude:: ../ragged_site/measuring/bound.py
 #    :pyobject: work_bound
@@ -215,34 +237,35 @@ print(speedup_line("forward", times["padded"], times["packed"], bound))
 # What a fraction of the bound means
 # ----------------------------------
 # The :term:`fraction of the bound` is the measured speedup over the work
-# bound: how much of what skipping padding could buy, counted in work, this
-# device delivered. The site prints it beside every speedup, and every other
-# page links here instead of explaining it again.
+# bound. It says how much of what skipping padding could buy, counted in
+# work, this device delivered. The site prints it beside every speedup.
+# Every other page links here instead of explaining it again.
 #
 # * **Near 1**: the packed code turned the work it skips into speed; time
 #   followed the work.
-# * **Below 1**: something the bound does not count ate part of the win:
-#   one call per sequence (the loop backend), gathers and index
-#   bookkeeping, small matrices that use the device less well than one large
-#   one, a kernel launch per step. The packed side has room to improve.
+# * **Below 1**: something the bound does not count ate part of the win.
+#   Examples: one call per sequence (the loop backend), gathers and index
+#   bookkeeping, or a kernel launch per step. Small matrices also use the
+#   device less well than one large one. The packed side has room to
+#   improve.
 # * **Above 1**: the padded side was slower *per unit of work* than the
-#   packed one. The bound counts FLOPs only; a padded batch is also larger
-#   in memory, may miss a cache the packed one fits in, and costs more to
-#   allocate and move (the linear layer of :doc:`ragged_batches_intro`
-#   may show it).
+#   packed one. The bound counts FLOPs only, but a padded batch is also
+#   larger in memory. It may miss a cache that the packed one fits in, and
+#   it costs more to allocate and move. The linear layer of
+#   :doc:`ragged_batches_intro` may show this.
 # * **Far above 1** (say 2 or more): a bug in the baseline until shown
-#   otherwise. A padded side that ran SDPA's unfused math kernel, a mask it
-#   did not need, a compile inside its timed window (the story at the end of
-#   this page): each makes the padded side slow for reasons that have
-#   nothing to do with padding.
+#   otherwise. Examples: the padded side ran SDPA's unfused math kernel, or
+#   used a mask it did not need. Or it had a compile inside its timed
+#   window, as in the story at the end of this page. Each makes the padded
+#   side slow for reasons that have nothing to do with padding.
 #
-# A fraction is as noisy as the two timings it divides: where their
-# interquartile ranges overlap, ``speedup_line`` says "(within noise)" and
-# the fraction says nothing either way. It belongs to one device, one dtype and one batch:
-# the next section shows how much the bound itself moves from batch to
-# batch. The serving page's *slot bound* is read the same way: a bound set
-# by idle slots instead of padded tokens, and the fraction of it reached.
-# This page's batch:
+# A fraction is as noisy as the two timings it divides. Where their
+# interquartile ranges overlap, ``speedup_line`` says "(within noise)", and
+# the fraction says nothing either way. A fraction also belongs to one
+# device, one dtype and one batch. The next section shows how much the bound
+# itself moves from batch to batch. The serving page's *slot bound* is read
+# the same way. It is a bound set by idle slots instead of padded tokens,
+# printed with the fraction of it reached. This page's batch:
 
 speedup = times["padded"].median_ms / times["packed"].median_ms
 fraction = speedup / bound
@@ -264,8 +287,9 @@ print(f"forward fraction of the bound {fraction:.2f}: {reading}{noise}")
 # One batch proves little
 # -----------------------
 # Does a smaller Zipf exponent, which makes sentences longer, raise the
-# bound? The lengths of many batches answer it without timing anything:
-# for each exponent, the bound of ``N_BATCHES`` batches of this page's size.
+# bound? The lengths of many batches answer that without timing anything.
+# For each exponent, the cell counts the bound of ``N_BATCHES`` batches of
+# this page's size.
 
 N_BATCHES = 50 if setup.quick else 200
 alphas = (1.1, 1.2, 1.35, 1.6)
@@ -299,11 +323,11 @@ print(
 
 # %%
 # The bound is set mostly by the longest sentence of a batch against the
-# mean. Where the line above finds the medians moving by less than the IQR,
-# which sentences a batch happened to draw matters more than the exponent,
-# and one batch per exponent, timed, orders the exponents by chance. What
-# one batch each can show is whether the speedup follows the bound of the
-# batch at hand. One batch per exponent, timed:
+# mean. The line above may find the medians moving by less than the IQR.
+# Then the sentences a batch happened to draw matter more than the exponent.
+# Timing one batch per exponent would then order the exponents by chance.
+# What one batch each can show is whether the speedup follows the bound of
+# the batch at hand. One batch per exponent, timed:
 
 measured = {}
 for a in alphas[1:] if setup.quick else alphas:
@@ -371,11 +395,16 @@ plt.show()
 # Where the time goes
 # -------------------
 # When a fraction falls short, a profile says why. ``where_time_goes``
-# profiles a function at its steady state, as it was timed: warm-up calls
-# first, the same threads, enough calls for a fifth of a second, every
-# figure per call and printed beside the timed median. The profiler adds
-# time per operator it records; measured on a loop of trivial operators and
-# multiplied by the operators the call records, that estimate is printed
+# profiles a function at its steady state, as it was timed:
+#
+# * warm-up calls first;
+# * the same threads;
+# * enough calls for a fifth of a second;
+# * every figure per call, printed beside the timed median.
+#
+# The profiler adds time for each operator it records. ``where_time_goes``
+# estimates that cost: it measures it on a loop of trivial operators, then
+# multiplies it by the operators the call records. It prints the estimate
 # beside the gap between the profiled time and the timed median, so that
 # the two can be compared. (Quick mode skips profiles: they cost more than
 # its timings.)
@@ -403,9 +432,9 @@ else:
 # ``torch.compile`` compiles when a function first meets a shape (and, for
 # training, when the first backward runs). A compile inside a timed window
 # is timed as work. ``compile_counter`` counts the graphs compiled and the
-# graph breaks inside a block; ``StepTimer`` times each step of a training
-# loop with ``stopwatch``, with the graphs compiled during it, so that a
-# page can assert that none was compiled in the steps it reports.
+# graph breaks inside a block. ``StepTimer`` times each step of a training
+# loop with ``stopwatch`` and records the graphs compiled during it. So a
+# page can assert that no graph was compiled in the steps it reports.
 #
 # .. literalinclude:: ../ragged_site/measuring/timing.py
 #    :pyobject: StepTimer
@@ -428,18 +457,20 @@ assert timer.graphs[0] > 0 and sum(timer.graphs[1:]) == 0, (
 )
 
 # %%
-# The first step carried the compile; a page reports only the steps after
+# The first step carried the compile. A page reports only the steps after
 # it, and asserts that they compiled nothing.
 #
 # Where did the original's 144x backward come from?
 # -------------------------------------------------
 # The original tutorial reported a 144x faster backward on an A100, far
 # beyond any padding bound. Its benchmark timed one backward call of a
-# compiled module right after a forward-only warm-up; a compiled module
+# compiled module, right after a forward-only warm-up. A compiled module
 # compiles its backward graph when the first backward runs, so that one call
-# included compilation. The cell repeats that single timing, deliberately
-# one shot, with ``stopwatch``, on :term:`the original tutorial's baseline`,
-# against the packed layer's steady forward and backward.
+# included compilation. The cell repeats that single timing with
+# ``stopwatch``, deliberately one shot. It runs on
+# :term:`the original tutorial's baseline`: ``nn.MultiheadAttention`` with a
+# padding mask and a causal mask merged into one. It compares that with the
+# packed layer's steady forward and backward.
 
 import torch.nn as nn
 from ragged_toolkit.clock import stopwatch
@@ -502,22 +533,22 @@ print(
 )
 
 # %%
-# The last line says how much of the one-shot timing was something other
-# than the step itself: compiling the backward graph, shorter where
-# ``torch.compile``'s cache already holds it (a rebuild). A ratio built on
-# such a timing measures the compiler, not padding, and its fraction of any
-# bound can land far above 1, the signature of a bug in the baseline. Timed
-# after its warm-up, the same baseline stands beside its own work bound,
-# which counts the whole square its merged mask computes.
+# The last line says how much of the one-shot timing was not the step
+# itself. That part is compiling the backward graph, shorter where
+# ``torch.compile``'s cache already holds it (a rebuild). A ratio
+# built on such a timing measures the compiler, not padding. Its fraction of
+# any bound can land far above 1, the signature of a bug in the baseline.
+# Timed after its warm-up, the same baseline stands beside its own work
+# bound. That bound counts the whole square that its merged mask computes.
 #
 # Conclusion
 # ----------
-# A figure on this site is a median of interleaved rounds with its spread,
-# a choice is made only outside that spread, a speedup stands beside the
-# work padding adds, a profile describes the call that was timed, and no
+# A figure on this site is a median of interleaved rounds, with its spread.
+# A choice is made only outside that spread. A speedup stands beside the
+# work that padding adds. A profile describes the call that was timed. No
 # compile falls inside a timed window. The same helpers measure your own
-# batches: ``compare_backends`` on the building-blocks page runs every
-# attention backend through them.
+# batches. For example, ``compare_backends`` on the building-blocks page
+# runs every attention backend through them.
 #
 # Further reading
 # ---------------

@@ -2,11 +2,11 @@
 A multi-head attention layer for ragged batches
 ===============================================
 
-The layer every transformer repeats, on packed values plus offsets: its
-input projections packed into one matmul (and the SwiGLU feed-forward's
-two), checked against ``torch.nn``, its attention backend chosen by
-measurement, and timed against the best padded layer on the device at
-hand.
+This page builds the attention layer that every transformer repeats, on
+packed values plus offsets. Its input projections are packed into one
+matmul, and so are the SwiGLU feed-forward's two. The layer is checked
+against ``torch.nn``. Its attention backend is chosen by measurement. Then
+it is timed against the best padded layer on the device at hand.
 
 **Author:** rewritten for PyTorch 2.11 and later from the original tutorial by
 `Mikayla Gawarecki <https://github.com/mikaylagawarecki>`_
@@ -39,9 +39,10 @@ hand.
 
 # %%
 # Sizes are set here, once, for the device at hand. ``page_setup`` picks
-# them, with the dtype, one CPU thread per operator and the seed. The
-# timing helpers (``measure``, ``choose``, the work bound) are explained on
-# :doc:`measuring_ragged_batches`.
+# them, with the dtype, one CPU thread per operator and the seed.
+# :term:`Quick mode <quick mode>`, the test suite's setting, shrinks them.
+# The timing helpers (``measure``, ``choose``, the work bound) are explained
+# on :doc:`measuring_ragged_batches`.
 
 from ragged_site.page import page_setup
 
@@ -71,15 +72,18 @@ rng = np.random.default_rng(setup.seed)
 # %%
 # The layer
 # ---------
-# The layer is short: project, attend, project. For self-attention the three
-# input projections are one ``Linear`` with three times the output width; for
-# cross-attention the queries come from one batch and the keys and values
-# from another. Given packed values and the batch's plan it calls
-# ``ragged_attention``; given a padded ``(B, S, E)`` batch and no plan, the
-# *same module* runs the padded path, one SDPA call, so the padded baseline
+# The layer is short: project, attend, project. For self-attention, the
+# three input projections are one ``Linear`` with three times the output
+# width. For cross-attention, the queries come from one batch and the keys
+# and values from another.
+#
+# Given packed values and the batch's :term:`plan`, the layer calls
+# ``ragged_attention``. (The plan is what ``plan_batch`` reads once from a
+# batch's offsets.) Given a padded ``(B, S, E)`` batch and no plan, the
+# *same module* runs the padded path: one SDPA call. So the padded baseline
 # below differs from the ragged layer in nothing but the padding. With right
-# padding a causal query never sees a padding key, so the causal padded path
-# needs no mask and can use a causal kernel.
+# padding, a causal query never sees a padding key. So the causal padded
+# path needs no mask and can use a causal kernel.
 #
 # .. literalinclude:: ../ragged_toolkit/layers.py
 #    :pyobject: MultiHeadAttention
@@ -158,12 +162,16 @@ print("ragged layer and padded path both match nn.MultiheadAttention on every re
 # .. literalinclude:: ../ragged_toolkit/gpt.py
 #    :pyobject: FeedForward
 #
-# Packing saves no arithmetic: the same multiply-adds either way, so the
-# work bound is 1.00x. What it saves is reads and launches. The separate
+# Packing saves no arithmetic: it does the same multiply-adds either way. So
+# the :term:`work bound` is one: that is the speedup to expect if time
+# followed the work. What packing saves is reads and launches. The separate
 # form reads the input once per matmul and launches one kernel each. Packed,
-# the input is read once and one larger matmul runs. Each packed form is
-# first proved equal to the separate one, given the same weights, then both
-# are timed on this page's packed batch.
+# the input is read once and one larger matmul runs.
+#
+# Each packed form is first proved equal to the separate one, given the same
+# weights. Then both are timed on this page's packed batch. Each result line
+# prints the speedup, the bound and the :term:`fraction of the bound`: the
+# speedup divided by the bound.
 
 import torch.nn.functional as F
 from ragged_site.measuring.noise import outside_noise
@@ -239,21 +247,26 @@ for name, label in (("QKV", "packed QKV projection"), ("SwiGLU input", "packed S
 # Measure, then choose
 # --------------------
 # Which backend wins depends on the device, the dtype, the lengths and the
-# number of cores, so the page measures: ``compare_backends`` builds each
-# backend's plan, runs one job on every backend that can take it here,
-# checks each output (and, for training, its gradients) against the
-# reference, and times them together; ``choose`` takes the fastest only
-# outside the noise, and otherwise ``DEFAULT``, from ``default_backend``,
-# the same on every page (:doc:`measuring_ragged_batches` explains the
-# rule).
+# number of cores. So the page measures. ``compare_backends`` runs one job
+# on every backend that can take it here:
+#
+# * it builds each backend's plan;
+# * it checks each output against the reference, and for training its
+#   gradients too;
+# * it times the backends together.
+#
+# ``choose`` takes the fastest only outside the noise. Otherwise it takes
+# ``DEFAULT``, from ``default_backend``, the same on every page.
+# :doc:`measuring_ragged_batches` explains the rule.
 #
 # .. literalinclude:: ../ragged_site/measuring/compare.py
 #    :pyobject: compare_backends
 #
-# The job: the attention of that layer, causal, with ``S.heads`` heads on
-# this page's batch, forward alone (inference), then forward and backward
-# (training); each row ends with the :term:`kernel label` of what ran
-# (outside quick mode, which skips profiles).
+# The job is the attention of that layer: causal, with ``S.heads`` heads, on
+# this page's batch. It runs forward alone (inference), then forward and
+# backward (training). Each row ends with the :term:`kernel label`: the
+# attention kernel that ran, in brackets. Quick mode skips the profiles that
+# find it, so there the rows end without one.
 
 from ragged_site.measuring.compare import compare_backends
 from ragged_site.measuring.noise import choose
@@ -277,21 +290,24 @@ TRAINING_BACKEND = choose(
 )
 
 # %%
-# Then speed, with a plan for each chosen backend, built once. Three
-# forward passes on the same batch, and both sides' forward and backward:
+# Then speed: each chosen backend gets a plan, built once. The cell times
+# three forward passes on the same batch, and both sides' forward and
+# backward:
 #
-# * **padded**, the baseline: the same module on the padded batch with
-#   ``is_causal`` (right padding, no mask), what a reader writing a padded
-#   layer today would write;
-# * **ragged**: the module on packed values with the batch's plan;
-# * :term:`the original tutorial's baseline`: ``nn.MultiheadAttention``
-#   with a ``key_padding_mask`` and a causal ``attn_mask``, which it merges
-#   into one ``(B * H, S, S)`` mask and so computes the whole score square;
-#   its bound counts that square.
+# * **padded**, the baseline: the same module on the padded batch, as in
+#   the :term:`padded layout`. It runs with ``is_causal`` (right padding, no
+#   mask). It is what a reader writing a padded layer today would write.
+# * **ragged**: the module on packed values with the batch's plan, as in the
+#   :term:`packed layout`.
+# * **original baseline**: :term:`the original tutorial's baseline`,
+#   ``nn.MultiheadAttention`` with a ``key_padding_mask`` and a causal
+#   ``attn_mask``. It merges them into one ``(B * H, S, S)`` mask, and so
+#   computes the whole score square. Its bound counts that square.
 #
 # Each speedup is printed beside its :term:`work bound`, counted from the
-# layer's ``Work`` (``attention_layer_work``; :ref:`the measuring page
-# <work-bound>` shows how), and the :term:`fraction of the bound` reached.
+# layer's ``Work`` (``attention_layer_work``). :ref:`The measuring page
+# <work-bound>` shows how. The line ends with the
+# :term:`fraction of the bound` reached.
 
 from ragged_site.measuring.bound import attention_layer_work, speedup_line, work_bound
 
@@ -347,17 +363,17 @@ print(
 )
 
 # %%
-# What those fractions say, near 1, below or above it, is explained once,
-# on :ref:`the measuring page <fraction-of-the-bound>`, which also profiles
-# both sides of this layer to show where their time goes.
+# :ref:`The measuring page <fraction-of-the-bound>` explains, once, what
+# those fractions say, near 1, below or above it. It also profiles both
+# sides of this layer, to show where their time goes.
 #
 # Cross-attention
 # ---------------
-# In cross-attention the queries come from one batch and the keys and values
-# from another, as in an encoder-decoder model, and each item has its own
-# pair of lengths: the plan takes both offsets. The padded path needs two
+# In cross-attention, the queries come from one batch and the keys and
+# values from another, as in an encoder-decoder model. Each item has its own
+# pair of lengths, so the plan takes both offsets. The padded path needs two
 # padded tensors and a mask for the padding keys. Neither side is causal, so
-# both compute the whole score rectangle of their batch; the layer's
+# both compute the whole score rectangle of their batch. The layer's
 # ``Work`` counts the keys' and values' projections per context token.
 
 x_q, offsets_q = ragged_batch(rng, S.batch, S.embed, device=DEVICE, dtype=DTYPE)
@@ -417,9 +433,10 @@ print(
 # %%
 # Empty sequences and fully masked rows
 # -------------------------------------
-# An empty sequence is, padded, a row with every key masked, and a softmax
-# over no keys has no value. The ``torch.nn`` layer in evaluation mode and
-# the ragged layer, on every backend that runs here, on lengths 5, 0 and 3:
+# Padded, an empty sequence is a row with every key masked. A softmax over
+# no keys has no value. The cell runs the ``torch.nn`` layer in evaluation
+# mode and the ragged layer on lengths 5, 0 and 3. The ragged layer runs on
+# every backend that runs here:
 
 offsets_empty = offsets_from_lengths([5, 0, 3], DEVICE)
 x_empty = torch.randn(8, S.embed, generator=gen, device=DEVICE).to(DTYPE)
@@ -444,24 +461,30 @@ with torch.no_grad():
 # %%
 # Conclusion
 # ----------
-# A layer that never pads does only the work the batch needs, and the work
-# bound says how much that can be worth. Linear layers, norms and residuals
-# run on packed values; attention needs the batch's plan, built once by
-# ``plan_batch`` and passed to every ``ragged_attention`` call, on the
-# backend measured on the device at hand (the default where the
-# measurement cannot tell), checked against a reference that shares no
-# kernel with it. The other pages build on these functions;
-# :doc:`which_attention_path` measures every backend against every job,
-# and score modifications such as ALiBi with FlexAttention.
+# A layer that never pads does only the work the batch needs. The work bound
+# says how much that can be worth. Linear layers, norms and residuals run on
+# packed values. Attention needs the batch's plan, built once by
+# ``plan_batch`` and passed to every ``ragged_attention`` call. The plan's
+# backend is the one measured fastest on the device at hand, or the default
+# where the measurement cannot tell. Each backend is checked against a
+# reference that shares no kernel with it. The other pages build on these
+# functions. :doc:`which_attention_path` measures every backend against
+# every job. It also covers score modifications such as ALiBi with
+# FlexAttention.
 #
-# **Figures from the original tutorial, not from this build:** on an A100
-# with batch 512 and embedding 512, causal self-attention forward 5.65x
-# faster, 3.39 GB of peak memory saved, backward 144x
-# (:doc:`measuring_ragged_batches` shows where that came from),
-# cross-attention forward 4.01x. Its numpy generator was not seeded, so its
-# batch and its bound are unknown; here is the bound of its setting for three
-# seeds of this page's generator, its padded layer counted as it ran (a
-# merged mask: the whole square).
+# **Figures from the original tutorial, not from this build:** it ran on an
+# A100 with batch 512 and embedding 512. It reported:
+#
+# * causal self-attention forward: 5.65x faster;
+# * 3.39 GB of peak memory saved;
+# * backward: 144x (:doc:`measuring_ragged_batches` shows where that came
+#   from);
+# * cross-attention forward: 4.01x.
+#
+# Its numpy generator was not seeded, so its batch and its bound are
+# unknown. Below is the bound of its setting for three seeds of this page's
+# generator. Its padded layer is counted as it ran: a merged mask, so the
+# whole square.
 
 original_bounds = [
     work_bound(

@@ -2,10 +2,10 @@
 Ragged batches: padding and masks versus packed values and offsets
 ==================================================================
 
-The same batch of variable-length sequences, stored padded with a mask and
-packed with offsets; a nested jagged tensor as the packed form; and what
-padding costs a linear layer, measured. The page ends with the site's
-:ref:`glossary <glossary>`.
+This page stores one batch of variable-length sequences in two ways: padded,
+with a mask, and packed, with offsets. It shows that a nested jagged tensor
+is the packed form. Then it measures what padding costs a linear layer. The
+page ends with the site's :ref:`glossary <glossary>`.
 
 **Authors:** the ragged-transformers tutorial contributors
 
@@ -32,11 +32,12 @@ padding costs a linear layer, measured. The page ends with the site's
 # %%
 # Sizes
 # -----
-# Every size on this page is set here, once, for the device it runs on, and
-# ``page_setup`` picks them: the device, its dtype, one CPU thread per
-# operator (as every timing of the site), the seed.
-# :term:`Quick mode <quick mode>` (``TUTORIALS_QUICK=1``) shrinks them for the
-# test suite; every assertion still runs.
+# Every size on this page is set here, once, for each device.
+# ``page_setup`` picks the device, its dtype and the sizes for that device.
+# It also sets the seed and one CPU thread per operator, as every timing of
+# the site does. :term:`Quick mode <quick mode>` (``TUTORIALS_QUICK=1``) is
+# the test suite's setting: it shrinks the sizes, and every assertion still
+# runs.
 
 import torch
 from ragged_site.page import page_setup
@@ -53,12 +54,14 @@ print(f"batch {S.batch}, embedding {S.embed}")
 # %%
 # The same batch, two ways
 # ------------------------
-# Three sentences of 3, 1 and 4 tokens, one feature per token so that the
-# numbers stay readable. The padded form stacks them into a ``(B, S)``
-# rectangle, ``S`` the longest length, and keeps a ``(B, S)`` mask of the real
-# tokens. The packed form keeps only the real tokens, end to end, as
-# **values** ``(T, ...)``, and the **offsets** ``(B + 1,)``: where each
-# sentence starts, then where the last one ends.
+# Take three sentences of 3, 1 and 4 tokens, one feature per token, so that
+# the numbers stay readable. The padded form stacks them into a ``(B, S)``
+# rectangle, where ``S`` is the longest length. It keeps a ``(B, S)`` mask of
+# the real tokens. The packed form keeps only the real tokens, end to end, as
+# **values** ``(T, ...)``. Beside them it keeps the **offsets** ``(B + 1,)``:
+# where each sentence starts, then where the last one ends. On later pages,
+# a model whose attention reads a batch in these forms uses the
+# :term:`padded layout` or the :term:`packed layout`.
 
 from ragged_toolkit.batches import from_padded, offsets_from_lengths, to_padded
 
@@ -73,9 +76,9 @@ print("offsets:", offsets)
 
 # %%
 # Sentence ``i`` is ``values[offsets[i]:offsets[i + 1]]``. The site's toolkit
-# module, ``ragged_toolkit``, converts between the two forms (its
-# :doc:`reference page </toolkit>` lists every function): ``to_padded`` gives
-# the padded tensor and its mask, ``from_padded`` the values back.
+# module, ``ragged_toolkit``, converts between the two forms. ``to_padded``
+# gives the padded tensor and its mask; ``from_padded`` gives the values back.
+# The toolkit's :doc:`reference page </toolkit>` lists every function.
 
 padded_again, valid = to_padded(values, offsets)
 assert torch.equal(padded_again, padded) and torch.equal(valid, mask)
@@ -83,8 +86,9 @@ assert torch.equal(from_padded(padded, offsets), values)
 print("sentence 2:", values[offsets[2] : offsets[3]])
 
 # %%
-# The same batch as a picture (``draw_batch`` from the toolkit): each token
-# shows its position in its sentence, and each sentence has its color.
+# Here is the same batch as a picture, drawn by ``draw_batch`` from the
+# site's figure helpers. Each token shows its position in its sentence, and
+# each sentence has its own color.
 
 import matplotlib.pyplot as plt
 from ragged_site.figures import FIGURE_STYLE, draw_batch
@@ -96,14 +100,14 @@ plt.show()
 # %%
 # Sentence lengths that look like text
 # ------------------------------------
-# A sentence ends when a word is a full stop, an exclamation or a question
-# mark. Under a Zipf(1.2) model of word frequencies, with those three at the
-# ranks they have in the WikiText-2 corpus (3, 386 and 858), each word ends
-# the sentence with the same probability ``p``, independently of the words
-# before it, so a sentence's length is a geometric draw: that is what
-# ``sentence_lengths`` draws, from a seeded numpy generator. The
-# measuring page checks it against drawing the words one by one
-# (:doc:`measuring_ragged_batches`).
+# A sentence ends when a word is a full stop, an exclamation mark or a
+# question mark. Model word frequencies as Zipf(1.2), and put those three at
+# the ranks they have in the WikiText-2 corpus: 3, 386 and 858. Then each
+# word ends the sentence with the same probability ``p``, whatever the words
+# before it. So a sentence's length is a geometric draw. That is what
+# ``sentence_lengths`` draws, from a seeded numpy generator. The measuring
+# page (:doc:`measuring_ragged_batches`) checks this shortcut against
+# drawing the words one by one.
 
 import numpy as np
 from ragged_site.workloads import sentence_lengths, zipf_stop_probability
@@ -117,9 +121,9 @@ print(
 )
 
 # %%
-# The histogram has the long right tail of real text: most sentences are
-# short, a few are very long (the mean lies above the median, as the
-# assertion checks), and the longest one sets the padded length.
+# The histogram has the long right tail of real text. Most sentences are
+# short and a few are very long, so the mean lies above the median (the
+# assertion checks it). The longest sentence sets the padded length.
 
 fig, ax = plt.subplots(figsize=(8, 4))
 ax.hist(lengths.numpy(), bins=40, color="#4c72b0")
@@ -156,8 +160,9 @@ print("values:", tuple(values.shape), " offsets[:6]:", offsets[:6].tolist())
 # exactly these two tensors: ``values()`` and ``offsets()``. It adds
 # ``unbind()`` and ``to_padded_tensor()`` and lets some operations run on the
 # batch as a whole. PyTorch's documentation says nested tensors are no
-# longer under active development, so the rest of the site works on the plain
-# pair of tensors and uses a nested tensor only as one attention backend.
+# longer under active development. So the rest of the site works on the
+# plain pair of tensors. It uses a nested tensor only as one attention
+# backend.
 
 # without max_seqlen, to_padded_tensor would pad to the total token count
 njt = torch.nested.nested_tensor_from_jagged(values, offsets, max_seqlen=int(lengths.max()))
@@ -186,14 +191,17 @@ assert slots > 2 * real_tokens, "padding is not most of the padded batch"
 # What padding costs a linear layer
 # ---------------------------------
 # A token-wise layer such as ``nn.Linear`` works on every slot it is given.
-# On the packed values it runs on real tokens only, so the padded batch does
-# ``slots / real_tokens`` times the work: that ratio is the :term:`work bound`
-# of this comparison, the speedup to expect if time followed the work
-# (``work_bound`` counts it from the lengths and the layer's ``Work``, its
-# FLOPs per token). Both must give the same result on the real tokens; then
-# ``measure`` times both with ``torch.utils.benchmark``, taking turns, and
-# reports the median and the interquartile range (IQR) in milliseconds and,
-# outside quick mode, the peak memory in MiB.
+# On the packed values it runs on real tokens only. So the padded batch does
+# ``slots / real_tokens`` times the work. That ratio is the
+# :term:`work bound` of this comparison: the speedup to expect if time
+# followed the work. ``work_bound`` counts it from the lengths and the
+# layer's ``Work``, its FLOPs per token. The measured speedup divided by the
+# bound is the :term:`fraction of the bound`.
+#
+# Both sides must give the same result on the real tokens. Then ``measure``
+# times both with ``torch.utils.benchmark``, taking turns. It reports the
+# median and the interquartile range (IQR) in milliseconds. Outside quick
+# mode it also reports the peak memory in MiB.
 
 from ragged_site.measuring.bound import Work, speedup_line, work_bound
 from ragged_site.measuring.tables import print_timings
@@ -214,20 +222,20 @@ assert abs(bound - slots / real_tokens) < 1e-9  # a token-wise layer: slots over
 print(speedup_line("nn.Linear", times["padded"], times["packed"], bound))
 
 # %%
-# The last figure is the :term:`fraction of the bound`: the speedup over the
-# bound. What a fraction near 1, below 1 or above 1 says, and when to
-# distrust one, is explained once, on
-# :ref:`the measuring page <fraction-of-the-bound>`. Attention costs more
-# than a linear layer: its cost grows with the square of the padded length,
-# and a padded batch needs a mask to keep real tokens from padding. The next
-# pages build whole transformer layers and models that never see a pad
-# token.
+# The last figure of the line is the fraction of the bound.
+# :ref:`The measuring page <fraction-of-the-bound>` explains, once, what a
+# fraction near 1, below 1 or above 1 says, and when to distrust one.
+#
+# Attention pays more for padding than a linear layer does. Attention's cost
+# grows with the square of the padded length. A padded batch also needs a
+# mask, so that real tokens do not attend to padding. The next pages build
+# whole transformer layers and models that never see a pad token.
 #
 # Conclusion
 # ----------
-# A ragged batch is packed values plus offsets; a nested jagged tensor is the
+# A ragged batch is packed values plus offsets. A nested jagged tensor is the
 # same two tensors. Token-wise layers run on the values directly and skip the
-# padding, which for Zipf-distributed sentence lengths is most of a padded
+# padding. For Zipf-distributed sentence lengths, padding is most of a padded
 # batch.
 #
 # .. _glossary:
@@ -246,20 +254,39 @@ print(speedup_line("nn.Linear", times["padded"], times["packed"], bound))
 #       :ref:`the measuring page <work-bound>` shows how it is counted.
 #
 #    fraction of the bound
-#       The measured speedup divided by the work bound; what it means is
-#       explained once, on :ref:`the measuring page <fraction-of-the-bound>`.
+#       The measured speedup divided by the work bound. :ref:`The measuring
+#       page <fraction-of-the-bound>` explains how to read it.
 #
 #    kernel label
-#       The attention kernel that ran, read from the profiler's operator
-#       names and printed in brackets after a timing, with its call count:
-#       ``CPU flash`` is SDPA's fused FlashAttention-style kernel for CPUs;
-#       ``flash``, ``memory-efficient`` and ``cuDNN`` are SDPA's fused CUDA
-#       kernels, and ``flash varlen`` the variable-length one that
-#       ``varlen_attn`` calls; ``math`` is SDPA's unfused reference path;
-#       ``compiled graph (inductor kernel)`` is code that ``torch.compile``
-#       generated (FlexAttention on CPU); ``FlexAttention Triton kernel`` is
-#       FlexAttention's fused CUDA kernel. A ``backward`` suffix marks the
-#       gradient kernel.
+#       The attention kernel that ran, in brackets after a timing, with its
+#       call count. It comes from the profiler's operator names:
+#
+#       * ``CPU flash``: SDPA's fused kernel for CPUs.
+#       * ``flash``, ``memory-efficient``, ``cuDNN``: SDPA's fused CUDA
+#         kernels; ``flash varlen``: the one ``varlen_attn`` calls.
+#       * ``math``: SDPA's unfused reference path.
+#       * ``compiled graph (inductor kernel)``: code that ``torch.compile``
+#         generated (FlexAttention on CPU).
+#       * ``FlexAttention Triton kernel``: FlexAttention's fused CUDA kernel.
+#       * A ``backward`` suffix marks the gradient kernel.
+#
+#    layout
+#       How a model's attention reads a batch (``ragged_toolkit.layouts``).
+#       The model computes queries, keys and values the same way for every
+#       layout.
+#
+#    packed layout
+#       The tokens of all sequences in one row, with offsets
+#       (``PackedLayout``). Attention goes through ``ragged_attention`` and
+#       the batch's plan.
+#
+#    padded layout
+#       Each sequence in its own row of a ``(B, S)`` tensor, padded to the
+#       longest (``PaddedLayout``). Attention is one SDPA call.
+#
+#    rows layout
+#       Documents packed into fixed-length rows (``PackedRows``). Attention
+#       is one SDPA call per batch, with a block-diagonal causal mask.
 #
 #    plan
 #       What ``plan_batch`` reads from a batch's offsets once: the lengths,
@@ -273,11 +300,9 @@ print(speedup_line("nn.Linear", times["padded"], times["packed"], bound))
 #
 #    the original tutorial's baseline
 #       What the 2024 tutorial this site grew from compared against:
-#       ``nn.MultiheadAttention`` on the padded batch with a
-#       ``key_padding_mask`` and a causal ``attn_mask``, which it merges into
-#       one ``(B * H, S, S)`` mask. Our own padded baseline uses a causal
-#       kernel and no mask instead; the building-blocks page measures both,
-#       each beside its own work bound.
+#       ``nn.MultiheadAttention`` on the padded batch, with a padding mask
+#       and a causal mask merged into one ``(B * H, S, S)`` mask. Our own
+#       padded baseline uses a causal kernel and no mask instead.
 #
 # Further reading
 # ---------------

@@ -260,6 +260,37 @@ def test_every_page_links_the_glossary(real_site, stem):
     assert to_glossary, f"{stem}: no link to the glossary on {GLOSSARY_PAGE}"
 
 
+# The glossary terms an output can print, by the id of their entry
+# (``#term-...``), and how a printed line shows them: a kernel label is the
+# bracket after a timing ("[CPU flash x12]").
+KERNEL_LABELS = ("CPU flash", "flash", "memory-efficient", "cuDNN", "math", "compiled graph", "FlexAttention")
+PRINTED_TERMS = {
+    "work-bound": re.compile(r"\bwork bound\b"),
+    "fraction-of-the-bound": re.compile(r"\bfraction of (the )?bound\b"),
+    "kernel-label": re.compile(r"ms \(IQR [^\n]*\[(" + "|".join(map(re.escape, KERNEL_LABELS)) + ")"),
+    "quick-mode": re.compile(r"\bquick mode\b"),
+}
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_terms_are_linked_before_an_output_prints_them(real_site, stem):
+    """Each glossary term a page's output prints is linked from the page's
+    text before the first output that prints it: a reader meets its meaning
+    before its number."""
+    article = soup(real_site.html / "auto_tutorials" / f"{stem}.html").select_one("article")
+    linked, late = set(), {}
+    for tag in article.find_all(lambda t: t.name == "a" or "sphx-glr-script-out" in (t.get("class") or [])):
+        if tag.name == "a":
+            linked.add(tag.get("href", "").partition("#term-")[2])
+            continue
+        for term, shown in PRINTED_TERMS.items():
+            match = shown.search(tag.get_text())
+            if match and term not in linked and term not in late:
+                line = next(ln for ln in tag.get_text().splitlines() if shown.search(ln) or match[0] in ln)
+                late[term] = line.strip()
+    assert not late, f"{stem}: printed before the page links its glossary entry: {late}"
+
+
 # a figure beside its bound, or a timing: the lines the GPU check and the
 # site's GPU results read, as records (ragged_site.records)
 FIGURE_LINE = re.compile(r"\b(?:work|slot) bound \d|\bms \(IQR ")

@@ -11,6 +11,7 @@ __all__ = [
     "draw_block_mask",
     "draw_scores",
     "draw_kv_cache",
+    "draw_cache_memory",
     "draw_token_budget",
     "draw_speedups",
     "draw_paged_cache",
@@ -226,6 +227,31 @@ def draw_kv_cache(kv_used, capacity, new=None):
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
+    return fig
+
+
+def draw_cache_memory(allocated, filled):
+    """One group of bars per model: its KV cache's allocated MiB (from the
+    buffers' shapes), and the MiB its tokens fill at each stage (``filled``:
+    stage -> the fraction of the allocation in use), each bar labelled with
+    its value."""
+    import matplotlib.pyplot as plt
+
+    models, stages = list(allocated), ["allocated", *filled]
+    width = 0.8 / len(stages)
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for i, stage in enumerate(stages):
+        share = 1.0 if stage == "allocated" else filled[stage]
+        values = [allocated[m] * share for m in models]
+        x = np.arange(len(models)) + (i - (len(stages) - 1) / 2) * width
+        label = stage if stage == "allocated" else f"filled {stage} ({share:.0%})"
+        bars = ax.bar(x, values, width, label=label, color=f"C{i}")
+        ax.bar_label(bars, fmt="%.2f", padding=2)  # as the table above prints them
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("MiB, from the buffers' shapes")
+    ax.set_ylim(0, max(allocated.values()) * 1.18)
+    ax.set_title("KV cache: allocated, and filled by tokens")
+    ax.legend(loc="upper right")
     return fig
 
 

@@ -55,6 +55,23 @@ def test_draw_speedups_writes_each_cell():
     plt.close(fig)
 
 
+def test_draw_cache_memory_draws_each_stage_at_its_share_and_names_it():
+    import matplotlib
+
+    matplotlib.use("agg")
+    import matplotlib.pyplot as plt
+    from ragged_site.figures import draw_cache_memory
+
+    fig = draw_cache_memory({"MHA": 8.0, "GQA": 2.0}, {"after prefill": 0.25, "at the end": 0.5})
+    ax = fig.axes[0]
+    assert [round(p.get_height(), 6) for p in ax.patches] == [8.0, 2.0, 2.0, 0.5, 4.0, 1.0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "allocated", "filled after prefill (25%)", "filled at the end (50%)"]
+    assert [t.get_text() for t in ax.texts] == ["8.00", "2.00", "2.00", "0.50", "4.00", "1.00"]
+    assert ax.get_title() and ax.get_ylabel().startswith("MiB")
+    plt.close(fig)
+
+
 def test_generation_work_counts_what_each_side_computes():
     work = toolkit.Work(per_token=10.0, per_pair=1.0)
     # prompts of 2 and 3 tokens, 3 new tokens each

@@ -432,6 +432,14 @@ print(
 )
 
 # %%
+# The same figures as bars: each model's allocation, and what its tokens fill.
+
+from ragged_site.figures import draw_cache_memory
+
+draw_cache_memory(allocated, {stage: n / (S.prompts * room) for stage, n in in_use.items()})
+plt.show()
+
+# %%
 # Grouped-query attention, end to end
 # -----------------------------------
 # GQA promises a smaller cache and less memory to read at every step. In

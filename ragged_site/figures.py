@@ -14,6 +14,7 @@ __all__ = [
     "draw_cache_memory",
     "draw_token_budget",
     "draw_speedups",
+    "draw_speedup_cases",
     "draw_paged_cache",
     "draw_floor",
 ]
@@ -316,6 +317,33 @@ def draw_speedups(speedup, rows, columns, bounds, title=""):
     bar.ax.minorticks_off()
     bar.set_ticks([2.0**e for e in range(-3, 4)], labels=["1/8", "1/4", "1/2", "1", "2", "4", "8"])
     fig.tight_layout()
+    return fig
+
+
+def draw_speedup_cases(cases, title, xlabel="speedup (higher is better)"):
+    """One bar per case, its measured speedup, beside a mark at its work
+    bound. ``cases``: label -> (speedup, bound, within noise). A case within
+    the noise is hatched and says so in the legend; the dashed line at 1 is
+    no gain."""
+    import matplotlib.pyplot as plt
+
+    labels = list(cases)
+    fig, ax = plt.subplots(figsize=(8, 2.0 + 0.6 * len(labels)), layout="constrained")
+    for y, label in enumerate(labels):
+        speedup, bound, noisy = cases[label]
+        hatch = dict(hatch="//", facecolor="white", edgecolor="C0") if noisy else dict(color="C0")
+        ax.barh(y, speedup, height=0.6, label="within noise" if noisy else "measured", **hatch)
+        ax.plot([bound, bound], [y - 0.38, y + 0.38], color="black", lw=3, label="work bound")
+        ax.text(speedup, y, f" {speedup:.2f}x", va="center")
+    ax.axvline(1.0, color="0.4", ls="--", lw=1, label="1x: no gain")
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles))  # each label once, in the order first drawn
+    fig.legend(unique.values(), unique.keys(), loc="outside lower center", ncols=len(unique))
+    ax.set(
+        yticks=range(len(labels)), yticklabels=labels, xlabel=xlabel, ylim=(len(labels) - 0.5, -0.5)
+    )
+    ax.set_xlim(0, max(max(c[0], c[1]) for c in cases.values()) * 1.25)
+    ax.set_title(title)
     return fig
 
 

@@ -72,6 +72,24 @@ def test_draw_cache_memory_draws_each_stage_at_its_share_and_names_it():
     plt.close(fig)
 
 
+def test_draw_speedup_cases_marks_each_bound_and_hatches_the_noisy():
+    import matplotlib
+
+    matplotlib.use("agg")
+    import matplotlib.pyplot as plt
+    from ragged_site.figures import draw_speedup_cases
+
+    fig = draw_speedup_cases({"a": (0.5, 2.0, False), "b": (3.0, 6.0, True)}, "title")
+    ax = fig.axes[0]
+    assert [round(p.get_width(), 6) for p in ax.patches] == [0.5, 3.0]
+    assert [p.get_hatch() for p in ax.patches] == [None, "//"]
+    bounds = [line.get_xdata()[0] for line in ax.lines if line.get_linewidth() == 3]
+    assert bounds == [2.0, 6.0]
+    assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == [
+        "1x: no gain", "measured", "within noise", "work bound"]  # each once
+    plt.close(fig)
+
+
 def test_generation_work_counts_what_each_side_computes():
     work = toolkit.Work(per_token=10.0, per_pair=1.0)
     # prompts of 2 and 3 tokens, 3 new tokens each

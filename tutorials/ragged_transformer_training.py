@@ -78,7 +78,8 @@ DEVICE, DTYPE, S = setup.device, setup.dtype, setup.sizes
 # decoder's (causal), and cross-attention. For each one, ``compare_backends``
 # times every backend for training. ``choose`` takes the fastest where the
 # noise rule can tell them apart (:doc:`measuring_ragged_batches`). Otherwise
-# it takes ``default_backend``.
+# it takes ``default_backend``. Each timing ends with its :term:`kernel
+# label`: the attention kernel that ran, in brackets.
 
 import copy
 
@@ -247,7 +248,9 @@ step_fns = {  # side -> {"forward": ..., "forward+backward": ...}
 # * ``4 E`` per query-key pair: the score and the sum over values.
 #
 # Under a padding mask, attention scores the whole square of the longest
-# sequence. Under a causal kernel, it scores the causal half.
+# sequence. Under a causal kernel, it scores the causal half. Each speedup
+# below is printed with its :term:`fraction of the bound`: the speedup over
+# the bound.
 
 from ragged_site.measuring.bound import (
     attention_layer_work,
@@ -294,7 +297,7 @@ for mode in ("forward", "forward+backward"):
     print(speedup_line(f"transformer, {mode}", times["padded"], times["ragged"], bound))
 
 # %%
-# The :term:`fraction of the bound` is the speedup over the bound. Near 1,
+# How to read the fraction of the bound. Near 1,
 # the ragged model wins back what padding costs in work. Below 1, overheads
 # eat part of it: the loop backend makes one attention call per sequence and
 # layer, and the bucketed one gathers. Above 1, the padded side is slower

@@ -331,7 +331,7 @@ from ragged_site.measuring.noise import MIN_RUNS, outside_noise
 from ragged_site.serving.prefix_tree import MostSharedTree
 from ragged_site.serving.proof import TokenLogits
 from ragged_site.serving.metrics import rate_spread, speedup_claim
-from ragged_site.serving.runs import prompt_token_seconds, with_and_without
+from ragged_site.serving.runs import prefix_cache_line, prompt_token_seconds, with_and_without
 from ragged_site.records import record
 
 assert S.runs >= MIN_RUNS, "the noise rule needs MIN_RUNS runs of each server"
@@ -340,18 +340,9 @@ both = dict(plan=continuous, n_blocks=ample, block_size=S.block, runs=S.runs)
 serve_both = functools.partial(with_and_without, model, on_token=served_logits, **both)
 tree = MostSharedTree()  # the cached blocks at the step where most requests share them, drawn below
 offline = serve_both(systems, observe=tree)
-per_token, ttft = offline.per_token, offline.ttft
-R, P, W = 1e3 / per_token["with"].median_ms, 1e3 / per_token["without"].median_ms, offline.bound
+per_token, W = offline.per_token, offline.bound
 K, N = offline.prefill["with"], offline.prefill["without"]
-line = (
-    f"prefix cache: hit rate {offline.hit:.0%}, prefill tokens {K} of {N} computed, "
-    f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
-    f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
-    f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}"
-)
-figures = dict(hit_rate=offline.hit, prefill_tokens=K, prefill_tokens_without=N)
-figures.update(ttft_ms={side: t.median_ms for side, t in ttft.items()})
-figures.update(tokens_per_s={"with": R, "without": P}, speedup=R / P, bound=W, fraction=R / P / W)
+line, figures = prefix_cache_line(offline)  # hit rate, time to first token, throughput, bound
 print(record("serving", line, label="prefix cache", **figures))
 for name, t in per_token.items():
     print(f"{name} the cache: {rate_spread(t)}")
@@ -574,11 +565,14 @@ timed = time_shared_prefix(cases)  # each case's two paths take turns; a line ea
 # Shared-prefix attention may not pay with few requests, or with suffixes as
 # long as the prefix. There the work bound is small, since little is read
 # only once. The second call and the merge may then cost more than the rows
-# they save. The cases measured here:
+# they save. The lines below sort the cases measured here. The chart draws
+# each speedup beside its work bound:
 
-from ragged_site.serving.shared_prompts import print_where_it_pays
+from ragged_site.serving.shared_prompts import draw_shared_prefix, print_where_it_pays
 
 print_where_it_pays(timed)
+draw_shared_prefix(timed, cases)
+plt.show()
 
 # %%
 # Conclusion

@@ -31,6 +31,7 @@ __all__ = [
     "skipping_bound",
     "CachingRuns",
     "with_and_without",
+    "prefix_cache_line",
     "draw_trace",
     "prove_every_run",
 ]
@@ -150,6 +151,28 @@ def with_and_without(
         hit=stats.hit_rate(),
         bound=float(np.median([skipping_bound(run, skipped) for run in served["without"]])),
     )
+
+
+def prefix_cache_line(offline):
+    """The line that sums up :func:`with_and_without`'s ``offline`` runs
+    (a :class:`CachingRuns`), and its figures for the record: hit rate,
+    prompt tokens computed, time to first token, throughput each way, the
+    speedup beside the work bound and their fraction."""
+    per_token, ttft = offline.per_token, offline.ttft
+    R, P = 1e3 / per_token["with"].median_ms, 1e3 / per_token["without"].median_ms
+    K, N, W = offline.prefill["with"], offline.prefill["without"], offline.bound
+    line = (
+        f"prefix cache: hit rate {offline.hit:.0%}, prefill tokens {K} of {N} computed, "
+        f"time to first token p50 {ttft['with'].median_ms:.0f} ms (without: "
+        f"{ttft['without'].median_ms:.0f} ms), throughput {R:.0f} tokens/s (without: {P:.0f} "
+        f"tokens/s), speedup {R / P:.2f}x, work bound {W:.2f}x, fraction {R / P / W:.2f}"
+    )
+    figures = dict(hit_rate=offline.hit, prefill_tokens=K, prefill_tokens_without=N)
+    figures.update(ttft_ms={side: t.median_ms for side, t in ttft.items()})
+    figures.update(
+        tokens_per_s={"with": R, "without": P}, speedup=R / P, bound=W, fraction=R / P / W
+    )
+    return line, figures
 
 
 def draw_trace(requests, served, title):

@@ -6,7 +6,8 @@ turn resends the turns before it, each stream in a few words
 a prefix, on random keys, to check and time shared-prefix attention
 (:func:`shared_prefix_step`), the key/value rows it reads
 (:func:`rows_read`), and its cases timed against the gathered path
-(:func:`time_shared_prefix`, :func:`print_where_it_pays`)."""
+(:func:`time_shared_prefix`, :func:`print_where_it_pays`,
+:func:`draw_shared_prefix`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ragged_toolkit.serving.engine import build_step
 from ragged_toolkit.serving.prefix_cache import PrefixCache
 from ragged_toolkit.serving.requests import Request
 
+from ..figures import draw_speedup_cases
 from ..measuring.noise import outside_noise
 from ..measuring.timing import measure
 from ..records import record
@@ -33,6 +35,7 @@ __all__ = [
     "shared_prefix_step",
     "time_shared_prefix",
     "print_where_it_pays",
+    "draw_shared_prefix",
 ]
 
 
@@ -206,3 +209,19 @@ def print_where_it_pays(timed):
             and (t["shared"].median_ms > t["gathered"].median_ms) == (tell == "slower")
         ]
         print(f"{tell} than gathered, outside the noise: {', '.join(told) or 'none'}")
+
+
+def draw_shared_prefix(timed, cases):
+    """The cases of :func:`time_shared_prefix` as a chart: each case's
+    speedup of shared-prefix attention over the gathered path, beside its
+    work bound (``cases[case]["bound"]``), hatched where within the noise."""
+    shown = {
+        f"{n_req} requests, {prefix} + {suffix}": (
+            t["gathered"].median_ms / t["shared"].median_ms,
+            cases[n_req, prefix, suffix]["bound"],
+            not outside_noise(t["gathered"], t["shared"]),
+        )
+        for (n_req, prefix, suffix), t in timed.items()
+    }
+    title = "shared-prefix attention over the gathered path (prefix + suffix tokens)"
+    return draw_speedup_cases(shown, title, "speedup over the gathered path")

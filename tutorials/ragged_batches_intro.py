@@ -247,11 +247,9 @@ print(speedup_line("nn.Linear", times["padded"], times["packed"], bound))
 # .. glossary::
 #
 #    work bound
-#       The work a padded implementation must do divided by the work of the
-#       packed one, each counted for what it computes (``work_bound``, from
-#       a layer's or model's ``Work``): the speedup to expect if time
-#       followed work. Every speedup on the site is printed beside it;
-#       :ref:`the measuring page <work-bound>` shows how it is counted.
+#       The padded implementation's work over the packed one's: the speedup
+#       to expect if time followed work. Every speedup on the site is
+#       printed beside it (:ref:`how it is counted <work-bound>`).
 #
 #    fraction of the bound
 #       The measured speedup divided by the work bound. :ref:`The measuring

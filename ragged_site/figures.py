@@ -334,7 +334,7 @@ def draw_speedup_cases(cases, title, xlabel="speedup (higher is better)"):
         hatch = dict(hatch="//", facecolor="white", edgecolor="C0") if noisy else dict(color="C0")
         ax.barh(y, speedup, height=0.6, label="within noise" if noisy else "measured", **hatch)
         ax.plot([bound, bound], [y - 0.38, y + 0.38], color="black", lw=3, label="work bound")
-        ax.text(speedup, y, f" {speedup:.2f}x", va="center")
+        ax.text(max(speedup, bound), y, f"  {speedup:.2f}x (bound {bound:.2f}x)", va="center")
     ax.axvline(1.0, color="0.4", ls="--", lw=1, label="1x: no gain")
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles))  # each label once, in the order first drawn
@@ -342,7 +342,7 @@ def draw_speedup_cases(cases, title, xlabel="speedup (higher is better)"):
     ax.set(
         yticks=range(len(labels)), yticklabels=labels, xlabel=xlabel, ylim=(len(labels) - 0.5, -0.5)
     )
-    ax.set_xlim(0, max(max(c[0], c[1]) for c in cases.values()) * 1.25)
+    ax.set_xlim(0, max(max(c[0], c[1]) for c in cases.values()) * 1.5)  # room for the labels
     ax.set_title(title)
     return fig
 

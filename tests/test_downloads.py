@@ -57,7 +57,10 @@ MEASURED = re.compile(
     # a kernel label on a line of its own or after "kernels:", and the ranking
     # of the paths that follow the measured choice ("then: ..."): all follow
     # from timings
-    r"|^\s*\[[^\]]*\]\s*$|^\s*then:|^\s*kernels:",
+    r"|^\s*\[[^\]]*\]\s*$|^\s*then:|^\s*kernels:"
+    # and a rule the decision guide draws from this build's timings ("inference
+    # on CPU: use loop; if ..."): the cited rules of the other device stay compared
+    r"| on (CPU|CUDA): use ",
     re.I)
 
 

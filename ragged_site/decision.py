@@ -49,6 +49,7 @@ __all__ = [
 
 _BASELINE = "baseline"  # the path every speedup is measured against
 GPU_RECORD = Path(__file__).resolve().parent.parent / "gpu-results" / "summary.json"
+_DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA"}  # as the rules print them
 
 # What published measurements say for CUDA, until a GPU run of the decision
 # page is recorded (job -> the rule, and the figures it rests on).
@@ -330,7 +331,7 @@ def _rule(job, device, best, then):
     """One sentence for a job on a device: use the path chosen there; if it
     is not available, the fastest other path that ran (where padding wins,
     the fastest ragged path)."""
-    name = {"cpu": "CPU", "cuda": "CUDA"}.get(device, device)
+    name = _DEVICE_NAMES.get(device, device)
     fallback = then[0] if then else None
     if fallback is None:
         line = f"{job} on {name}: use {best}, the only path that ran."
@@ -368,10 +369,11 @@ def device_rules(device, published, results=None):
     the full-size run first; where none is recorded, ``published`` (job ->
     (rule, evidence): what a cited source measured), each marked "not
     measured here yet", its evidence indented below it."""
-    recorded = _recorded_rules(Path(results), device) if results and Path(results).is_file() else []
+    results = Path(results) if results else None
+    recorded = _recorded_rules(results, device) if results and results.is_file() else []
     if recorded:
         return [f"{line.rstrip('.')} (recorded GPU run)." for line in recorded]
-    name = {"cpu": "CPU", "cuda": "CUDA"}.get(device, device)
+    name = _DEVICE_NAMES.get(device, device)
     lines = []
     for job, (rule, evidence) in published.items():
         lines.append(f"{job} on {name}, not measured here yet: {rule}")
